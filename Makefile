@@ -1,0 +1,30 @@
+# The two commands of the README:  `make demo`  and  `make test`.
+# Both create ./.venv on first use. On a machine with no importable torch the CPU wheel
+# torch==2.13.0 is installed first, so pip never pulls a multi-GB CUDA build there.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: setup demo test bench clean
+
+setup: $(VENV)/.zoo-installed
+
+$(VENV)/.zoo-installed: setup.cfg pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e ".[test]"
+	touch $@
+
+demo: setup
+	$(VENV)/bin/deepspeed --num_gpus 2 launch/smoke.py
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(PY) benchmarks/bench_gpt2_step.py
+
+clean:
+	rm -rf $(VENV) runs

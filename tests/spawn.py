@@ -1,0 +1,75 @@
+"""The one multi-process harness: ``spawn(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)``
+in ``world_size`` fresh CPU processes joined by a gloo process group on a free loopback port.
+
+Each rank uses one torch thread. The group is always destroyed and every process reaped, also on
+failure or timeout. Returns the list of per-rank return values (they must be picklable); raises
+AssertionError carrying the traceback of every failed rank.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import socket
+import traceback
+
+import torch.multiprocessing as mp
+
+DEFAULT_TIMEOUT_S = 240
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _worker(fn, rank, world_size, port, args, results):
+    import torch
+    import torch.distributed as dist
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+        try:
+            results.put((rank, True, fn(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - report every failure to the parent
+        results.put((rank, False, traceback.format_exc()))
+
+
+def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> list:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(fn, rank, world_size, port, args, results), daemon=True)
+             for rank in range(world_size)]
+    for proc in procs:
+        proc.start()
+    outcomes: dict[int, tuple[bool, object]] = {}
+    try:
+        for _ in range(world_size):
+            try:
+                rank, ok, value = results.get(timeout=timeout)
+            except queue.Empty:
+                break
+            outcomes[rank] = (ok, value)
+            if not ok:  # a failed rank leaves its peers blocked in a collective: stop waiting
+                break
+    finally:
+        for proc in procs:
+            proc.join(timeout=5 if len(outcomes) == world_size else 0.5)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+    failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
+    if failures:
+        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())))
+    missing = sorted(set(range(world_size)) - set(outcomes))
+    if missing:
+        raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s")
+    return [outcomes[r][1] for r in range(world_size)]

@@ -1,0 +1,220 @@
+"""GPT-2 parity with transformers at tp = 1, 2, 4, training equivalence, TP-invariant init and the
+collective budget of a training step.
+
+Tolerance: every comparison is max|zoo - ref| / max|ref| <= 1e-5 (fp32, dropout off).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.spawn import spawn
+
+REL_TOL = 1e-5
+VOCAB = 1000            # not a multiple of 128: exercises vocab padding at every tp
+SEQ = 12
+BATCH = 3
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
+
+
+def tiny_hf_config(n_layer: int = 2):
+    import transformers
+
+    return transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=n_layer, n_head=4,
+                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                   bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
+
+
+def tiny_zoo_config(n_layer: int = 2):
+    from zoo.models import GPT2Config
+
+    return GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=n_layer, n_head=4,
+                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def batch(seed: int = 0, padded: bool = False):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    labels = ids.clone()
+    mask = None
+    if padded:  # right padding: rows end with pad tokens that are masked and ignored by the loss
+        mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+        mask[1, SEQ - 4:] = 0
+        mask[2, SEQ - 7:] = 0
+        labels = labels.masked_fill(mask == 0, -100)
+    return ids, mask, labels
+
+
+@pytest.fixture(scope="module")
+def hf_gpt2_dir(tmp_path_factory):
+    import transformers
+
+    torch.manual_seed(1234)
+    model = transformers.GPT2LMHeadModel(tiny_hf_config())
+    # Biases and LayerNorms are 0/1 at init; randomise them so the test sees every parameter.
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 1:
+                param.add_(torch.randn_like(param) * 0.1)
+    path = tmp_path_factory.mktemp("hf_gpt2")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def _parity_worker(rank, world_size, directory, padded):
+    import transformers
+
+    from zoo.models import GPT2LMHeadModel
+    from zoo.models.hf_io import hf_state_dict
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(world_size)
+    ids, mask, labels = batch(seed=7, padded=padded)
+
+    ref = transformers.GPT2LMHeadModel.from_pretrained(directory, attn_implementation="sdpa").eval()
+    ref_out = ref(ids, attention_mask=mask, labels=labels)
+    ref_out.loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    model = GPT2LMHeadModel.from_pretrained(directory, parallel=ps).eval()
+    out = model(ids, attention_mask=mask, labels=labels, gather_output=True)
+    out.loss.backward()
+    grads = hf_state_dict(model, model.hf_param_map(), ps, {n: p.grad for n, p in model.named_parameters()})
+
+    local = model(ids, attention_mask=mask).logits
+    errors = {
+        "logits": rel_err(out.logits, ref_out.logits),
+        "loss": rel_err(out.loss, ref_out.loss),
+        "local_logits_shape": tuple(local.shape),
+    }
+    assert set(grads) == set(ref_grads), (sorted(grads), sorted(ref_grads))
+    errors.update({f"grad:{k}": rel_err(grads[k], ref_grads[k]) for k in ref_grads})
+    return errors
+
+
+@pytest.mark.parametrize("padded", [False, True], ids=["no-mask", "padding-mask"])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_gpt2_equals_transformers(hf_gpt2_dir, tp, padded):
+    from zoo.parallel import pad_vocab_size
+
+    for errors in spawn(_parity_worker, tp, hf_gpt2_dir, padded):
+        shape = errors.pop("local_logits_shape")
+        assert shape == (BATCH, SEQ, pad_vocab_size(VOCAB, tp) // tp)
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= REL_TOL, f"{worst}: {errors[worst]:.3e} at tp={tp}"
+        assert len([k for k in errors if k.startswith("grad:")]) == 4 + 12 * 2  # wte, wpe, ln_f (2) + 12 per layer
+
+
+def _train_losses(parallel, steps: int = 20):
+    from zoo.models import GPT2LMHeadModel
+    from zoo.models.hf_io import hf_state_dict
+
+    torch.manual_seed(42)
+    model = GPT2LMHeadModel(tiny_zoo_config(), parallel=parallel)
+    init = hf_state_dict(model, model.hf_param_map(), parallel)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
+    losses = []
+    for step in range(steps):
+        ids, _, labels = batch(seed=100 + step % 2)  # two batches to memorise
+        loss = model(ids, labels=labels).loss
+        optimizer.zero_grad()
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses, init
+
+
+def _train_worker(rank, world_size):
+    from zoo.parallel import ParallelState
+
+    losses, init = _train_losses(ParallelState.initialize(world_size))
+    return losses, (init if rank == 0 else None)
+
+
+def test_training_tp2_matches_tp1_and_init_is_tp_invariant():
+    reference_losses, reference_init = _train_losses(None)
+    assert reference_losses[-1] < reference_losses[0] - 0.5, "the reference run did not learn"
+    losses, init = spawn(_train_worker, 2)[0]
+    for step, (got, want) in enumerate(zip(losses, reference_losses)):
+        assert abs(got - want) / abs(want) <= REL_TOL, f"step {step}: tp=2 loss {got} vs tp=1 {want}"
+    assert init.keys() == reference_init.keys()
+    for key in init:
+        assert torch.equal(init[key], reference_init[key]), f"init of {key} differs between tp=1 and tp=2"
+
+
+def _init_worker(rank, world_size):
+    from zoo.models import GPT2LMHeadModel
+    from zoo.models.hf_io import hf_state_dict
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(world_size)
+    torch.manual_seed(42)
+    model = GPT2LMHeadModel(tiny_zoo_config(), parallel=ps)
+    merged = hf_state_dict(model, model.hf_param_map(), ps)  # collective: every rank calls it
+    return merged if rank == 0 else None
+
+
+def test_init_is_tp_invariant_at_tp4():
+    from zoo.models import GPT2LMHeadModel
+    from zoo.models.hf_io import hf_state_dict
+
+    torch.manual_seed(42)
+    model = GPT2LMHeadModel(tiny_zoo_config())
+    reference = hf_state_dict(model, model.hf_param_map(), None)
+    merged = spawn(_init_worker, 4)[0]
+    for key in reference:
+        assert torch.equal(merged[key], reference[key]), f"init of {key} differs between tp=1 and tp=4"
+    # N(0, 0.02) weights, residual output projections scaled by 1/sqrt(2 * n_layer).
+    std = reference["transformer.h.0.mlp.c_fc.weight"].std().item()
+    scaled = reference["transformer.h.0.mlp.c_proj.weight"].std().item()
+    assert abs(std - 0.02) < 0.002
+    assert abs(scaled - 0.02 / 2.0) < 0.002  # n_layer = 2 -> 1/sqrt(4)
+
+
+def _collective_worker(rank, world_size, n_layer):
+    import torch.distributed as dist
+
+    from zoo.models import GPT2LMHeadModel
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(world_size)
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(tiny_zoo_config(n_layer), parallel=ps)
+    ids, _, labels = batch(seed=3)
+
+    calls = []
+    real_all_reduce, real_all_gather = dist.all_reduce, dist.all_gather
+
+    def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        calls.append(("all_reduce", tensor.numel(), str(op)))
+        return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
+
+    def counting_all_gather(tensor_list, tensor, group=None, async_op=False):
+        calls.append(("all_gather", tensor.numel() * len(tensor_list), ""))
+        return real_all_gather(tensor_list, tensor, group=group, async_op=async_op)
+
+    dist.all_reduce, dist.all_gather = counting_all_reduce, counting_all_gather
+    try:
+        model(ids, labels=labels).loss.backward()
+    finally:
+        dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
+    return calls
+
+
+@pytest.mark.parametrize("n_layer", [1, 3])
+def test_training_step_collectives(n_layer):
+    b, s, h, vocab = BATCH, SEQ, 64, VOCAB
+    calls = spawn(_collective_worker, 2, n_layer)[0]
+    activation = [c for c in calls if c[1] == b * s * h]
+    # 2 forward (g after attention and MLP) + 2 backward (f before them) per layer,
+    # + embedding g (forward) + tied LM head f (backward).
+    assert len(activation) == 4 * n_layer + 2, calls
+    assert all(c[0] == "all_reduce" for c in activation)
+    loss_stats = [c for c in calls if c[1] != b * s * h]
+    # The fused cross-entropy: one MAX of b*(s-1) and one SUM of 2*b*(s-1) (sum-exp and target logit).
+    assert sorted(c[1] for c in loss_stats) == [b * (s - 1), 2 * b * (s - 1)], calls
+    assert max(c[1] for c in calls) < b * s * vocab // 2, "a collective moved logits"

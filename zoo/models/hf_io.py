@@ -1,0 +1,241 @@
+"""Reading and writing Hugging Face transformers checkpoints at any tp degree.
+
+A model states, per parameter, the transformers key it maps to (:class:`HFParam`); the partition
+rule comes from the parameter's own tags (``partition_dim``, ``partition_stride``). Loading reads
+only this rank's slices with ``safetensors.safe_open(...).get_slice``; saving all-gathers the
+shards, merges them back to the master layout and writes transformers' own layout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+import torch.distributed as dist
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from zoo.parallel.layers import is_tensor_parallel
+from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+from zoo.parallel.utils import merge_shards, shard_index
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class HFParam:
+    """Where a zoo parameter lives in a transformers checkpoint.
+
+    ``transpose``: transformers stores it transposed (GPT-2's Conv1D keeps weights as (in, out),
+    zoo as nn.Linear's (out, in)). ``vocab_rows``: the tensor's first dim is the vocabulary, unpadded
+    in the file (this many rows) and padded in zoo.
+    """
+
+    key: str
+    transpose: bool = False
+    vocab_rows: int | None = None
+
+
+# --------------------------------------------------------------------------- reading
+class CheckpointFiles:
+    """The safetensors file(s) of a transformers directory: single file or sharded with an index."""
+
+    def __init__(self, directory: str | os.PathLike):
+        self.directory = Path(directory)
+        index = self.directory / INDEX_FILE
+        single = self.directory / SINGLE_FILE
+        if index.is_file():
+            try:
+                weight_map = json.loads(index.read_text())["weight_map"]
+            except (json.JSONDecodeError, KeyError) as err:
+                raise ValueError(f"checkpoint index {index} is not a valid safetensors index ({err}); "
+                                 "re-save the checkpoint.") from None
+            self.key_to_file = {k: self.directory / f for k, f in weight_map.items()}
+        elif single.is_file():
+            self.key_to_file = {k: single for k in self._keys_of(single)}
+        else:
+            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.directory}; zoo reads "
+                                    "safetensors only, re-save the model with safe_serialization=True.")
+        self._handles: dict[Path, object] = {}
+
+    @staticmethod
+    def _keys_of(path: Path) -> list[str]:
+        try:
+            with safe_open(str(path), framework="pt") as handle:
+                return list(handle.keys())
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"safetensors file {path} is truncated or corrupt ({err}); re-save or "
+                             "re-download it.") from None
+
+    def keys(self) -> Iterable[str]:
+        return self.key_to_file.keys()
+
+    def _handle(self, key: str):
+        path = self.key_to_file[key]
+        if path not in self._handles:
+            if not path.is_file():
+                raise FileNotFoundError(f"checkpoint shard {path} named in the index is missing; "
+                                        "copy the complete checkpoint directory.")
+            try:
+                self._handles[path] = safe_open(str(path), framework="pt")
+            except (SafetensorError, OSError) as err:
+                raise ValueError(f"safetensors file {path} is truncated or corrupt ({err}); re-save or "
+                                 "re-download it.") from None
+        return self._handles[path]
+
+    def shape(self, key: str) -> list[int]:
+        return list(self._handle(key).get_slice(key).get_shape())
+
+    def read(self, key: str, dim: int | None = None, ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
+        """The tensor ``key``, or only ``ranges`` of it along ``dim`` (concatenated)."""
+        tensor_slice = self._handle(key).get_slice(key)
+        try:
+            if dim is None:
+                return tensor_slice[:]
+            pieces = []
+            for start, end in ranges:
+                index = tuple([slice(None)] * dim + [slice(start, end)])
+                pieces.append(tensor_slice[index])
+        except (SafetensorError, OSError, RuntimeError) as err:
+            raise ValueError(f"tensor {key!r} in {self.key_to_file[key]} cannot be read ({err}); the file "
+                             "is truncated or corrupt, re-save it.") from None
+        return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
+
+
+def read_local_shard(files: CheckpointFiles, spec: HFParam, param: torch.Tensor,
+                     parallel: ParallelState | None) -> torch.Tensor:
+    """This rank's piece of ``spec.key``, in zoo's layout and padding, shaped like ``param``."""
+    file_shape = files.shape(spec.key)
+    expected = list(_master_shape(param, parallel, spec))
+    if spec.transpose:
+        expected = expected[::-1]
+    if file_shape != expected:
+        raise ValueError(f"checkpoint tensor {spec.key!r} has shape {file_shape} but the model expects "
+                         f"{expected}; the config.json does not match the weights.")
+    if not is_tensor_parallel(param):
+        tensor = files.read(spec.key)
+        return tensor.t() if spec.transpose else tensor
+
+    tp, rank = tp_size_of(parallel), tp_rank_of(parallel)
+    dim = param.partition_dim
+    file_dim = (param.dim() - 1 - dim) if spec.transpose else dim
+    if spec.vocab_rows is not None:                      # vocab rows: real rows of this rank, then zeros
+        per_rank = param.shape[dim]
+        start = rank * per_rank
+        end = min(start + per_rank, spec.vocab_rows)
+        local = files.read(spec.key, file_dim, [(start, end)]) if end > start else None
+        pad_shape = list(param.shape)
+        pad_shape[dim] = per_rank - max(end - start, 0)
+        padding = torch.zeros(pad_shape, dtype=local.dtype if local is not None else param.dtype)
+        return padding if local is None else torch.cat([local, padding], dim=dim)
+    ranges = shard_index(file_shape[file_dim], rank, tp, getattr(param, "partition_stride", 1))
+    tensor = files.read(spec.key, file_dim, ranges)
+    return tensor.t() if spec.transpose else tensor
+
+
+def _master_shape(param: torch.Tensor, parallel: ParallelState | None, spec: HFParam) -> tuple[int, ...]:
+    shape = list(param.shape)
+    if is_tensor_parallel(param):
+        shape[param.partition_dim] *= tp_size_of(parallel)
+    if spec.vocab_rows is not None:
+        shape[0] = spec.vocab_rows
+    return tuple(shape)
+
+
+@torch.no_grad()
+def load_hf_weights(model: torch.nn.Module, directory: str | os.PathLike, param_map: dict[str, HFParam],
+                    parallel: ParallelState | None, ignorable: Iterable[str] = ()) -> None:
+    """Fill every parameter of ``model`` from a transformers directory, this rank's slices only.
+
+    Missing keys and keys the model does not know (other than ``ignorable`` suffixes) are errors.
+    """
+    files = CheckpointFiles(directory)
+    available = set(files.keys())
+    params = dict(model.named_parameters())
+    for name, param in params.items():
+        spec = param_map[name]
+        if spec.key not in available:
+            raise ValueError(f"checkpoint {directory} has no tensor {spec.key!r} (needed for {name}); "
+                             "it was not written for this model type or config.")
+        local = read_local_shard(files, spec, param, parallel)
+        param.copy_(local.to(param.dtype))
+    wanted = {spec.key for spec in param_map.values()}
+    unexpected = sorted(k for k in available - wanted if not any(k.endswith(s) for s in ignorable))
+    if unexpected:
+        raise ValueError(f"checkpoint {directory} has tensors this model does not use, e.g. {unexpected[0]!r} "
+                         f"({len(unexpected)} in all); load it with the matching model class.")
+
+
+# --------------------------------------------------------------------------- writing
+def gather_master(local: torch.Tensor, param: torch.Tensor, parallel: ParallelState | None,
+                  spec: HFParam) -> torch.Tensor:
+    """Collective over the TP group: the full tensor in transformers' layout (merged, unpadded)."""
+    full = local.detach()
+    if is_tensor_parallel(param) and tp_size_of(parallel) > 1:
+        pieces = [torch.empty_like(full) for _ in range(parallel.tp_size)]
+        dist.all_gather(pieces, full.contiguous(), group=parallel.tp_group)
+        full = merge_shards(pieces, param.partition_dim, getattr(param, "partition_stride", 1))
+    else:
+        full = full.clone()  # never hand out an alias of a live parameter
+    if spec.vocab_rows is not None:
+        full = full[:spec.vocab_rows]
+    if spec.transpose:
+        full = full.t()
+    return full.contiguous()
+
+
+def hf_state_dict(model: torch.nn.Module, param_map: dict[str, HFParam], parallel: ParallelState | None,
+                  tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Collective: the model's parameters (or ``tensors`` keyed like them, e.g. gradients) merged across
+    TP into transformers' keys and layout, on every rank."""
+    out = {}
+    for name, param in model.named_parameters():
+        local = param if tensors is None else tensors[name]
+        out[param_map[name].key] = gather_master(local, param, parallel, param_map[name])
+    return out
+
+
+def write_pretrained(directory: str | os.PathLike, config_dict: dict, state: dict[str, torch.Tensor],
+                     tokenizer_files: Iterable[Path]) -> None:
+    """Write config.json, model.safetensors and tokenizer files atomically (temp dir, then rename)."""
+    target = Path(directory)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+        save_file({k: v.contiguous() for k, v in state.items()}, str(staging / SINGLE_FILE),
+                  metadata={"format": "pt"})
+        for path in tokenizer_files:
+            shutil.copy2(path, staging / Path(path).name)
+        if target.exists():
+            backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+            os.replace(target, backup / target.name)
+            os.replace(staging, target)
+            shutil.rmtree(backup)
+        else:
+            os.replace(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def read_config_json(directory: str | os.PathLike) -> dict:
+    """config.json of a checkpoint directory, with one-sentence errors."""
+    path = Path(directory) / "config.json"
+    if not Path(directory).is_dir():
+        raise FileNotFoundError(f"checkpoint directory {directory} does not exist; pass the directory that "
+                                "save_pretrained wrote.")
+    if not path.is_file():
+        raise FileNotFoundError(f"checkpoint directory {directory} has no config.json; pass a directory "
+                                "written by save_pretrained (zoo or transformers).")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ValueError(f"{path} is not valid JSON ({err}); fix or re-save the checkpoint.") from None

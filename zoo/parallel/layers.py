@@ -1,0 +1,224 @@
+"""Tensor-parallel layers of Megatron-LM (Shoeybi et al. 2019, section 3).
+
+Every layer initialises the *master* weight from the global torch RNG (identical on every rank
+for one seed) and keeps only this rank's slice, so a model built at tp = 1, 2 or 4 starts from
+the same merged weights. Sharded parameters carry ``tensor_model_parallel = True``,
+``partition_dim`` and ``partition_stride`` (read by DeepSpeed's gradient norm and by zoo's
+checkpoint code); replicated parameters carry none of them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.parallel.mappings import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+                                   scatter_to_tp_region)
+from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+from zoo.parallel.utils import divide, pad_vocab_size, shard_tensor, vocab_range
+
+
+def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, stride: int = 1) -> nn.Parameter:
+    """Tag a sharded parameter the way DeepSpeed and Megatron expect."""
+    param.tensor_model_parallel = True
+    param.partition_dim = partition_dim
+    param.partition_stride = stride
+    return param
+
+
+def is_tensor_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "tensor_model_parallel", False))
+
+
+@torch.no_grad()
+def init_sharded_(param: torch.Tensor, master_shape: tuple[int, ...], std: float, partition_dim: int,
+                  parallel: ParallelState | None, stride: int = 1) -> None:
+    """Fill ``param`` with this rank's slice of a N(0, std) master tensor of ``master_shape``.
+
+    The master tensor is drawn from the global RNG on every rank, so the result does not depend on
+    the tp degree. On the meta device nothing is allocated or drawn.
+    """
+    master = torch.empty(master_shape, dtype=torch.float32, device=param.device).normal_(0.0, std)
+    param.copy_(shard_tensor(master, partition_dim, tp_rank_of(parallel), tp_size_of(parallel), stride))
+
+
+class ColumnParallelLinear(nn.Module):
+    """Y = XA + b with A split by columns: A = [A_1, ..., A_p], b = [b_1, ..., b_p].
+
+    Rank i computes Y_i = f(X) A_i + b_i, where f is identity forward and all-reduce backward
+    (the gradient of X sums every rank's partial X-gradient). With ``gather_output`` the result is
+    all-gathered to Y = [Y_1, ..., Y_p]; otherwise each rank keeps Y_i (e.g. to feed a
+    row-parallel layer or a local GeLU).
+
+    ``stride`` s > 1 splits the output into s equal blocks and partitions each block, for fused
+    projections: the QKV GEMM uses s = 3 so every rank holds q, k and v of its own heads.
+    Weight layout is ``nn.Linear``'s: (out_features / p, in_features).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
+                 *, parallel: ParallelState | None = None, init_std: float = 0.02, stride: int = 1,
+                 device=None, dtype=None):
+        super().__init__()
+        self.parallel = parallel
+        self.in_features = in_features
+        self.out_features = out_features
+        self.gather_output = gather_output
+        self.stride = stride
+        self.init_std = init_std
+        tp = tp_size_of(parallel)
+        self.out_features_per_partition = divide(out_features, tp, "output features")
+        divide(out_features, stride * tp, "output features")
+        factory = {"device": device, "dtype": dtype}
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(self.out_features_per_partition, in_features, **factory)), 0, stride)
+        if bias:
+            self.bias = mark_tensor_parallel(
+                nn.Parameter(torch.empty(self.out_features_per_partition, **factory)), 0, stride)
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_sharded_(self.weight, (self.out_features, self.in_features), self.init_std, 0, self.parallel,
+                      self.stride)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = copy_to_tp_region(x, self.parallel)                 # f
+        y = F.linear(x, self.weight, self.bias)                 # (..., out / p)
+        if self.gather_output:
+            y = gather_from_tp_region(y, self.parallel)         # (..., out)
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={tp_size_of(self.parallel)}, stride={self.stride}, gather_output={self.gather_output}")
+
+
+class RowParallelLinear(nn.Module):
+    """Y = XA + b with A split by rows, A = [A_1; ...; A_p], and X split by columns, X = [X_1, ..., X_p].
+
+    Rank i computes the partial product X_i A_i; g (all-reduce forward, identity backward) sums
+    them, Y = g(sum_i X_i A_i) + b. The bias is replicated and added once, after the all-reduce.
+    With ``input_is_parallel=False`` the full X is first scattered along its last dim.
+    Weight layout is ``nn.Linear``'s: (out_features, in_features / p).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
+                 *, parallel: ParallelState | None = None, init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        self.parallel = parallel
+        self.in_features = in_features
+        self.out_features = out_features
+        self.input_is_parallel = input_is_parallel
+        self.init_std = init_std
+        self.in_features_per_partition = divide(in_features, tp_size_of(parallel), "input features")
+        factory = {"device": device, "dtype": dtype}
+        self.weight = mark_tensor_parallel(
+            nn.Parameter(torch.empty(out_features, self.in_features_per_partition, **factory)), 1)
+        if bias:
+            self.bias = nn.Parameter(torch.empty(out_features, **factory))  # replicated
+        else:
+            self.register_parameter("bias", None)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        init_sharded_(self.weight, (self.out_features, self.in_features), self.init_std, 1, self.parallel)
+        if self.bias is not None:
+            with torch.no_grad():
+                self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            x = scatter_to_tp_region(x, self.parallel)          # (..., in / p)
+        partial = F.linear(x, self.weight)                      # (..., out), this rank's X_i A_i
+        y = reduce_from_tp_region(partial, self.parallel)       # g
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, "
+                f"tp={tp_size_of(self.parallel)}, input_is_parallel={self.input_is_parallel}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """E = [E_1; ...; E_p] split along the (padded) vocabulary; Y = g(sum_i onehot_i(X) E_i).
+
+    Rank i looks up only ids in its range [start_i, end_i), writes zeros for the others, and g
+    all-reduces the partial embeddings. The vocabulary is padded to a multiple of
+    ``pad_multiple * p`` (Megatron's make-vocab-divisible); padded rows start at zero and, because
+    the loss excludes them and no id selects them, stay zero.
+
+    ``weight`` is the local shard (padded_vocab_size / p, embedding_dim) and doubles as the tied
+    LM-head matrix (see :meth:`lm_logits`).
+    """
+
+    def __init__(self, vocab_size: int, embedding_dim: int, *, parallel: ParallelState | None = None,
+                 pad_multiple: int = 128, init_std: float = 0.02, device=None, dtype=None):
+        super().__init__()
+        self.parallel = parallel
+        self.vocab_size = vocab_size
+        self.embedding_dim = embedding_dim
+        self.init_std = init_std
+        tp = tp_size_of(parallel)
+        self.padded_vocab_size = pad_vocab_size(vocab_size, tp, pad_multiple)
+        self.vocab_start, self.vocab_end = vocab_range(self.padded_vocab_size, tp_rank_of(parallel), tp)
+        self.weight = mark_tensor_parallel(nn.Parameter(
+            torch.empty(self.vocab_end - self.vocab_start, embedding_dim, device=device, dtype=dtype)), 0)
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self) -> None:
+        master = torch.empty(self.padded_vocab_size, self.embedding_dim, dtype=torch.float32,
+                             device=self.weight.device)
+        master[:self.vocab_size].normal_(0.0, self.init_std)
+        master[self.vocab_size:].zero_()
+        self.weight.copy_(master[self.vocab_start:self.vocab_end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if tp_size_of(self.parallel) == 1:
+            return F.embedding(input_ids, self.weight)          # (..., h)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        partial = F.embedding(local_ids, self.weight)           # (..., h)
+        partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
+        return reduce_from_tp_region(partial, self.parallel)    # g
+
+    def lm_logits(self, hidden: torch.Tensor, gather_output: bool = False) -> torch.Tensor:
+        """Tied output embedding: logits_i = f(H) E_i^T, this rank's vocab shard.
+
+        With ``gather_output`` the shards are all-gathered and the padding is cut, giving the full
+        unpadded vocabulary (for inspection and generation; the loss never needs it).
+        """
+        hidden = copy_to_tp_region(hidden, self.parallel)        # f
+        logits = F.linear(hidden, self.weight)                   # (..., V_padded / p)
+        if gather_output:
+            logits = gather_from_tp_region(logits, self.parallel)[..., :self.vocab_size]  # (..., V)
+        return logits
+
+    def extra_repr(self) -> str:
+        return (f"vocab_size={self.vocab_size}, padded={self.padded_vocab_size}, dim={self.embedding_dim}, "
+                f"rows=[{self.vocab_start}, {self.vocab_end})")
+
+
+def scaled_init_std(std: float, num_layers: int) -> float:
+    """Init std of residual-branch output projections: std / sqrt(2 N) (GPT-2, Megatron)."""
+    return std / math.sqrt(2.0 * num_layers)
+
+
+def materialize_meta_module(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
+    """``module.to_empty(device)`` that keeps the tensor-parallel tags (``to_empty`` makes new
+    Parameter objects, which would drop them). Contents are uninitialised: load weights next."""
+    tags = {name: (p.partition_dim, getattr(p, "partition_stride", 1))
+            for name, p in module.named_parameters() if is_tensor_parallel(p)}
+    module.to_empty(device=device)
+    for name, param in module.named_parameters():
+        if name in tags:
+            mark_tensor_parallel(param, *tags[name])
+    return module

@@ -1,0 +1,57 @@
+"""Model-parallel RNG (Shoeybi et al. 2019, section 3, "dropout").
+
+Two random streams per rank:
+
+* the default torch/accelerator generator, seeded with ``seed`` on every rank: dropout outside
+  tensor-parallel regions (embeddings, residuals) acts on replicated activations and must draw the
+  same mask on every TP rank of a group;
+* DeepSpeed's model-parallel RNG tracker (``deepspeed.checkpointing``), seeded with
+  ``seed + 2718 + tp_rank``: dropout inside TP regions (attention probabilities of this rank's
+  heads) acts on different data on every TP rank and must draw independent masks.
+
+DeepSpeed's activation checkpointing saves and restores both streams, so recomputed dropout masks
+equal the original ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+
+# The tracker state name DeepSpeed's activation checkpointing expects.
+TP_RNG_STATE_NAME = "model-parallel-rng"
+TP_SEED_OFFSET = 2718
+
+
+def _tracker():
+    import deepspeed
+
+    return deepspeed.checkpointing.get_cuda_rng_tracker()
+
+
+def model_parallel_seed(seed: int, parallel: ParallelState | None) -> None:
+    """Seed the default generator with ``seed`` and the TP tracker with ``seed + 2718 + tp_rank``."""
+    from deepspeed.accelerator import get_accelerator
+    import torch
+
+    torch.manual_seed(seed)
+    get_accelerator().manual_seed(seed)
+    tracker = _tracker()
+    tracker.reset()
+    tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + tp_rank_of(parallel))
+
+
+def tp_rng_fork(parallel: ParallelState | None):
+    """Context manager: draw from the TP-rank-specific stream inside it.
+
+    Raises if tp > 1 and :func:`model_parallel_seed` was never called, because dropout in a TP
+    region would then draw identical masks on all ranks.
+    """
+    tracker = _tracker()
+    if TP_RNG_STATE_NAME in tracker.get_states():
+        return tracker.fork(TP_RNG_STATE_NAME)
+    if tp_size_of(parallel) > 1:
+        raise ValueError("dropout inside a tensor-parallel region needs the model-parallel RNG; call "
+                         "zoo.parallel.model_parallel_seed(seed, parallel) after building the ParallelState.")
+    return contextlib.nullcontext()
