@@ -1,0 +1,1 @@
+"""Training entry points' logic (the scripts in launch/ are thin wrappers around these)."""
