@@ -1,0 +1,42 @@
+"""Data pipeline: GPT-2 tokenizer, Megatron-layout mmap indexed dataset, preprocessing, GPT samples."""
+
+from zoo.data.gpt_dataset import (
+    DistributedPretrainingSampler,
+    GPTDataset,
+    build_gpt_datasets,
+    build_pretraining_dataloader,
+    parse_split,
+    split_document_ranges,
+)
+from zoo.data.indexed_dataset import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    best_fitting_dtype,
+    data_file_path,
+    dataset_exists,
+    index_file_path,
+)
+from zoo.data.preprocess import PreprocessSummary, default_cache_dir, default_corpus_prefix, preprocess
+from zoo.data.tokenizers import GPT2_EOD_TOKEN_ID, GPT2_TOKENIZER_DIR, load_gpt2_tokenizer
+
+__all__ = [
+    "DistributedPretrainingSampler",
+    "GPT2_EOD_TOKEN_ID",
+    "GPT2_TOKENIZER_DIR",
+    "GPTDataset",
+    "IndexedDataset",
+    "IndexedDatasetBuilder",
+    "PreprocessSummary",
+    "best_fitting_dtype",
+    "build_gpt_datasets",
+    "build_pretraining_dataloader",
+    "data_file_path",
+    "dataset_exists",
+    "default_cache_dir",
+    "default_corpus_prefix",
+    "index_file_path",
+    "load_gpt2_tokenizer",
+    "parse_split",
+    "preprocess",
+    "split_document_ranges",
+]
