@@ -18,7 +18,7 @@ $(VENV)/.zoo-installed: setup.cfg pyproject.toml
 	touch $@
 
 demo: setup
-	$(VENV)/bin/deepspeed --num_gpus 2 launch/smoke.py
+	$(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json
 
 test: setup
 	$(PY) -m pytest -q

@@ -9,6 +9,7 @@ AssertionError carrying the traceback of every failed rank.
 from __future__ import annotations
 
 import os
+import pickle
 import queue
 import socket
 import traceback
@@ -35,7 +36,9 @@ def _worker(fn, rank, world_size, port, args, results):
     try:
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
         try:
-            results.put((rank, True, fn(rank, world_size, *args)))
+            # Plain pickle copies tensors by value: torch's shared-memory queue transport could hand the
+            # parent a handle to memory this process frees when it exits.
+            results.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - report every failure to the parent
@@ -72,4 +75,4 @@ def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> lis
     missing = sorted(set(range(world_size)) - set(outcomes))
     if missing:
         raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s")
-    return [outcomes[r][1] for r in range(world_size)]
+    return [pickle.loads(outcomes[r][1]) for r in range(world_size)]

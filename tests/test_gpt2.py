@@ -215,6 +215,7 @@ def test_training_step_collectives(n_layer):
     assert len(activation) == 4 * n_layer + 2, calls
     assert all(c[0] == "all_reduce" for c in activation)
     loss_stats = [c for c in calls if c[1] != b * s * h]
-    # The fused cross-entropy: one MAX of b*(s-1) and one SUM of 2*b*(s-1) (sum-exp and target logit).
-    assert sorted(c[1] for c in loss_stats) == [b * (s - 1), 2 * b * (s - 1)], calls
+    # The fused cross-entropy over all b*s positions (labels are shifted, the last one ignored):
+    # one MAX of b*s and one SUM of 2*b*s (sum-exp and target logit).
+    assert sorted(c[1] for c in loss_stats) == [b * s, 2 * b * s], calls
     assert max(c[1] for c in calls) < b * s * vocab // 2, "a collective moved logits"

@@ -87,10 +87,11 @@ class GPT2LMHeadModel(nn.Module):
         local_logits = self.transformer.wte.lm_logits(hidden)                      # (b, s, V_pad/p)
         loss = None
         if labels is not None:
-            token_loss = vocab_parallel_cross_entropy(                              # (b, s-1)
-                local_logits[:, :-1], labels[:, 1:], self.parallel, vocab_size=self.config.vocab_size)
-            count = (labels[:, 1:] != -100).sum().clamp(min=1)
-            loss = token_loss.sum() / count
+            # Shift the labels, not the logits (no logits-sized copy): position t predicts t+1.
+            targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)   # (b, s)
+            token_loss = vocab_parallel_cross_entropy(                              # (b, s)
+                local_logits, targets, self.parallel, vocab_size=self.config.vocab_size)
+            loss = token_loss.sum() / (targets != -100).sum().clamp(min=1)
         logits = local_logits
         if gather_output:
             from zoo.parallel import gather_from_tp_region

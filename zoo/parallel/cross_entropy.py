@@ -32,20 +32,22 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = tp_rank_of(parallel) * local_vocab
         end = start + local_vocab
 
-        z = logits.float()                                               # (..., V/p) fp32 copy
-        if vocab_size is not None and end > vocab_size:                  # this shard holds padding
-            z = z.clone() if z is logits else z
-            z[..., max(vocab_size - start, 0):] = float("-inf")
-
-        z_max = z.max(dim=-1).values                                     # (...)
+        real = local_vocab if vocab_size is None else min(max(vocab_size - start, 0), local_vocab)
+        z = logits.float()                                               # (..., V/p), fp32 view or copy
+        if real > 0:
+            z_max = z[..., :real].max(dim=-1).values                     # (...) padded columns excluded
+        else:                                                            # this shard is all padding
+            z_max = torch.full(z.shape[:-1], float("-inf"), dtype=z.dtype, device=z.device)
         if tp > 1:
             dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=parallel.tp_group)
         z = z - z_max.unsqueeze(-1)                                      # new tensor, logits untouched
+        if real < local_vocab:
+            z[..., real:] = float("-inf")                                # exp(-inf) = 0: out of the softmax
 
         valid = target != ignore_index
         in_shard = valid & (target >= start) & (target < end)
         local_target = (target - start).clamp(0, local_vocab - 1)
-        target_logit = z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1) * in_shard
+        target_logit = torch.where(in_shard, z.gather(-1, local_target.unsqueeze(-1)).squeeze(-1), 0.0)
 
         exp_z = z.exp_()                                                 # (..., V/p), in place
         sum_exp = exp_z.sum(dim=-1)

@@ -69,6 +69,9 @@ class ColumnParallelLinear(nn.Module):
         self.stride = stride
         self.init_std = init_std
         tp = tp_size_of(parallel)
+        if gather_output and stride > 1 and tp > 1:
+            raise ValueError(f"gather_output=True with stride {stride} would return the fused blocks in rank "
+                             "order, not the master order; gather only stride-1 outputs.")
         self.out_features_per_partition = divide(out_features, tp, "output features")
         divide(out_features, stride * tp, "output features")
         factory = {"device": device, "dtype": dtype}
@@ -136,6 +139,8 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.parallel)          # (..., in / p)
+        if tp_size_of(self.parallel) == 1:
+            return F.linear(x, self.weight, self.bias)          # (..., out)
         partial = F.linear(x, self.weight)                      # (..., out), this rank's X_i A_i
         y = reduce_from_tp_region(partial, self.parallel)       # g
         if self.bias is not None:

@@ -27,8 +27,9 @@ class ParallelState:
     """This rank's place in the tensor-parallel x data-parallel grid.
 
     Build it with :meth:`initialize` after ``torch.distributed`` (or ``deepspeed.init_distributed``)
-    is up, or with :meth:`single` for a single process. Process groups are ``None`` when the
-    corresponding size is 1 and no collective is ever issued on them.
+    is up, or with :meth:`single` for a single process. :meth:`initialize` always creates real
+    groups, also of one rank (``group=None`` would mean the whole world to torch.distributed and to
+    DeepSpeed); only :meth:`single` has ``None`` groups, and nothing communicates there.
     """
 
     tp_size: int

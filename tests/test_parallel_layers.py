@@ -1,0 +1,257 @@
+"""ColumnParallelLinear, RowParallelLinear and VocabParallelEmbedding against single-process references
+(F.linear / F.embedding) on the same master weights, at tp = 1, 2 and 4, fp32.
+
+Tolerance: outputs, input grads and merged weight/bias grads agree to max|zoo - ref| / max|ref| <= 1e-6.
+TP-invariant init and the partitioning helpers are exact (torch.equal).
+
+The master weights are drawn in the test and each rank's shard is cut by an independent implementation
+(``_shard``), so a wrong partition rule in zoo shows up here. Gradients are merged with
+``zoo.parallel.utils.merge_shards``, whose layout is itself checked against hand-written values below.
+tp = 1 runs in the pytest process (``parallel=None``); tp = 2 and 4 run in one world-4 spawn.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tests.spawn import spawn
+
+REL_TOL = 1e-6
+WORLD = 4
+LEAD = (3, 5)                       # leading (batch, seq) dims of every input
+IN, OUT = 8, 24                     # OUT divisible by stride 3 x tp 4
+VOCAB, PAD_MULTIPLE, DIM = 300, 16, 8
+# Padded to 320 at tp 2 and 4 (80 rows per rank at tp 4: rank 3 holds rows 240..319, 300..319 padding),
+# and to 304 at tp 1.
+IDS = torch.tensor([[0, 79, 80, 159, 160, 239], [240, 299, 5, 150, 298, 1], [77, 81, 0, 299, 200, 120]])
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
+
+
+def _shard(master: torch.Tensor, dim: int, rank: int, tp: int, stride: int = 1) -> torch.Tensor:
+    """The contract's partition, written independently of zoo: split ``dim`` into ``stride`` blocks and
+    give every rank the rank-th tp-th of each block."""
+    return torch.cat([block.chunk(tp, dim)[rank] for block in master.chunk(stride, dim)], dim)
+
+
+def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen)
+
+
+def _layer_checks(ps) -> dict:
+    """Every layer check at this rank's tp degree; ``ps`` None means tp = 1 in this process.
+    Returns {name: relative error} for tolerance checks and {name: bool} for exact ones."""
+    import torch.distributed as dist
+
+    from zoo.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from zoo.parallel.utils import merge_shards
+
+    tp = 1 if ps is None else ps.tp_size
+    r = 0 if ps is None else ps.tp_rank
+
+    def all_shards(tensor):
+        if ps is None:
+            return [tensor]
+        pieces = [torch.empty_like(tensor) for _ in range(tp)]
+        dist.all_gather(pieces, tensor.contiguous(), group=ps.tp_group)
+        return pieces
+
+    out: dict = {}
+    gen = torch.Generator().manual_seed(1)
+
+    # ------------------------------------------------------------ ColumnParallelLinear
+    for gather, stride in ((False, 1), (True, 1), (False, 3)):
+        tag = f"column[gather={gather},stride={stride}]"
+        W, b, X, G = _randn(gen, OUT, IN), _randn(gen, OUT), _randn(gen, *LEAD, IN), _randn(gen, *LEAD, OUT)
+        W_ref, b_ref, X_ref = (t.clone().requires_grad_() for t in (W, b, X))
+        y_ref = F.linear(X_ref, W_ref, b_ref)
+        (y_ref * G).sum().backward()
+
+        layer = ColumnParallelLinear(IN, OUT, bias=True, gather_output=gather, parallel=ps, stride=stride)
+        with torch.no_grad():
+            layer.weight.copy_(_shard(W, 0, r, tp, stride))
+            layer.bias.copy_(_shard(b, 0, r, tp, stride))
+        x = X.clone().requires_grad_()
+        y = layer(x)
+        if gather:
+            expected_y, upstream = y_ref, G
+        else:
+            expected_y, upstream = _shard(y_ref, -1, r, tp, stride), _shard(G, -1, r, tp, stride)
+        out[f"{tag} output shape"] = tuple(y.shape) == tuple(expected_y.shape)
+        out[f"{tag} output"] = rel_err(y, expected_y)
+        (y * upstream).sum().backward()
+        out[f"{tag} input grad"] = rel_err(x.grad, X_ref.grad)   # f all-reduces it: full on every rank
+        out[f"{tag} weight grad"] = rel_err(merge_shards(all_shards(layer.weight.grad), 0, stride), W_ref.grad)
+        out[f"{tag} bias grad"] = rel_err(merge_shards(all_shards(layer.bias.grad), 0, stride), b_ref.grad)
+        out[f"{tag} weight tags"] = (layer.weight.tensor_model_parallel is True and layer.weight.partition_dim == 0
+                                     and layer.weight.partition_stride == stride)
+        out[f"{tag} bias tags"] = (layer.bias.tensor_model_parallel is True and layer.bias.partition_dim == 0
+                                   and layer.bias.partition_stride == stride)
+
+    # ------------------------------------------------------------ RowParallelLinear
+    for input_is_parallel in (True, False):
+        tag = f"row[input_is_parallel={input_is_parallel}]"
+        W, X, G = _randn(gen, OUT, IN), _randn(gen, *LEAD, IN), _randn(gen, *LEAD, OUT)
+        b = _randn(gen, OUT) + 3.0                  # far from 0: a bias added tp times would show
+        W_ref, b_ref, X_ref = (t.clone().requires_grad_() for t in (W, b, X))
+        y_ref = F.linear(X_ref, W_ref, b_ref)
+        (y_ref * G).sum().backward()
+
+        layer = RowParallelLinear(IN, OUT, bias=True, input_is_parallel=input_is_parallel, parallel=ps)
+        with torch.no_grad():
+            layer.weight.copy_(_shard(W, 1, r, tp))
+            layer.bias.copy_(b)
+        x = (_shard(X, -1, r, tp) if input_is_parallel else X.clone()).requires_grad_()
+        y = layer(x)
+        out[f"{tag} output"] = rel_err(y, y_ref)
+        (y * G).sum().backward()
+        expected_x_grad = _shard(X_ref.grad, -1, r, tp) if input_is_parallel else X_ref.grad
+        out[f"{tag} input grad"] = rel_err(x.grad, expected_x_grad)
+        out[f"{tag} weight grad"] = rel_err(merge_shards(all_shards(layer.weight.grad), 1), W_ref.grad)
+        out[f"{tag} bias grad"] = rel_err(layer.bias.grad, b_ref.grad)   # replicated: full on every rank
+        out[f"{tag} weight tags"] = (layer.weight.tensor_model_parallel is True and layer.weight.partition_dim == 1)
+        out[f"{tag} bias untagged"] = not (hasattr(layer.bias, "tensor_model_parallel")
+                                           or hasattr(layer.bias, "partition_dim"))
+
+    # ------------------------------------------------------------ VocabParallelEmbedding
+    E, G = _randn(gen, VOCAB, DIM), _randn(gen, *IDS.shape, DIM)
+    layer = VocabParallelEmbedding(VOCAB, DIM, parallel=ps, pad_multiple=PAD_MULTIPLE)
+    padded = layer.padded_vocab_size
+    out["embedding padded size"] = padded == (304 if tp == 1 else 320)
+    per_rank = padded // tp
+    out["embedding row range"] = (layer.vocab_start, layer.vocab_end) == (r * per_rank, (r + 1) * per_rank)
+    E_pad_ref = torch.cat([E, torch.zeros(padded - VOCAB, DIM)]).requires_grad_()
+    y_ref = F.embedding(IDS, E_pad_ref[:VOCAB])
+    (y_ref * G).sum().backward()
+    with torch.no_grad():
+        layer.weight.copy_(_shard(E_pad_ref.detach(), 0, r, tp))
+    y = layer(IDS)
+    out["embedding output"] = rel_err(y, y_ref)
+    (y * G).sum().backward()
+    merged_grad = merge_shards(all_shards(layer.weight.grad), 0)
+    out["embedding weight grad"] = rel_err(merged_grad, E_pad_ref.grad)
+    out["embedding padded rows get zero grad"] = bool((merged_grad[VOCAB:] == 0).all())
+    out["embedding weight tags"] = (layer.weight.tensor_model_parallel is True and layer.weight.partition_dim == 0)
+
+    # Tied output embedding: logits over the full unpadded vocab with gather_output, grads of H and E.
+    H, GL = _randn(gen, *LEAD, DIM), _randn(gen, *LEAD, VOCAB)
+    H_ref, E_ref = H.clone().requires_grad_(), E.clone().requires_grad_()
+    logits_ref = F.linear(H_ref, E_ref)
+    (logits_ref * GL).sum().backward()
+    layer.weight.grad = None
+    h = H.clone().requires_grad_()
+    logits = layer.lm_logits(h, gather_output=True)
+    out["lm_logits shape"] = tuple(logits.shape) == (*LEAD, VOCAB)
+    out["lm_logits output"] = rel_err(logits, logits_ref)
+    (logits * GL).sum().backward()
+    out["lm_logits hidden grad"] = rel_err(h.grad, H_ref.grad)
+    merged_grad = merge_shards(all_shards(layer.weight.grad), 0)
+    out["lm_logits weight grad"] = rel_err(merged_grad[:VOCAB], E_ref.grad)
+    out["lm_logits padded rows get zero grad"] = bool((merged_grad[VOCAB:] == 0).all())
+
+    # ------------------------------------------------------------ TP-invariant init (exact)
+    builders = {
+        "column stride 1": (lambda p: ColumnParallelLinear(IN, OUT, parallel=p), 0, 1),
+        "column stride 3": (lambda p: ColumnParallelLinear(IN, OUT, parallel=p, stride=3), 0, 3),
+        "row": (lambda p: RowParallelLinear(IN, OUT, parallel=p), 1, 1),
+        "embedding": (lambda p: VocabParallelEmbedding(VOCAB, DIM, parallel=p, pad_multiple=PAD_MULTIPLE), 0, 1),
+    }
+    for name, (build, dim, stride) in builders.items():
+        torch.manual_seed(1234)
+        reference = build(None).weight.detach()
+        torch.manual_seed(1234)
+        merged = merge_shards(all_shards(build(ps).weight.detach()), dim, stride)
+        if name == "embedding":     # tp 1 pads to 304 rows, tp 2 and 4 to 320: compare the real rows
+            out[f"init {name} padded rows are zero"] = bool((merged[VOCAB:] == 0).all())
+            merged, reference = merged[:VOCAB], reference[:VOCAB]
+        out[f"init {name} equals tp=1"] = torch.equal(merged, reference)
+        out[f"init {name} is N(0, 0.02)"] = abs(reference.std().item() - 0.02) < 0.003
+    return out
+
+
+def _layers_worker(rank, world_size):
+    from zoo.parallel import ParallelState
+
+    return {tp: _layer_checks(ParallelState.initialize(tp)) for tp in (2, 4)}
+
+
+@pytest.fixture(scope="module")
+def layer_results():
+    torch.manual_seed(0)
+    by_tp = {1: [_layer_checks(None)]}
+    per_rank = spawn(_layers_worker, WORLD)
+    for tp in (2, 4):
+        by_tp[tp] = [results[tp] for results in per_rank]
+    return by_tp
+
+
+def _assert_checks(layer_results, tp, prefix):
+    checks = [(rank, name, value) for rank, results in enumerate(layer_results[tp])
+              for name, value in results.items() if name.startswith(prefix)]
+    assert checks, f"no check named {prefix}*"
+    for rank, name, value in checks:
+        if isinstance(value, bool):
+            assert value, f"{name} failed at tp={tp} rank {rank}"
+        else:
+            assert value <= REL_TOL, f"{name}: relative error {value:.3e} > {REL_TOL} at tp={tp} rank {rank}"
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("prefix", ["column[gather=False,stride=1]", "column[gather=True,stride=1]",
+                                    "column[gather=False,stride=3]", "row[input_is_parallel=True]",
+                                    "row[input_is_parallel=False]", "embedding", "lm_logits", "init"])
+def test_layer_matches_reference(layer_results, tp, prefix):
+    _assert_checks(layer_results, tp, prefix)
+
+
+# ---------------------------------------------------------------- partitioning helpers (exact)
+def test_pad_vocab_size():
+    from zoo.parallel import pad_vocab_size
+
+    assert pad_vocab_size(50257, 8) == 51200
+    assert pad_vocab_size(50257, 1) == 50304
+    assert pad_vocab_size(50257, 2) == 50432
+    assert pad_vocab_size(50304, 1) == 50304           # already a multiple: unchanged
+    assert pad_vocab_size(300, 4, multiple=16) == 320
+    with pytest.raises(ValueError, match="multiple 0"):
+        pad_vocab_size(300, 2, multiple=0)
+
+
+def test_shard_tensor_layout_with_stride_3():
+    from zoo.parallel import shard_tensor
+
+    master = torch.arange(12)                           # blocks [0..3] [4..7] [8..11], e.g. Q | K | V
+    assert shard_tensor(master, 0, 0, 2, stride=3).tolist() == [0, 1, 4, 5, 8, 9]
+    assert shard_tensor(master, 0, 1, 2, stride=3).tolist() == [2, 3, 6, 7, 10, 11]
+    assert shard_tensor(master, 0, 1, 2).tolist() == [6, 7, 8, 9, 10, 11]
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+@pytest.mark.parametrize("stride", [1, 3])
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_shard_merge_round_trip(tp, stride, dim):
+    from zoo.parallel import merge_shards, shard_tensor
+
+    master = torch.arange(24 * 36, dtype=torch.float32).view(24, 36)
+    shards = [shard_tensor(master, dim, rank, tp, stride) for rank in range(tp)]
+    for rank, shard in enumerate(shards):
+        assert torch.equal(shard, _shard(master, dim, rank, tp, stride)), f"shard of rank {rank}"
+    assert torch.equal(merge_shards(shards, dim, stride), master)
+
+
+def test_indivisible_partition_is_refused():
+    from zoo.parallel import ColumnParallelLinear, ParallelState, RowParallelLinear, divide
+
+    with pytest.raises(ValueError, match=r"hidden size 10 is not divisible by 4"):
+        divide(10, 4, "hidden size")
+    # A tp = 3 grid built by hand: the shape check comes before any process group is touched.
+    fake = ParallelState(tp_size=3, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
+                         world_size=3, rank=0)
+    with pytest.raises(ValueError, match=r"output features 8 is not divisible by 3"):
+        ColumnParallelLinear(4, 8, parallel=fake)
+    with pytest.raises(ValueError, match=r"input features 8 is not divisible by 3"):
+        RowParallelLinear(8, 4, parallel=fake)

@@ -1,0 +1,303 @@
+"""GPT-2 pretraining through DeepSpeed: zoo builds the tensor-parallel model and the data, DeepSpeed
+does data parallelism, loss scaling, clipping, the optimizer, the LR schedule and checkpoint files.
+
+    deepspeed --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/tp8.json
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from zoo.training.grad_norm import current_loss_scale, global_grad_norm
+from zoo.training.metrics import MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss
+from zoo.training.run_config import (RunConfig, build_parser, deepspeed_dict, load_run_config,
+                                     validate_for_world)
+
+CHECKPOINT_SUBDIR = "checkpoints"
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """Decoupled weight decay on matrices only; none on biases and LayerNorm (Megatron, GPT-2)."""
+    decay, no_decay = [], []
+    for name, param in model.named_parameters():
+        (no_decay if param.dim() < 2 or "ln_" in name else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def checkpoint_dir(path: str | os.PathLike) -> Path:
+    """Accept either a run directory (holding checkpoints/) or the checkpoints directory itself."""
+    path = Path(path)
+    if (path / CHECKPOINT_SUBDIR).is_dir():
+        return path / CHECKPOINT_SUBDIR
+    if (path / "latest").is_file():
+        return path
+    raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}; pass a run directory written with --save "
+                            "(it holds checkpoints/latest).")
+
+
+def rng_state() -> dict[str, Any]:
+    import deepspeed
+
+    import random
+
+    import numpy as np
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "accelerator": deepspeed.accelerator.get_accelerator().get_rng_state(),
+            "tracker": deepspeed.checkpointing.get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    import deepspeed
+
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    deepspeed.accelerator.get_accelerator().set_rng_state(state["accelerator"])
+    deepspeed.checkpointing.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+class PretrainingData:
+    """Train/valid GPT datasets and the rank's micro-batches at a given consumed-samples position.
+
+    Global sample order is fixed by the seed; a global batch of ``G`` samples is split into ``gas``
+    micro-steps of ``micro * dp`` samples, and DP rank r reads its own ``micro`` of each. TP ranks of a
+    group share a DP rank and so read the same samples.
+    """
+
+    def __init__(self, config: RunConfig, ps, micro_batch: int, global_batch: int):
+        from zoo.data import GPTDataset, IndexedDataset, default_corpus_prefix
+
+        prefix = config.data_path
+        if prefix is None:  # bundled corpus: preprocess once on rank 0, the others wait
+            if dist.get_rank() == 0:
+                prefix = default_corpus_prefix(progress=True)
+            dist.barrier()
+            prefix = default_corpus_prefix()
+        indexed = IndexedDataset(prefix)
+        self.indexed = indexed
+        self.is_bundled_corpus = config.data_path is None
+        eval_samples = config.eval_iters * micro_batch * ps.dp_size
+        self.train = GPTDataset(indexed, config.seq_length, config.seed, split=config.split, which="train",
+                                num_samples=config.train_iters * global_batch)
+        self.valid = None
+        if config.eval_interval:
+            self.valid = GPTDataset(indexed, config.seq_length, config.seed, split=config.split, which="valid",
+                                    num_samples=eval_samples)
+        self.ps = ps
+        self.micro_batch = micro_batch
+
+    def _stack(self, dataset, indices) -> dict[str, torch.Tensor]:
+        samples = [dataset[i % len(dataset)] for i in indices]
+        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+    def micro_batch_at(self, dataset, first_global_sample: int) -> dict[str, torch.Tensor]:
+        start = first_global_sample + self.ps.dp_rank * self.micro_batch
+        return self._stack(dataset, range(start, start + self.micro_batch))
+
+
+def _mean_over_dp(value: torch.Tensor, ps) -> float:
+    value = value.detach().float().clone()
+    if ps.dp_size > 1:
+        dist.all_reduce(value, group=ps.dp_group)
+        value /= ps.dp_size
+    return value.item()
+
+
+def evaluate(engine, data: PretrainingData, config: RunConfig, ps) -> float:
+    engine.eval()
+    per_step = data.micro_batch * ps.dp_size
+    total = torch.zeros(())
+    with torch.no_grad():
+        for step in range(config.eval_iters):
+            batch = data.micro_batch_at(data.valid, step * per_step)
+            total += engine(input_ids=batch["input_ids"].to(engine.device),
+                            labels=batch["labels"].to(engine.device)).loss.float().cpu()
+    engine.train()
+    return _mean_over_dp(total / config.eval_iters, ps)
+
+
+def pretrain(config: RunConfig) -> dict[str, Any]:
+    import deepspeed
+    from tqdm import tqdm
+
+    from zoo.models import GPT2LMHeadModel, gpt2_config
+    from zoo.parallel import ParallelState, model_parallel_seed
+
+    deepspeed.init_distributed()
+    gas = validate_for_world(config, dist.get_world_size())
+    ps = ParallelState.initialize(config.tensor_parallel_size)
+    model_parallel_seed(config.seed, ps)
+
+    model_config = gpt2_config(config.model, activation_checkpointing=config.checkpoint_activations,
+                               **config.model_overrides)
+    if config.seq_length > model_config.n_positions:
+        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} preset's n_positions "
+                         f"{model_config.n_positions}; pass --seq-length {model_config.n_positions} or less.")
+    model = GPT2LMHeadModel(model_config, parallel=ps)
+    ds_config = deepspeed_dict(config, gas)
+    if config.checkpoint_activations:
+        deepspeed.checkpointing.configure(ps, num_checkpoints=model_config.n_layer)
+    weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.01)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
+                                           config=ds_config, mpu=ps)
+    micro, global_batch = engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()
+
+    iteration, consumed = 0, 0
+    if config.load:
+        _, client = engine.load_checkpoint(str(checkpoint_dir(config.load)))
+        if client is None:
+            raise FileNotFoundError(f"the checkpoint under {config.load} could not be loaded; check its "
+                                    "'latest' tag file and tp degree.")
+        iteration, consumed = client["iteration"], client["consumed_samples"]
+        set_rng_state(client["rng"])
+
+    data = PretrainingData(config, ps, micro, global_batch)
+    run_dir = Path(config.save) if config.save else None
+    is_writer = dist.get_rank() == 0
+    logger = MetricsLogger(run_dir, is_writer and run_dir is not None, config.wandb_project,
+                           wandb_config={"zoo": {k: v for k, v in vars(config).items() if k != "ds_config"},
+                                         "deepspeed": ds_config},
+                           resume=bool(config.load))
+    if logger.is_writer and config.load:
+        _truncate_metrics_after(logger.path, iteration)
+
+    flops = megatron_flops_per_iteration(global_batch, config.seq_length, model_config.n_layer,
+                                         model_config.n_embd, model_config.vocab_size,
+                                         recompute=config.checkpoint_activations)
+    progress = tqdm(total=config.train_iters, initial=iteration, disable=not is_writer, desc="pretrain",
+                    unit="it", dynamic_ncols=True, file=sys.stdout)
+    window_loss, window_steps, window_time = 0.0, 0, 0.0
+    last, val_loss, fp32_grad_norm = {}, None, None
+    while iteration < config.train_iters:
+        start = time.perf_counter()
+        step_loss = torch.zeros(())
+        for micro_step in range(gas):
+            batch = data.micro_batch_at(data.train, consumed + micro_step * micro * ps.dp_size)
+            loss = engine(input_ids=batch["input_ids"].to(engine.device),
+                          labels=batch["labels"].to(engine.device)).loss
+            engine.backward(loss)
+            if micro_step == gas - 1 and not config_uses_mixed_precision(ds_config):
+                fp32_grad_norm = global_grad_norm(engine.module, ps)  # DeepSpeed discards it in fp32
+            engine.step()
+            step_loss += loss.detach().float().cpu()
+        iteration += 1
+        consumed += global_batch
+        window_loss += _mean_over_dp(step_loss / gas, ps)
+        window_steps += 1
+        window_time += time.perf_counter() - start
+        progress.update(1)
+
+        if iteration % config.log_interval == 0 or iteration == config.train_iters:
+            step_time = window_time / window_steps
+            grad_norm = engine.get_global_grad_norm()
+            if grad_norm is None:
+                grad_norm = fp32_grad_norm
+            last = {
+                "iteration": iteration,
+                "consumed_samples": consumed,
+                "loss": window_loss / window_steps,
+                "lr": engine.get_lr()[0],
+                "loss_scale": current_loss_scale(engine.optimizer),
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "step_time_s": step_time,
+                "tokens_per_s": global_batch * config.seq_length / step_time,
+                "tflops": flops / step_time / dist.get_world_size() / 1e12,
+            }
+            last["eta_s"] = step_time * (config.train_iters - iteration)
+            logger.log(last)
+            if is_writer:
+                progress.write(format_log_line(last, config.train_iters))
+            window_loss, window_steps, window_time = 0.0, 0, 0.0
+
+        if config.eval_interval and (iteration % config.eval_interval == 0 or iteration == config.train_iters):
+            val_loss = evaluate(engine, data, config, ps)
+            logger.log({"iteration": iteration, "split": "valid", "val_loss": val_loss,
+                        "val_ppl": perplexity(val_loss)})
+            if is_writer:
+                progress.write(f"iteration {iteration}: validation loss {val_loss:.4f}, "
+                               f"perplexity {perplexity(val_loss):.2f}")
+
+        if run_dir and ((config.save_interval and iteration % config.save_interval == 0)
+                        or iteration == config.train_iters):
+            save_checkpoint(engine, run_dir / CHECKPOINT_SUBDIR, f"iter_{iteration:07d}",
+                            {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
+                             "zoo_model": config.model, "tensor_parallel_size": ps.tp_size,
+                             "seed": config.seed, "split": config.split, "seq_length": config.seq_length})
+    progress.close()
+    if logger.is_writer:
+        plot_loss(run_dir)
+        if val_loss is not None:
+            baseline = ""
+            if data.is_bundled_corpus:  # cheap on the small bundled corpus only
+                from zoo.training.baselines import unigram_perplexity
+
+                baseline = (f" (unigram baseline of the corpus: "
+                            f"{unigram_perplexity(data.indexed, config.split, model_config.vocab_size):.1f})")
+            print(f"validation loss {val_loss:.4f}, validation perplexity {perplexity(val_loss):.2f}{baseline}")
+        print(f"done: {iteration} iterations, final train loss {last.get('loss', float('nan')):.4f}; "
+              f"metrics in {run_dir / 'metrics.jsonl'}, plot in {run_dir / 'loss.png'}, "
+              f"checkpoints in {run_dir / CHECKPOINT_SUBDIR}")
+    logger.close()
+    return {**last, "val_loss": val_loss}
+
+
+def config_uses_mixed_precision(ds_config: dict[str, Any]) -> bool:
+    return bool(ds_config.get("fp16", {}).get("enabled") or ds_config.get("bf16", {}).get("enabled"))
+
+
+def format_log_line(event: dict[str, Any], train_iters: int) -> str:
+    grad_norm = "n/a" if event["grad_norm"] is None else f"{event['grad_norm']:.3f}"
+    eta = time.strftime("%H:%M:%S", time.gmtime(event["eta_s"]))
+    return (f"iteration {event['iteration']:>7d}/{train_iters} | loss {event['loss']:.4f} | lr {event['lr']:.3e} | "
+            f"loss scale {event['loss_scale']:.0f} | grad norm {grad_norm} | {event['tokens_per_s']:.0f} tokens/s | "
+            f"{event['tflops']:.3f} TFLOPs/device | ETA {eta}")
+
+
+def save_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
+    """DeepSpeed checkpoint under ``directory/tag``; ``latest`` is replaced atomically only after every
+    rank has finished writing, so a crash mid-save leaves the previous checkpoint as ``latest``."""
+    engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        tmp = directory / ".latest.tmp"
+        tmp.write_text(tag)
+        with tmp.open() as handle:
+            os.fsync(handle.fileno())
+        os.replace(tmp, directory / "latest")
+    dist.barrier()
+
+
+def _truncate_metrics_after(path: Path, iteration: int) -> None:
+    """On resume, drop events logged after the checkpoint (they will be logged again)."""
+    import json
+
+    if not path.exists():
+        return
+    kept = [line for line in path.read_text().splitlines()
+            if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+
+
+def main(argv=None) -> None:
+    parser = build_parser(__doc__)
+    args = parser.parse_args(argv)
+    try:
+        config = load_run_config(args)
+        pretrain(config)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
