@@ -23,6 +23,17 @@ from zoo.training.run_config import (RunConfig, build_parser, deepspeed_dict, lo
 CHECKPOINT_SUBDIR = "checkpoints"
 
 
+def share_cpu_threads() -> None:
+    """On CPU, give each local rank its share of the cores (as torchrun does with OMP_NUM_THREADS=1);
+    the deepspeed launcher leaves every rank at all cores, which oversubscribes them 2x at 2 ranks."""
+    from deepspeed.accelerator import get_accelerator
+
+    if get_accelerator().device_name() != "cpu" or os.environ.get("OMP_NUM_THREADS"):
+        return
+    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
+
+
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
     """Decoupled weight decay on matrices only; none on biases and LayerNorm (Megatron, GPT-2)."""
     decay, no_decay = [], []
@@ -136,6 +147,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     from zoo.parallel import ParallelState, model_parallel_seed
 
     deepspeed.init_distributed()
+    share_cpu_threads()
     gas = validate_for_world(config, dist.get_world_size())
     ps = ParallelState.initialize(config.tensor_parallel_size)
     model_parallel_seed(config.seed, ps)
@@ -233,7 +245,8 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
                         or iteration == config.train_iters):
             save_checkpoint(engine, run_dir / CHECKPOINT_SUBDIR, f"iter_{iteration:07d}",
                             {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
-                             "zoo_model": config.model, "tensor_parallel_size": ps.tp_size,
+                             "zoo_model": config.model, "model_config": model_config.to_hf_dict(),
+                             "tensor_parallel_size": ps.tp_size,
                              "seed": config.seed, "split": config.split, "seq_length": config.seq_length})
     progress.close()
     if logger.is_writer:
