@@ -32,19 +32,10 @@ ISSUE_CLAIM = "Megatron reports 82% for 2-way strong scaling on V100s"
 
 
 def megatron_flops_per_step(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
-    """Model FLOPs of one forward + backward pass of a GPT (Narayanan et al. 2021, eq. for F).
+    """Megatron's model FLOPs of one step, no recomputation (see zoo.training.metrics)."""
+    from zoo.training.metrics import megatron_flops_per_iteration
 
-    Per layer the forward pass does 24*B*s*h^2 FLOPs in the four GEMMs (QKV, attention output,
-    MLP up, MLP down) and 4*B*s^2*h in QK^T and (softmax)V; the LM head does 2*B*s*h*V.
-    Backward costs twice the forward, so with activation recomputation off (3 passes, not 4):
-
-        F = 72 * B * s * l * h^2 * (1 + s / (6 h) + V / (12 l h))
-
-    (with recomputation the paper's 96 and V / (16 l h) follow from 4 passes over the layers).
-    LayerNorm, GeLU, softmax, the embedding lookup and the optimizer are not counted.
-    """
-    return 72.0 * batch * seq * layers * hidden ** 2 * (
-        1.0 + seq / (6.0 * hidden) + vocab / (12.0 * layers * hidden))
+    return megatron_flops_per_iteration(batch, seq, layers, hidden, vocab, recompute=False)
 
 
 FLOPS_FORMULA = "F = 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))  [Narayanan et al. 2021, no recompute]"

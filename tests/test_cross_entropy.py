@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.checks import assert_named_checks, record_collectives
 from tests.spawn import spawn
 
 REL_TOL = 1e-5
@@ -106,32 +107,15 @@ def _ce_checks(ps) -> dict:
 
 def _collectives_at_tp2(ps) -> list:
     """Every all_reduce / all_gather of one forward + backward at tp 2, as (kind, numel, op)."""
-    import torch.distributed as dist
-
     from zoo.parallel import vocab_parallel_cross_entropy
 
     logits, targets, vocab, upstream = _case("padded")
     width = WIDTH // 2
     local = logits[..., ps.tp_rank * width:(ps.tp_rank + 1) * width].clone().requires_grad_()
-    calls = []
-    real_all_reduce, real_all_gather = dist.all_reduce, dist.all_gather
-
-    def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        kind = "MAX" if op == dist.ReduceOp.MAX else "SUM" if op == dist.ReduceOp.SUM else str(op)
-        calls.append(("all_reduce", tensor.numel(), kind))
-        return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-    def counting_all_gather(tensor_list, tensor, group=None, async_op=False):
-        calls.append(("all_gather", tensor.numel() * len(tensor_list), ""))
-        return real_all_gather(tensor_list, tensor, group=group, async_op=async_op)
-
-    dist.all_reduce, dist.all_gather = counting_all_reduce, counting_all_gather
-    try:
+    with record_collectives() as calls:
         loss = vocab_parallel_cross_entropy(local, targets, ps, vocab_size=vocab)
         calls.append(("backward", 0, ""))
         (loss * upstream).sum().backward()
-    finally:
-        dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
     return calls
 
 
@@ -157,27 +141,16 @@ def ce_results():
     return by_tp
 
 
-def _check(results, tp, prefix, tol):
-    checks = [(rank, name, value) for rank, res in enumerate(results[tp]) for name, value in res.items()
-              if name.startswith(prefix)]
-    assert checks, f"no check named {prefix}*"
-    for rank, name, value in checks:
-        if isinstance(value, bool):
-            assert value, f"{name} failed at tp={tp} rank {rank}"
-        else:
-            assert value <= tol, f"{name}: relative error {value:.3e} > {tol} at tp={tp} rank {rank}"
-
-
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("case", CASES)
 def test_cross_entropy_matches_torch(ce_results, tp, case):
-    _check(ce_results, tp, case, REL_TOL)
+    assert_named_checks(ce_results, tp, case, REL_TOL)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 def test_half_precision_input(ce_results, tp, dtype):
-    _check(ce_results, tp, str(dtype).replace("torch.", ""), HALF_TOL[dtype])
+    assert_named_checks(ce_results, tp, str(dtype).replace("torch.", ""), HALF_TOL[dtype])
 
 
 def test_collectives_at_tp2(ce_results):

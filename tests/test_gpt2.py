@@ -9,6 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.checks import record_collectives
 from tests.spawn import spawn
 
 REL_TOL = 1e-5
@@ -176,8 +177,6 @@ def test_init_is_tp_invariant_at_tp4():
 
 
 def _collective_worker(rank, world_size, n_layer):
-    import torch.distributed as dist
-
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState
 
@@ -186,22 +185,8 @@ def _collective_worker(rank, world_size, n_layer):
     model = GPT2LMHeadModel(tiny_zoo_config(n_layer), parallel=ps)
     ids, _, labels = batch(seed=3)
 
-    calls = []
-    real_all_reduce, real_all_gather = dist.all_reduce, dist.all_gather
-
-    def counting_all_reduce(tensor, op=dist.ReduceOp.SUM, group=None, async_op=False):
-        calls.append(("all_reduce", tensor.numel(), str(op)))
-        return real_all_reduce(tensor, op=op, group=group, async_op=async_op)
-
-    def counting_all_gather(tensor_list, tensor, group=None, async_op=False):
-        calls.append(("all_gather", tensor.numel() * len(tensor_list), ""))
-        return real_all_gather(tensor_list, tensor, group=group, async_op=async_op)
-
-    dist.all_reduce, dist.all_gather = counting_all_reduce, counting_all_gather
-    try:
+    with record_collectives() as calls:
         model(ids, labels=labels).loss.backward()
-    finally:
-        dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
     return calls
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.checks import assert_named_checks
 from tests.spawn import spawn
 
 REL_TOL = 1e-6
@@ -189,23 +190,12 @@ def layer_results():
     return by_tp
 
 
-def _assert_checks(layer_results, tp, prefix):
-    checks = [(rank, name, value) for rank, results in enumerate(layer_results[tp])
-              for name, value in results.items() if name.startswith(prefix)]
-    assert checks, f"no check named {prefix}*"
-    for rank, name, value in checks:
-        if isinstance(value, bool):
-            assert value, f"{name} failed at tp={tp} rank {rank}"
-        else:
-            assert value <= REL_TOL, f"{name}: relative error {value:.3e} > {REL_TOL} at tp={tp} rank {rank}"
-
-
 @pytest.mark.parametrize("tp", [1, 2, 4])
 @pytest.mark.parametrize("prefix", ["column[gather=False,stride=1]", "column[gather=True,stride=1]",
                                     "column[gather=False,stride=3]", "row[input_is_parallel=True]",
                                     "row[input_is_parallel=False]", "embedding", "lm_logits", "init"])
 def test_layer_matches_reference(layer_results, tp, prefix):
-    _assert_checks(layer_results, tp, prefix)
+    assert_named_checks(layer_results, tp, prefix, REL_TOL)
 
 
 # ---------------------------------------------------------------- partitioning helpers (exact)

@@ -10,7 +10,8 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
 from zoo.models.config import GPT2Config
-from zoo.models.hf_io import HFParam, hf_state_dict, load_hf_weights, read_config_json, write_pretrained
+from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, hf_state_dict, load_hf_weights, read_config_json,
+                              write_pretrained)
 from zoo.models.transformer import TransformerLayer, attention_bias
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std, vocab_parallel_cross_entropy
 from zoo.parallel.layers import materialize_meta_module
@@ -138,21 +139,32 @@ class GPT2LMHeadModel(nn.Module):
             model.to(dtype)
         return model
 
-    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
-        """Collective: write transformers' GPT2LMHeadModel layout (merged over tp, vocab unpadded)."""
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None,
+                        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+        """Collective: write transformers' GPT2LMHeadModel layout (merged over tp, vocab unpadded).
+
+        Weights above ``max_shard_size`` (bytes or e.g. "2GB") are split into indexed shards.
+        """
         state = hf_state_dict(self, self.hf_param_map(), self.parallel)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
         is_writer = not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
             or torch.distributed.get_rank() == 0
         if is_writer:
-            tokenizer_files = [Path(self.tokenizer_dir) / n for n in TOKENIZER_FILE_NAMES
-                               if (Path(self.tokenizer_dir) / n).is_file()]
-            config = self.config.to_hf_dict()
-            config["torch_dtype"] = str(dtype or next(self.parameters()).dtype).replace("torch.", "")
-            write_pretrained(directory, config, state, tokenizer_files)
+            config = hf_config_dict(self.config, dtype or next(self.parameters()).dtype)
+            write_pretrained(directory, config, state, tokenizer_files(self.tokenizer_dir), max_shard_size)
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.barrier()
+
+
+def hf_config_dict(config: GPT2Config, dtype: torch.dtype) -> dict:
+    """The config.json of a checkpoint whose weights are stored in ``dtype``."""
+    return {**config.to_hf_dict(), "torch_dtype": str(dtype).replace("torch.", "")}
+
+
+def tokenizer_files(directory: str | os.PathLike = GPT2_TOKENIZER_DIR) -> list[Path]:
+    """The GPT-2 tokenizer files present in ``directory`` (by default the bundled ones)."""
+    return [Path(directory) / name for name in TOKENIZER_FILE_NAMES if (Path(directory) / name).is_file()]
 
 
 def _prefixed_keys_adapter(directory):

@@ -27,6 +27,8 @@ from zoo.parallel.utils import merge_shards, shard_index
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SHARD_PATTERN = "model{suffix}.safetensors"   # huggingface_hub fills in "-00001-of-00003" when sharded
+DEFAULT_MAX_SHARD_SIZE = "5GB"                # the hub's default (transformers 5 uses 50GB)
 
 
 @dataclass(frozen=True)
@@ -184,11 +186,16 @@ def gather_master(local: torch.Tensor, param: torch.Tensor, parallel: ParallelSt
         full = merge_shards(pieces, param.partition_dim, getattr(param, "partition_stride", 1))
     else:
         full = full.clone()  # never hand out an alias of a live parameter
+    return to_hf_layout(full, spec)
+
+
+def to_hf_layout(master: torch.Tensor, spec: HFParam) -> torch.Tensor:
+    """A merged zoo master tensor in transformers' layout: vocab padding cut, Conv1D transposed."""
     if spec.vocab_rows is not None:
-        full = full[:spec.vocab_rows]
+        master = master[:spec.vocab_rows]
     if spec.transpose:
-        full = full.t()
-    return full.contiguous()
+        master = master.t()
+    return master.contiguous()
 
 
 def hf_state_dict(model: torch.nn.Module, param_map: dict[str, HFParam], parallel: ParallelState | None,
@@ -203,15 +210,19 @@ def hf_state_dict(model: torch.nn.Module, param_map: dict[str, HFParam], paralle
 
 
 def write_pretrained(directory: str | os.PathLike, config_dict: dict, state: dict[str, torch.Tensor],
-                     tokenizer_files: Iterable[Path]) -> None:
-    """Write config.json, model.safetensors and tokenizer files atomically (temp dir, then rename)."""
+                     tokenizer_files: Iterable[Path], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
+    """Write config.json, the weights and the tokenizer files atomically (temp dir, then rename).
+
+    Weights up to ``max_shard_size`` (bytes, or a string such as "5GB") go to model.safetensors;
+    larger ones to transformers' shards ``model-0000k-of-0000n.safetensors`` plus
+    model.safetensors.index.json ({"metadata": {"total_size": bytes}, "weight_map": {key: file}}).
+    """
     target = Path(directory)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-        save_file({k: v.contiguous() for k, v in state.items()}, str(staging / SINGLE_FILE),
-                  metadata={"format": "pt"})
+        write_safetensors(staging, state, max_shard_size)
         for path in tokenizer_files:
             shutil.copy2(path, staging / Path(path).name)
         if target.exists():
@@ -224,6 +235,30 @@ def write_pretrained(directory: str | os.PathLike, config_dict: dict, state: dic
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def write_safetensors(directory: Path, state: dict[str, torch.Tensor],
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
+    """Save ``state`` into ``directory`` as one file or as indexed shards; returns the file names.
+
+    The split is huggingface_hub's (keys in order, a new shard when the next tensor would pass the
+    limit; a tensor bigger than the limit gets a shard of its own), so the names and the index are
+    exactly what transformers writes and reads.
+    """
+    from huggingface_hub import split_torch_state_dict_into_shards
+
+    try:
+        split = split_torch_state_dict_into_shards(state, filename_pattern=SHARD_PATTERN,
+                                                   max_shard_size=max_shard_size)
+    except ValueError as err:
+        raise ValueError(f"max_shard_size {max_shard_size!r} is not a size ({err}); pass bytes as an int or a "
+                         "string such as '5GB'.") from None
+    for filename, keys in split.filename_to_tensors.items():
+        save_file({k: state[k].contiguous() for k in keys}, str(directory / filename), metadata={"format": "pt"})
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return list(split.filename_to_tensors)
 
 
 def read_config_json(directory: str | os.PathLike) -> dict:
