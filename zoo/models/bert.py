@@ -1,0 +1,205 @@
+"""Tensor-parallel BERT, pre-norm (Megatron, the paper's Figure 7b) or post-norm (original BERT),
+with transformers' class names, forward signatures and checkpoint layouts."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.modeling_outputs import BaseModelOutputWithPooling
+from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
+
+from zoo.models.config import BertConfig
+from zoo.models.hf_io import HFParam
+from zoo.models.pretrained import ASSETS, HFPretrainedMixin
+from zoo.models.transformer import TransformerLayer, attention_bias, run_layers
+from zoo.parallel import VocabParallelEmbedding, mark_tensor_parallel, scaled_init_std, vocab_parallel_cross_entropy
+from zoo.parallel.state import ParallelState, tp_size_of
+
+
+def _normal_linear(in_features: int, out_features: int, std: float) -> nn.Linear:
+    """A replicated linear layer drawn N(0, std) from the global RNG (identical on every TP rank)."""
+    layer = nn.Linear(in_features, out_features)
+    nn.init.normal_(layer.weight, 0.0, std)
+    nn.init.zeros_(layer.bias)
+    return layer
+
+
+class BertEmbeddings(nn.Module):
+    """word (vocab-parallel) + position + token type; LayerNorm only in the post-norm layout."""
+
+    def __init__(self, config: BertConfig, parallel: ParallelState | None):
+        super().__init__()
+        std = config.initializer_range
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel=parallel,
+                                                      pad_multiple=config.make_vocab_size_divisible_by, init_std=std)
+        self.position_embeddings = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        nn.init.normal_(self.position_embeddings.weight, 0.0, std)
+        nn.init.normal_(self.token_type_embeddings.weight, 0.0, std)
+        self.LayerNorm = None if config.pre_norm else nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids, token_type_ids, position_ids):
+        x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
+             + self.token_type_embeddings(token_type_ids))                        # (b, s, h)
+        if self.LayerNorm is not None:
+            x = self.LayerNorm(x)
+        return self.dropout(x)
+
+
+_BERT_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",
+                 "cls.predictions.decoder.bias")
+
+
+class _BertCheckpoints(HFPretrainedMixin):
+    """Checkpoint I/O of zoo's BERTs: "megatron-bert" directories are pre-norm, "bert" post-norm."""
+
+    base_prefix = "bert."
+    ignorable_keys = _BERT_BUFFERS
+    default_tokenizer_dir = ASSETS / "bert-base-uncased"
+    hf_architecture = "Model"
+
+    @classmethod
+    def config_from_hf(cls, values: dict) -> BertConfig:
+        return BertConfig.from_dict(values)
+
+    def hf_config_dict(self) -> dict:
+        return self.config.to_hf_dict(self.hf_architecture)
+
+
+class BertModel(_BertCheckpoints, nn.Module):
+    """The bare encoder: ``.last_hidden_state`` (b, s, h) and ``.pooler_output`` (b, h)."""
+
+    def __init__(self, config: BertConfig, parallel: ParallelState | None = None, add_pooling_layer: bool = True):
+        super().__init__()
+        config.validate(tp_size_of(parallel))
+        self.config = config
+        self.parallel = parallel
+        std = config.initializer_range
+        self.embeddings = BertEmbeddings(config, parallel)
+        self.layer = nn.ModuleList(
+            TransformerLayer(config.hidden_size, config.num_attention_heads, config.ffn_hidden_size,
+                             layer_norm_eps=config.layer_norm_eps,
+                             attn_dropout=config.attention_probs_dropout_prob,
+                             hidden_dropout=config.hidden_dropout_prob, gelu_approximate=config.gelu_approximate,
+                             parallel=parallel, init_std=std,
+                             output_init_std=scaled_init_std(std, config.num_hidden_layers),
+                             pre_norm=config.pre_norm)
+            for _ in range(config.num_hidden_layers))
+        self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else None
+        self.pooler = _normal_linear(config.hidden_size, config.hidden_size, std) if add_pooling_layer else None
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                token_type_ids: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> BaseModelOutputWithPooling:
+        b, s = input_ids.shape
+        if s > self.config.max_position_embeddings:
+            raise ValueError(f"sequence length {s} exceeds max_position_embeddings="
+                             f"{self.config.max_position_embeddings}; truncate inputs to that length.")
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)       # (1, s)
+        x = self.embeddings(input_ids, token_type_ids, position_ids)                   # (b, s, h)
+        bias = attention_bias(attention_mask, s, causal=False, dtype=x.dtype)          # (b, 1, 1, s)
+        x = run_layers(self.layer, x, bias, causal=False,
+                       checkpoint=self.config.activation_checkpointing and self.training)
+        if self.ln is not None:
+            x = self.ln(x)                                                             # (b, s, h)
+        pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None  # (b, h)
+        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=pooled)
+
+    def hf_param_map(self, prefix: str = "") -> dict[str, HFParam]:
+        """zoo parameter -> transformers key, for MegatronBert (pre-norm) or Bert (post-norm).
+
+        transformers keeps Q, K and V as three (h, h) matrices; zoo fuses them into ``c_attn`` with
+        stride 3, so rank r's shard is [Q_r; K_r; V_r], the rows of its own heads in each.
+        """
+        pre = self.config.pre_norm
+        vocab = self.config.vocab_size
+        per_layer = {
+            "ln_1": "attention.ln" if pre else "attention.output.LayerNorm",
+            "attn.c_proj": "attention.output.dense",
+            "ln_2": "ln" if pre else "output.LayerNorm",
+            "mlp.c_fc": "intermediate.dense",
+            "mlp.c_proj": "output.dense",
+        }
+        table = {}
+        for name, _ in self.named_parameters():
+            parts = name.split(".")
+            if parts[0] == "layer":
+                index, module, leaf = parts[1], ".".join(parts[2:-1]), parts[-1]
+                base = f"{prefix}encoder.layer.{index}."
+                if module == "attn.c_attn":
+                    table[name] = HFParam(key=None, fused=tuple(
+                        f"{base}attention.self.{q}.{leaf}" for q in ("query", "key", "value")))
+                else:
+                    table[name] = HFParam(key=f"{base}{per_layer[module]}.{leaf}")
+            elif parts[0] == "ln":
+                table[name] = HFParam(key=f"{prefix}encoder.ln.{parts[1]}")
+            elif parts[0] == "pooler":
+                table[name] = HFParam(key=f"{prefix}pooler.dense.{parts[1]}")
+            else:  # embeddings.*
+                table[name] = HFParam(key=prefix + name,
+                                      vocab_rows=vocab if name == "embeddings.word_embeddings.weight" else None)
+        return table
+
+
+class BertForPreTraining(_BertCheckpoints, nn.Module):
+    """Masked-LM + sentence-order heads. MLM: dense -> GeLU -> LayerNorm -> decoder tied to the
+    vocab-parallel word embedding, plus a vocab-parallel bias; the loss uses the fused
+    vocab-parallel cross-entropy. ``.prediction_logits`` is this rank's vocab shard unless
+    ``gather_output``; ``next_sentence_label`` is the sentence-order label (1 = swapped)."""
+
+    base_prefix = ""
+    hf_architecture = "ForPreTraining"
+
+    def __init__(self, config: BertConfig, parallel: ParallelState | None = None):
+        super().__init__()
+        self.config = config
+        self.parallel = parallel
+        self.bert = BertModel(config, parallel)
+        std = config.initializer_range
+        self.transform = _normal_linear(config.hidden_size, config.hidden_size, std)
+        self.transform_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        word = self.bert.embeddings.word_embeddings
+        self.lm_bias = mark_tensor_parallel(nn.Parameter(torch.zeros(word.weight.shape[0])), 0)
+        self.seq_relationship = _normal_linear(config.hidden_size, 2, std)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
+                attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
+                next_sentence_label: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
+                gather_output: bool = False) -> BertForPreTrainingOutput:
+        encoded = self.bert(input_ids, attention_mask, token_type_ids, position_ids)
+        h = self.transform(encoded.last_hidden_state)                                  # (b, s, h)
+        h = self.transform_ln(F.gelu(h, approximate=self.config.gelu_approximate))
+        word = self.bert.embeddings.word_embeddings
+        local_logits = word.lm_logits(h) + self.lm_bias                                # (b, s, V_pad/p)
+        sop_logits = self.seq_relationship(encoded.pooler_output)                      # (b, 2)
+        loss = None
+        if labels is not None:
+            token_loss = vocab_parallel_cross_entropy(local_logits, labels, self.parallel,
+                                                      vocab_size=self.config.vocab_size)  # (b, s)
+            loss = token_loss.sum() / (labels != -100).sum().clamp(min=1)
+            if next_sentence_label is not None:
+                loss = loss + F.cross_entropy(sop_logits, next_sentence_label.view(-1))
+        logits = local_logits
+        if gather_output:
+            from zoo.parallel import gather_from_tp_region
+
+            logits = gather_from_tp_region(local_logits, self.parallel)[..., :self.config.vocab_size]
+        return BertForPreTrainingOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=sop_logits)
+
+    def hf_param_map(self) -> dict[str, HFParam]:
+        table = {f"bert.{k}": v for k, v in self.bert.hf_param_map(prefix="bert.").items()}
+        table.update({
+            "transform.weight": HFParam("cls.predictions.transform.dense.weight"),
+            "transform.bias": HFParam("cls.predictions.transform.dense.bias"),
+            "transform_ln.weight": HFParam("cls.predictions.transform.LayerNorm.weight"),
+            "transform_ln.bias": HFParam("cls.predictions.transform.LayerNorm.bias"),
+            "lm_bias": HFParam("cls.predictions.bias", vocab_rows=self.config.vocab_size),
+            "seq_relationship.weight": HFParam("cls.seq_relationship.weight"),
+            "seq_relationship.bias": HFParam("cls.seq_relationship.bias"),
+        })
+        return table

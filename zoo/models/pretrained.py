@@ -1,0 +1,98 @@
+"""``from_pretrained`` / ``save_pretrained`` in transformers' own layouts, shared by zoo's models.
+
+A model class provides ``config_from_hf(values)``, ``hf_param_map()`` and the class attributes
+below; loading builds the model on the meta device, materialises it and reads only this rank's
+slices; saving merges over tp (collective) and writes transformers' layout atomically.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from zoo.models.hf_io import CheckpointFiles, HFParam, hf_state_dict, load_hf_weights, read_config_json, write_pretrained
+from zoo.parallel.layers import materialize_meta_module
+
+ASSETS = Path(__file__).resolve().parent.parent / "assets"
+TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
+                        "special_tokens_map.json")
+
+
+def _is_distributed() -> bool:
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+class HFPretrainedMixin:
+    """Shared checkpoint I/O. Subclasses set:
+
+    ``base_prefix``: the key prefix of the bare model inside a heads checkpoint ("bert.",
+    "transformer."); ``ignorable_keys``: suffixes of file keys that hold no parameter (buffers, tied
+    copies); ``default_tokenizer_dir``: bundled tokenizer files written next to the weights.
+    """
+
+    base_prefix = ""
+    ignorable_keys: tuple[str, ...] = ()
+    default_tokenizer_dir: Path = ASSETS
+
+    @classmethod
+    def config_from_hf(cls, values: dict):
+        raise NotImplementedError
+
+    def hf_config_dict(self) -> dict:
+        raise NotImplementedError
+
+    @classmethod
+    def from_pretrained(cls, directory: str | os.PathLike, parallel=None, dtype: torch.dtype | None = None,
+                        **config_overrides):
+        """Build from a transformers directory (config.json + safetensors), reading only this rank's
+        slices. ``config_overrides`` set config fields, e.g. ``activation_checkpointing=True``."""
+        config = cls.config_from_hf(read_config_json(directory)).replace(**config_overrides)
+        with torch.device("meta"):
+            model = cls(config, parallel)
+        materialize_meta_module(model, "cpu")
+        table, ignorable = _match_key_prefix(model.hf_param_map(), set(CheckpointFiles(directory).keys()),
+                                             cls.base_prefix)
+        load_hf_weights(model, directory, table, parallel, ignorable=cls.ignorable_keys + ignorable)
+        model.tokenizer_dir = Path(directory) if any(
+            (Path(directory) / name).is_file() for name in ("vocab.json", "vocab.txt", "tokenizer.json")) \
+            else cls.default_tokenizer_dir
+        if dtype is not None:
+            model.to(dtype)
+        return model
+
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+        """Collective: write transformers' layout for this model type (merged over tp, vocab unpadded,
+        safetensors, tokenizer files); rank 0 writes, atomically."""
+        state = hf_state_dict(self, self.hf_param_map(), self.parallel)
+        if dtype is not None:
+            state = {k: v.to(dtype) for k, v in state.items()}
+        if not _is_distributed() or torch.distributed.get_rank() == 0:
+            tokenizer_dir = Path(getattr(self, "tokenizer_dir", self.default_tokenizer_dir))
+            tokenizer_files = [tokenizer_dir / n for n in TOKENIZER_FILE_NAMES if (tokenizer_dir / n).is_file()]
+            config = self.hf_config_dict()
+            config["torch_dtype"] = str(dtype or next(self.parameters()).dtype).replace("torch.", "")
+            write_pretrained(directory, config, state, tokenizer_files)
+        if _is_distributed():
+            torch.distributed.barrier()
+
+
+def _match_key_prefix(table: dict[str, HFParam], file_keys: set[str],
+                      prefix: str) -> tuple[dict[str, HFParam], tuple[str, ...]]:
+    """Adapt the table to a file whose keys carry (or lack) the bare model's prefix, as happens when a
+    bare model is loaded from a heads checkpoint or when a checkpoint was converted without it.
+    Returns the table and the file keys to ignore (the heads a bare model does not use)."""
+    wanted = {k for spec in table.values() for k in spec.keys}
+    if not prefix or wanted & file_keys:
+        return table, ()
+
+    def rekey(spec: HFParam, change) -> HFParam:
+        return HFParam(change(spec.key) if spec.key else None, spec.transpose, spec.vocab_rows,
+                       tuple(change(k) for k in spec.fused))
+
+    if any(k.startswith(prefix) for k in file_keys) and not any(k.startswith(prefix) for k in wanted):
+        added = {n: rekey(s, lambda k: prefix + k) for n, s in table.items()}
+        return added, tuple(k for k in file_keys if not k.startswith(prefix))
+    stripped = {n: rekey(s, lambda k: k.removeprefix(prefix)) for n, s in table.items()}
+    return stripped, ()
