@@ -12,7 +12,7 @@ from transformers.modeling_outputs import CausalLMOutput
 from zoo.models.config import GPT2Config
 from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, hf_state_dict, load_hf_weights, read_config_json,
                               write_pretrained)
-from zoo.models.transformer import TransformerLayer, attention_bias
+from zoo.models.transformer import TransformerLayer, attention_bias, run_layers
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std, vocab_parallel_cross_entropy
 from zoo.parallel.layers import materialize_meta_module
 from zoo.parallel.state import ParallelState, tp_size_of
@@ -55,13 +55,8 @@ class GPT2Model(nn.Module):
         x = self.wte(input_ids) + self.wpe(position_ids)                           # (b, s, h)
         x = self.drop(x)
         bias = attention_bias(attention_mask, s, causal=True, dtype=x.dtype)      # (b, 1, s, s) or None
-        checkpointing = self.config.activation_checkpointing and self.training and torch.is_grad_enabled()
-        for layer in self.h:
-            if checkpointing:
-                import deepspeed
-                x = deepspeed.checkpointing.checkpoint(layer, x, bias, True)
-            else:
-                x = layer(x, bias, True)                                            # (b, s, h)
+        x = run_layers(self.h, x, bias, causal=True,
+                       checkpoint=self.config.activation_checkpointing and self.training)       # (b, s, h)
         return self.ln_f(x)                                                         # (b, s, h)
 
 
