@@ -2,24 +2,18 @@
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutput
 
 from zoo.models.config import GPT2Config
-from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, hf_state_dict, load_hf_weights, read_config_json,
-                              write_pretrained)
+from zoo.models.hf_io import HFParam
+from zoo.models.pretrained import ASSETS, HFPretrainedMixin
 from zoo.models.transformer import TransformerLayer, attention_bias, run_layers
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std, vocab_parallel_cross_entropy
-from zoo.parallel.layers import materialize_meta_module
 from zoo.parallel.state import ParallelState, tp_size_of
 
-GPT2_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "gpt2"
-TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "tokenizer.json", "tokenizer_config.json",
-                        "special_tokens_map.json")
+GPT2_TOKENIZER_DIR = ASSETS / "gpt2"
 
 
 class GPT2Model(nn.Module):
@@ -60,7 +54,7 @@ class GPT2Model(nn.Module):
         return self.ln_f(x)                                                         # (b, s, h)
 
 
-class GPT2LMHeadModel(nn.Module):
+class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
     """GPT-2 language model; the LM head is tied to the vocab-parallel input embedding.
 
     ``forward`` follows transformers: labels are shifted inside, -100 is ignored. ``.logits`` is
@@ -68,13 +62,16 @@ class GPT2LMHeadModel(nn.Module):
     (b, s, V) with ``gather_output=True``. The loss never gathers logits (fused cross-entropy).
     """
 
+    base_prefix = "transformer."   # OpenAI-converted gpt2 checkpoints store keys without it
+    ignorable_keys = (".attn.bias", ".attn.masked_bias", "lm_head.weight")  # causal-mask buffers, tied head
+    default_tokenizer_dir = GPT2_TOKENIZER_DIR
+
     def __init__(self, config: GPT2Config, parallel: ParallelState | None = None):
         super().__init__()
         config.validate(tp_size_of(parallel))
         self.config = config
         self.parallel = parallel
         self.transformer = GPT2Model(config, parallel)
-        self.tokenizer_dir = GPT2_TOKENIZER_DIR
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
@@ -95,6 +92,16 @@ class GPT2LMHeadModel(nn.Module):
         return CausalLMOutput(loss=loss, logits=logits)
 
     # ------------------------------------------------------------------ transformers checkpoints
+    @classmethod
+    def config_from_hf(cls, values: dict) -> GPT2Config:
+        if values.get("model_type") != "gpt2":
+            raise ValueError(f"checkpoint has model_type {values.get('model_type')!r}, not 'gpt2'; load it with "
+                             "the zoo class for that model type.")
+        return GPT2Config.from_dict(values)
+
+    def hf_config_dict(self) -> dict:
+        return self.config.to_hf_dict()
+
     def hf_param_map(self) -> dict[str, HFParam]:
         """zoo parameter -> transformers ``GPT2LMHeadModel`` key.
 
@@ -110,68 +117,3 @@ class GPT2LMHeadModel(nn.Module):
                 key=name, transpose=name.endswith(conv1d),
                 vocab_rows=self.config.vocab_size if name == "transformer.wte.weight" else None)
         return table
-
-    @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, parallel: ParallelState | None = None,
-                        dtype: torch.dtype | None = None, **config_overrides) -> "GPT2LMHeadModel":
-        """Build from a transformers GPT-2 directory (config.json + safetensors), reading only this
-        rank's slices. ``config_overrides`` set zoo fields, e.g. ``activation_checkpointing=True``."""
-        values = read_config_json(directory)
-        model_type = values.get("model_type")
-        if model_type != "gpt2":
-            raise ValueError(f"checkpoint {directory} has model_type {model_type!r}, not 'gpt2'; load it with "
-                             "the zoo class for that model type.")
-        config = GPT2Config.from_dict(values).replace(**config_overrides)
-        with torch.device("meta"):
-            model = cls(config, parallel)
-        materialize_meta_module(model, "cpu")
-        files = _prefixed_keys_adapter(directory)
-        load_hf_weights(model, directory, files(model.hf_param_map()), parallel,
-                        ignorable=(".attn.bias", ".attn.masked_bias", "lm_head.weight"))
-        if any((Path(directory) / f).is_file() for f in ("vocab.json", "tokenizer.json")):
-            model.tokenizer_dir = Path(directory)
-        if dtype is not None:
-            model.to(dtype)
-        return model
-
-    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None,
-                        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
-        """Collective: write transformers' GPT2LMHeadModel layout (merged over tp, vocab unpadded).
-
-        Weights above ``max_shard_size`` (bytes or e.g. "2GB") are split into indexed shards.
-        """
-        state = hf_state_dict(self, self.hf_param_map(), self.parallel)
-        if dtype is not None:
-            state = {k: v.to(dtype) for k, v in state.items()}
-        is_writer = not (torch.distributed.is_available() and torch.distributed.is_initialized()) \
-            or torch.distributed.get_rank() == 0
-        if is_writer:
-            config = hf_config_dict(self.config, dtype or next(self.parameters()).dtype)
-            write_pretrained(directory, config, state, tokenizer_files(self.tokenizer_dir), max_shard_size)
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.barrier()
-
-
-def hf_config_dict(config: GPT2Config, dtype: torch.dtype) -> dict:
-    """The config.json of a checkpoint whose weights are stored in ``dtype``."""
-    return {**config.to_hf_dict(), "torch_dtype": str(dtype).replace("torch.", "")}
-
-
-def tokenizer_files(directory: str | os.PathLike = GPT2_TOKENIZER_DIR) -> list[Path]:
-    """The GPT-2 tokenizer files present in ``directory`` (by default the bundled ones)."""
-    return [Path(directory) / name for name in TOKENIZER_FILE_NAMES if (Path(directory) / name).is_file()]
-
-
-def _prefixed_keys_adapter(directory):
-    """Original OpenAI-converted gpt2 checkpoints store keys without the ``transformer.`` prefix."""
-    from zoo.models.hf_io import CheckpointFiles
-
-    keys = set(CheckpointFiles(directory).keys())
-
-    def adapt(table: dict[str, HFParam]) -> dict[str, HFParam]:
-        if "transformer.wte.weight" in keys or "wte.weight" not in keys:
-            return table
-        return {name: HFParam(spec.key.removeprefix("transformer."), spec.transpose, spec.vocab_rows)
-                for name, spec in table.items()}
-
-    return adapt

@@ -12,12 +12,23 @@ from pathlib import Path
 
 import torch
 
-from zoo.models.hf_io import CheckpointFiles, HFParam, hf_state_dict, load_hf_weights, read_config_json, write_pretrained
+from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, CheckpointFiles, HFParam, hf_state_dict, load_hf_weights,
+                              read_config_json, write_pretrained)
 from zoo.parallel.layers import materialize_meta_module
 
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
                         "special_tokens_map.json")
+
+
+def tokenizer_files(directory: str | os.PathLike) -> list[Path]:
+    """The tokenizer files present in ``directory``, to be copied next to saved weights."""
+    return [Path(directory) / name for name in TOKENIZER_FILE_NAMES if (Path(directory) / name).is_file()]
+
+
+def with_dtype(config_dict: dict, dtype: torch.dtype) -> dict:
+    """config.json contents for weights stored in ``dtype``."""
+    return {**config_dict, "torch_dtype": str(dtype).replace("torch.", "")}
 
 
 def _is_distributed() -> bool:
@@ -62,18 +73,19 @@ class HFPretrainedMixin:
             model.to(dtype)
         return model
 
-    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None) -> None:
+    def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None,
+                        max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
         """Collective: write transformers' layout for this model type (merged over tp, vocab unpadded,
-        safetensors, tokenizer files); rank 0 writes, atomically."""
+        safetensors, tokenizer files); rank 0 writes, atomically. Weights above ``max_shard_size``
+        (bytes or e.g. "2GB") are split into transformers' indexed shards."""
         state = hf_state_dict(self, self.hf_param_map(), self.parallel)
         if dtype is not None:
             state = {k: v.to(dtype) for k, v in state.items()}
         if not _is_distributed() or torch.distributed.get_rank() == 0:
-            tokenizer_dir = Path(getattr(self, "tokenizer_dir", self.default_tokenizer_dir))
-            tokenizer_files = [tokenizer_dir / n for n in TOKENIZER_FILE_NAMES if (tokenizer_dir / n).is_file()]
-            config = self.hf_config_dict()
-            config["torch_dtype"] = str(dtype or next(self.parameters()).dtype).replace("torch.", "")
-            write_pretrained(directory, config, state, tokenizer_files)
+            config = with_dtype(self.hf_config_dict(), dtype or next(self.parameters()).dtype)
+            write_pretrained(directory, config, state,
+                             tokenizer_files(getattr(self, "tokenizer_dir", self.default_tokenizer_dir)),
+                             max_shard_size)
         if _is_distributed():
             torch.distributed.barrier()
 
