@@ -15,6 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zoo.training.families import build_dataset, build_model, default_corpus, extra_metrics, model_forward_kwargs, shape_of
 from zoo.training.grad_norm import current_loss_scale, global_grad_norm
 from zoo.training.metrics import MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss
 from zoo.training.run_config import (RunConfig, build_parser, deepspeed_dict, load_run_config,
@@ -80,32 +81,32 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 
 class PretrainingData:
-    """Train/valid GPT datasets and the rank's micro-batches at a given consumed-samples position.
+    """Train/valid datasets of the model's family and the rank's micro-batches at a given consumed-samples position.
 
     Global sample order is fixed by the seed; a global batch of ``G`` samples is split into ``gas``
     micro-steps of ``micro * dp`` samples, and DP rank r reads its own ``micro`` of each. TP ranks of a
     group share a DP rank and so read the same samples.
     """
 
-    def __init__(self, config: RunConfig, ps, micro_batch: int, global_batch: int):
-        from zoo.data import GPTDataset, IndexedDataset, default_corpus_prefix
+    def __init__(self, config: RunConfig, model_config, ps, micro_batch: int, global_batch: int):
+        from zoo.data import IndexedDataset
 
         prefix = config.data_path
         if prefix is None:  # bundled corpus: preprocess once on rank 0, the others wait
             if dist.get_rank() == 0:
-                prefix = default_corpus_prefix(progress=True)
+                default_corpus(model_config, progress=True)
             dist.barrier()
-            prefix = default_corpus_prefix()
+            prefix = default_corpus(model_config, progress=False)
         indexed = IndexedDataset(prefix)
         self.indexed = indexed
         self.is_bundled_corpus = config.data_path is None
         eval_samples = config.eval_iters * micro_batch * ps.dp_size
-        self.train = GPTDataset(indexed, config.seq_length, config.seed, split=config.split, which="train",
-                                num_samples=config.train_iters * global_batch)
+        self.train = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split, "train",
+                                   config.train_iters * global_batch)
         self.valid = None
         if config.eval_interval:
-            self.valid = GPTDataset(indexed, config.seq_length, config.seed, split=config.split, which="valid",
-                                    num_samples=eval_samples)
+            self.valid = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split,
+                                       "valid", eval_samples)
         self.ps = ps
         self.micro_batch = micro_batch
 
@@ -116,6 +117,15 @@ class PretrainingData:
     def micro_batch_at(self, dataset, first_global_sample: int) -> dict[str, torch.Tensor]:
         start = first_global_sample + self.ps.dp_rank * self.micro_batch
         return self._stack(dataset, range(start, start + self.micro_batch))
+
+
+def _means_over_dp(sums: dict[str, torch.Tensor], count: int, ps) -> dict[str, float]:
+    """Per-key means over ``count`` micro-batches and the DP ranks, in one all-reduce."""
+    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in sums.values()]) / count
+    if ps.dp_size > 1:
+        dist.all_reduce(stacked, group=ps.dp_group)
+        stacked /= ps.dp_size
+    return dict(zip(sums, stacked.tolist()))
 
 
 def _mean_over_dp(value: torch.Tensor, ps) -> float:
@@ -133,8 +143,7 @@ def evaluate(engine, data: PretrainingData, config: RunConfig, ps) -> float:
     with torch.no_grad():
         for step in range(config.eval_iters):
             batch = data.micro_batch_at(data.valid, step * per_step)
-            total += engine(input_ids=batch["input_ids"].to(engine.device),
-                            labels=batch["labels"].to(engine.device)).loss.float().cpu()
+            total += engine(**model_forward_kwargs(batch, engine.device)).loss.float().cpu()
     engine.train()
     return _mean_over_dp(total / config.eval_iters, ps)
 
@@ -143,7 +152,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     import deepspeed
     from tqdm import tqdm
 
-    from zoo.models import GPT2LMHeadModel, gpt2_config
+    from zoo.models import model_config as build_model_config
     from zoo.parallel import ParallelState, model_parallel_seed
 
     deepspeed.init_distributed()
@@ -152,15 +161,16 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     ps = ParallelState.initialize(config.tensor_parallel_size)
     model_parallel_seed(config.seed, ps)
 
-    model_config = gpt2_config(config.model, activation_checkpointing=config.checkpoint_activations,
-                               **config.model_overrides)
-    if config.seq_length > model_config.n_positions:
-        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} preset's n_positions "
-                         f"{model_config.n_positions}; pass --seq-length {model_config.n_positions} or less.")
-    model = GPT2LMHeadModel(model_config, parallel=ps)
+    model_config = build_model_config(config.model, activation_checkpointing=config.checkpoint_activations,
+                                      **config.model_overrides)
+    shape = shape_of(model_config)
+    if config.seq_length > shape.max_positions:
+        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} preset's position table of "
+                         f"{shape.max_positions}; pass --seq-length {shape.max_positions} or less.")
+    model = build_model(model_config, ps)
     ds_config = deepspeed_dict(config, gas)
     if config.checkpoint_activations:
-        deepspeed.checkpointing.configure(ps, num_checkpoints=model_config.n_layer)
+        deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
     weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.01)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
                                            config=ds_config, mpu=ps)
@@ -175,7 +185,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
         iteration, consumed = client["iteration"], client["consumed_samples"]
         set_rng_state(client["rng"])
 
-    data = PretrainingData(config, ps, micro, global_batch)
+    data = PretrainingData(config, model_config, ps, micro, global_batch)
     run_dir = Path(config.save) if config.save else None
     is_writer = dist.get_rank() == 0
     logger = MetricsLogger(run_dir, is_writer and run_dir is not None, config.wandb_project,
@@ -185,28 +195,28 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     if logger.is_writer and config.load:
         _truncate_metrics_after(logger.path, iteration)
 
-    flops = megatron_flops_per_iteration(global_batch, config.seq_length, model_config.n_layer,
-                                         model_config.n_embd, model_config.vocab_size,
+    flops = megatron_flops_per_iteration(global_batch, config.seq_length, shape.layers, shape.hidden, shape.vocab,
                                          recompute=config.checkpoint_activations)
     progress = tqdm(total=config.train_iters, initial=iteration, disable=not is_writer, desc="pretrain",
                     unit="it", dynamic_ncols=True, file=sys.stdout)
-    window_loss, window_steps, window_time = 0.0, 0, 0.0
+    window, window_steps, window_time = {}, 0, 0.0
     last, val_loss, fp32_grad_norm = {}, None, None
     while iteration < config.train_iters:
         start = time.perf_counter()
-        step_loss = torch.zeros(())
+        step_sums: dict[str, torch.Tensor] = {}
         for micro_step in range(gas):
             batch = data.micro_batch_at(data.train, consumed + micro_step * micro * ps.dp_size)
-            loss = engine(input_ids=batch["input_ids"].to(engine.device),
-                          labels=batch["labels"].to(engine.device)).loss
-            engine.backward(loss)
+            output = engine(**model_forward_kwargs(batch, engine.device))
+            engine.backward(output.loss)
             if micro_step == gas - 1 and not config_uses_mixed_precision(ds_config):
                 fp32_grad_norm = global_grad_norm(engine.module, ps)  # DeepSpeed discards it in fp32
             engine.step()
-            step_loss += loss.detach().float().cpu()
+            for key, value in {"loss": output.loss.detach().float(), **extra_metrics(output, batch)}.items():
+                step_sums[key] = step_sums.get(key, 0.0) + value.cpu()
         iteration += 1
         consumed += global_batch
-        window_loss += _mean_over_dp(step_loss / gas, ps)
+        for key, value in _means_over_dp(step_sums, gas, ps).items():
+            window[key] = window.get(key, 0.0) + value
         window_steps += 1
         window_time += time.perf_counter() - start
         progress.update(1)
@@ -219,7 +229,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
             last = {
                 "iteration": iteration,
                 "consumed_samples": consumed,
-                "loss": window_loss / window_steps,
+                **{key: value / window_steps for key, value in window.items()},
                 "lr": engine.get_lr()[0],
                 "loss_scale": current_loss_scale(engine.optimizer),
                 "grad_norm": None if grad_norm is None else float(grad_norm),
@@ -231,7 +241,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
             logger.log(last)
             if is_writer:
                 progress.write(format_log_line(last, config.train_iters))
-            window_loss, window_steps, window_time = 0.0, 0, 0.0
+            window, window_steps, window_time = {}, 0, 0.0
 
         if config.eval_interval and (iteration % config.eval_interval == 0 or iteration == config.train_iters):
             val_loss = evaluate(engine, data, config, ps)
@@ -257,7 +267,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
                 from zoo.training.baselines import unigram_perplexity
 
                 baseline = (f" (unigram baseline of the corpus: "
-                            f"{unigram_perplexity(data.indexed, config.split, model_config.vocab_size):.1f})")
+                            f"{unigram_perplexity(data.indexed, config.split, shape.vocab):.1f})")
             print(f"validation loss {val_loss:.4f}, validation perplexity {perplexity(val_loss):.2f}{baseline}")
         print(f"done: {iteration} iterations, final train loss {last.get('loss', float('nan')):.4f}; "
               f"metrics in {run_dir / 'metrics.jsonl'}, plot in {run_dir / 'loss.png'}, "

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from zoo.models.presets import GPT2_PRESETS
+from zoo.models.presets import model_config
 
 
 @dataclass
@@ -111,14 +111,12 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
 
 def validate_static(config: RunConfig) -> RunConfig:
     """Checks that need no process group."""
-    if config.model not in GPT2_PRESETS:
-        raise ValueError(f"unknown model preset {config.model!r}; choose one of {sorted(GPT2_PRESETS)}.")
-    from zoo.models.config import GPT2Config
-
-    allowed = {f.name for f in fields(GPT2Config)} - {"extra"}
+    family_config = model_config(config.model)  # raises on an unknown preset
+    allowed = {f.name for f in fields(family_config)} - {"extra"}
     bad = sorted(set(config.model_overrides) - allowed)
     if bad:
-        raise ValueError(f"model_overrides key {bad[0]!r} is not a GPT2Config field; use one of {sorted(allowed)}.")
+        raise ValueError(f"model_overrides key {bad[0]!r} is not a {type(family_config).__name__} field; "
+                         f"use one of {sorted(allowed)}.")
     for name in ("train_iters", "seq_length", "tensor_parallel_size", "log_interval", "eval_iters"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} = {getattr(config, name)} must be at least 1; fix the zoo block or the flag.")

@@ -1,0 +1,173 @@
+"""Zero-shot evaluation of a GPT-2 checkpoint: WikiText-103 perplexity or LAMBADA accuracy.
+
+    python launch/evaluate.py --task wikitext --data wiki.test.tokens --load out/hf --out ppl.json
+    deepspeed --num_gpus 8 launch/evaluate.py --task lambada --data lambada_test.jsonl --load out/hf \\
+        --tensor-parallel-size 4          # tp=4 x dp=2
+
+Under the ``deepspeed`` launcher or ``torchrun`` (RANK and WORLD_SIZE set) it joins the process
+group and evaluates on the tp x dp grid; started as a plain process it runs alone
+(``ParallelState.single()``). ``--load`` is a Hugging Face-style directory (config.json +
+safetensors), as zoo's or transformers' ``save_pretrained`` writes it. Rank 0 shows a progress
+bar, prints the results and writes them as JSON (``--out``, atomically) and, optionally, to W&B.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.eval.wikitext import DEFAULT_OVERLAP
+
+TASKS = ("wikitext", "lambada")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--task", required=True, choices=TASKS)
+    parser.add_argument("--data", required=True,
+                        help="wiki.test.tokens / lambada_test.jsonl, or a datasets save_to_disk directory")
+    parser.add_argument("--load", required=True, help="HF-style GPT-2 directory (config.json + safetensors)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=1)
+    parser.add_argument("--seq-length", type=int, default=None,
+                        help="WikiText window length (default: the model's n_positions, 1024 for GPT-2)")
+    parser.add_argument("--overlap", type=int, default=DEFAULT_OVERLAP,
+                        help="WikiText window stride: tokens newly scored per window (default 32)")
+    parser.add_argument("--no-strict", dest="strict", action="store_false",
+                        help="LAMBADA: predict only the last BPE token instead of the whole last word")
+    parser.add_argument("--batch-size", type=int, default=4, help="windows / passages per forward per DP rank")
+    parser.add_argument("--split", default="test", help="split to take from a saved DatasetDict")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    parser.add_argument("--out", default=None, help="write the results here as JSON")
+    parser.add_argument("--wandb-project", default=None, help="also log the results to this W&B project")
+    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
+                        help=argparse.SUPPRESS)     # passed by the deepspeed launcher
+    return parser
+
+
+def launched_distributed() -> bool:
+    """True under the deepspeed launcher or torchrun, which set RANK and WORLD_SIZE."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+    """Run one evaluation (collective when launched distributed); every rank returns the results."""
+    import torch.distributed as dist
+
+    from zoo.data import load_gpt2_tokenizer
+    from zoo.eval.lambada import evaluate_lambada
+    from zoo.eval.sources import read_lambada, read_wikitext
+    from zoo.eval.wikitext import evaluate_wikitext
+    from zoo.models import GPT2LMHeadModel
+    from zoo.parallel import ParallelState
+
+    data = read_wikitext(args.data, args.split) if args.task == "wikitext" else read_lambada(args.data, args.split)
+    device = _join_process_group(args.local_rank) if launched_distributed() else _single_device()
+    ps = ParallelState.initialize(args.tensor_parallel_size)
+    model = GPT2LMHeadModel.from_pretrained(args.load, parallel=ps, dtype=DTYPES[args.dtype]).to(device).eval()
+    tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
+    progress = ps.rank == 0
+    if args.task == "wikitext":
+        result = evaluate_wikitext(model, data, tokenizer, seq_length=args.seq_length, overlap=args.overlap,
+                                   parallel=ps, batch_size=args.batch_size, progress=progress)
+    else:
+        result = evaluate_lambada(model, data, tokenizer, strict=args.strict, parallel=ps,
+                                  batch_size=args.batch_size, progress=progress)
+    results = {**result.to_dict(), "data": str(args.data), "load": str(args.load), "tp": ps.tp_size,
+               "dp": ps.dp_size, "dtype": args.dtype}
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+    return results
+
+
+def _join_process_group(local_rank: int) -> str:
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from zoo.training.pretrain import share_cpu_threads
+
+    deepspeed.init_distributed()
+    share_cpu_threads()
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank)
+    return accelerator.current_device_name()
+
+
+def _single_device() -> str:
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().current_device_name()
+
+
+def format_results(results: dict[str, Any]) -> str:
+    if results["task"] == "wikitext":
+        return (f"wikitext: loss {results['loss']:.4f}  ppl {results['ppl']:.3f}  "
+                f"adjusted ppl {results['adjusted_ppl']:.3f}  (T={results['num_tokens']}, "
+                f"T_o={results['num_original_tokens']}, windows={results['num_windows']}, "
+                f"seq_length={results['seq_length']}, overlap={results['overlap']})")
+    mode = "strict" if results["strict"] else "non-strict"
+    return (f"lambada ({mode}): accuracy {results['accuracy']:.4f}  ({results['correct']}/{results['total']}, "
+            f"{results['multi_token_targets']} multi-token targets, {results['truncated']} truncated)")
+
+
+def write_json_atomic(path: str | os.PathLike, payload: dict[str, Any]) -> None:
+    """Write to a temporary file in the same directory, then rename: never a half-written file."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=str(path.parent))
+    try:
+        with os.fdopen(handle, "w") as out:
+            json.dump(payload, out, indent=2)
+            out.write("\n")
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def log_to_wandb(project: str, results: dict[str, Any]) -> bool:
+    """Log the results as one W&B run; any failure is reported and swallowed (it never stops the eval)."""
+    try:
+        import wandb
+
+        run = wandb.init(project=project, job_type="eval", name=f"{results['task']}-{Path(results['load']).name}",
+                         config={k: v for k, v in results.items() if not isinstance(v, float)})
+        run.log({k: v for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
+        run.finish()
+        return True
+    except Exception as err:  # noqa: BLE001 - tracking must never stop an evaluation
+        print(f"warning: W&B logging skipped ({type(err).__name__}: {err}); the results are still printed "
+              "and written with --out.", file=sys.stderr)
+        return False
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    import torch.distributed as dist
+
+    try:
+        results = evaluate(args)
+        is_writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        if is_writer:
+            print(format_results(results))
+            if args.out:
+                write_json_atomic(args.out, results)
+            if args.wandb_project:
+                log_to_wandb(args.wandb_project, results)
+        return results
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    finally:
+        if launched_distributed() and dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,75 @@
+"""What the pretraining loop needs to know about a model family (GPT-2 or BERT): the model, its
+shape for the FLOPs formula, its datasets and its extra metrics."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from zoo.models.config import BertConfig, GPT2Config
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    layers: int
+    hidden: int
+    vocab: int
+    max_positions: int
+
+
+def shape_of(config: GPT2Config | BertConfig) -> ModelShape:
+    if isinstance(config, BertConfig):
+        return ModelShape(config.num_hidden_layers, config.hidden_size, config.vocab_size,
+                          config.max_position_embeddings)
+    return ModelShape(config.n_layer, config.n_embd, config.vocab_size, config.n_positions)
+
+
+def build_model(config: GPT2Config | BertConfig, parallel) -> torch.nn.Module:
+    from zoo.models import BertForPreTraining, GPT2LMHeadModel
+
+    if isinstance(config, BertConfig):
+        return BertForPreTraining(config, parallel=parallel)
+    return GPT2LMHeadModel(config, parallel=parallel)
+
+
+def default_corpus(config: GPT2Config | BertConfig, progress: bool) -> str:
+    """The bundled Wikipedia sample, preprocessed once for this family's tokenizer."""
+    if isinstance(config, BertConfig):
+        from zoo.data.bert_preprocess import default_bert_corpus_prefix
+
+        return default_bert_corpus_prefix(progress=progress)
+    from zoo.data import default_corpus_prefix
+
+    return default_corpus_prefix(progress=progress)
+
+
+def build_dataset(config: GPT2Config | BertConfig, indexed, seq_length: int, seed: int, split: str, which: str,
+                  num_samples: int):
+    if isinstance(config, BertConfig):
+        from zoo.data.bert_dataset import BertDataset
+
+        return BertDataset(indexed, max_seq_length=seq_length, seed=seed, split=split, which=which,
+                           num_samples=num_samples, vocab_size=config.vocab_size,
+                           max_position_embeddings=config.max_position_embeddings)
+    from zoo.data import GPTDataset
+
+    return GPTDataset(indexed, seq_length, seed, split=split, which=which, num_samples=num_samples)
+
+
+def extra_metrics(output, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-micro-batch sums to average over a logging window: BERT's MLM and SOP losses and SOP
+    accuracy; nothing for GPT-2."""
+    sop_logits = getattr(output, "seq_relationship_logits", None)
+    if sop_logits is None or "next_sentence_label" not in batch:
+        return {}
+    labels = batch["next_sentence_label"].view(-1)
+    sop_loss = F.cross_entropy(sop_logits.detach().float(), labels)
+    return {"mlm_loss": output.loss.detach().float() - sop_loss, "sop_loss": sop_loss,
+            "sop_acc": (sop_logits.argmax(-1) == labels).float().mean()}
+
+
+def model_forward_kwargs(batch: dict[str, torch.Tensor], device) -> dict[str, Any]:
+    return {key: value.to(device) for key, value in batch.items()}
