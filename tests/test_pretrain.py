@@ -268,3 +268,35 @@ def test_deepspeed_launcher_tp2_dp2(corpus_prefix, tmp_path):
     names = sorted(p.name for p in (run_dir / "checkpoints" / "iter_0000002").iterdir())
     assert "mp_rank_00_model_states.pt" in names and "mp_rank_01_model_states.pt" in names, names
     assert "validation perplexity" in proc.stdout
+
+
+# ----------------------------------------------------------------------------- BERT through the same loop
+def _bert_worker(rank, world_size, data_path, save):
+    from zoo.training.pretrain import pretrain
+
+    config = run_config(data_path, save, 2, 2, 4, train_iters=3, model="bert-tiny",
+                        model_overrides=dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4))
+    config.ds_config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1,
+                                                                         "warmup_max_lr": 1e-3}}
+    return pretrain(config)
+
+
+def test_bert_pretraining_at_tp2_logs_mlm_and_sop(tmp_path):
+    """BERT (SOP + whole-word masking data) trains through the same DeepSpeed loop at tp = 2."""
+    import gzip
+
+    from zoo.data import preprocess_bert
+
+    bundled = REPO / "zoo" / "assets" / "corpora" / "wiki-sample.jsonl.gz"
+    with gzip.open(bundled, "rt") as src:
+        (tmp_path / "small.jsonl").write_text("".join(next(src) for _ in range(12)))
+    prefix = str(tmp_path / "bert_small")
+    preprocess_bert([str(tmp_path / "small.jsonl")], prefix, workers=1, progress=False)
+    spawn(_bert_worker, 2, prefix, str(tmp_path / "run"))
+    events = train_events(tmp_path / "run")
+    assert [e["iteration"] for e in events] == [1, 2, 3]
+    for event in events:
+        assert abs(event["mlm_loss"] + event["sop_loss"] - event["loss"]) <= 1e-4 * event["loss"], event
+        assert 0.0 <= event["sop_acc"] <= 1.0
+    model_states = tmp_path / "run" / "checkpoints" / "iter_0000003" / "mp_rank_01_model_states.pt"
+    assert model_states.is_file()

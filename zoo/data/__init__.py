@@ -1,5 +1,14 @@
 """Data pipeline: GPT-2 tokenizer, Megatron-layout mmap indexed dataset, preprocessing, GPT samples."""
 
+from zoo.data.bert_dataset import BertDataset, build_bert_datasets
+from zoo.data.bert_preprocess import (
+    BERT_TOKENIZER_DIR,
+    BertPreprocessSummary,
+    default_bert_corpus_prefix,
+    load_bert_tokenizer,
+    preprocess_bert,
+    split_sentences,
+)
 from zoo.data.gpt_dataset import (
     DistributedPretrainingSampler,
     GPTDataset,
@@ -20,6 +29,14 @@ from zoo.data.preprocess import PreprocessSummary, default_cache_dir, default_co
 from zoo.data.tokenizers import GPT2_EOD_TOKEN_ID, GPT2_TOKENIZER_DIR, load_gpt2_tokenizer
 
 __all__ = [
+    "BERT_TOKENIZER_DIR",
+    "BertDataset",
+    "BertPreprocessSummary",
+    "build_bert_datasets",
+    "default_bert_corpus_prefix",
+    "load_bert_tokenizer",
+    "preprocess_bert",
+    "split_sentences",
     "DistributedPretrainingSampler",
     "GPT2_EOD_TOKEN_ID",
     "GPT2_TOKENIZER_DIR",

@@ -38,7 +38,7 @@ def build_model(config: GPT2Config | BertConfig, parallel) -> torch.nn.Module:
 def default_corpus(config: GPT2Config | BertConfig, progress: bool) -> str:
     """The bundled Wikipedia sample, preprocessed once for this family's tokenizer."""
     if isinstance(config, BertConfig):
-        from zoo.data.bert_preprocess import default_bert_corpus_prefix
+        from zoo.data import default_bert_corpus_prefix
 
         return default_bert_corpus_prefix(progress=progress)
     from zoo.data import default_corpus_prefix
@@ -49,7 +49,7 @@ def default_corpus(config: GPT2Config | BertConfig, progress: bool) -> str:
 def build_dataset(config: GPT2Config | BertConfig, indexed, seq_length: int, seed: int, split: str, which: str,
                   num_samples: int):
     if isinstance(config, BertConfig):
-        from zoo.data.bert_dataset import BertDataset
+        from zoo.data import BertDataset
 
         return BertDataset(indexed, max_seq_length=seq_length, seed=seed, split=split, which=which,
                            num_samples=num_samples, vocab_size=config.vocab_size,

@@ -255,7 +255,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
                         or iteration == config.train_iters):
             save_checkpoint(engine, run_dir / CHECKPOINT_SUBDIR, f"iter_{iteration:07d}",
                             {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
-                             "zoo_model": config.model, "model_config": model_config.to_hf_dict(),
+                             "zoo_model": config.model, "model_config": model.hf_config_dict(),
                              "tensor_parallel_size": ps.tp_size,
                              "seed": config.seed, "split": config.split, "seq_length": config.seq_length})
     progress.close()
@@ -263,12 +263,15 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
         plot_loss(run_dir)
         if val_loss is not None:
             baseline = ""
-            if data.is_bundled_corpus:  # cheap on the small bundled corpus only
+            if data.is_bundled_corpus and "sop_acc" not in last:  # a GPT run on the small bundled corpus
                 from zoo.training.baselines import unigram_perplexity
 
                 baseline = (f" (unigram baseline of the corpus: "
                             f"{unigram_perplexity(data.indexed, config.split, shape.vocab):.1f})")
             print(f"validation loss {val_loss:.4f}, validation perplexity {perplexity(val_loss):.2f}{baseline}")
+        if "sop_acc" in last:
+            print(f"last logged window: MLM loss {last['mlm_loss']:.4f}, SOP loss {last['sop_loss']:.4f}, "
+                  f"SOP accuracy {last['sop_acc']:.3f}")
         print(f"done: {iteration} iterations, final train loss {last.get('loss', float('nan')):.4f}; "
               f"metrics in {run_dir / 'metrics.jsonl'}, plot in {run_dir / 'loss.png'}, "
               f"checkpoints in {run_dir / CHECKPOINT_SUBDIR}")
@@ -285,7 +288,9 @@ def format_log_line(event: dict[str, Any], train_iters: int) -> str:
     eta = time.strftime("%H:%M:%S", time.gmtime(event["eta_s"]))
     return (f"iteration {event['iteration']:>7d}/{train_iters} | loss {event['loss']:.4f} | lr {event['lr']:.3e} | "
             f"loss scale {event['loss_scale']:.0f} | grad norm {grad_norm} | {event['tokens_per_s']:.0f} tokens/s | "
-            f"{event['tflops']:.3f} TFLOPs/device | ETA {eta}")
+            f"{event['tflops']:.3f} TFLOPs/device | ETA {eta}"
+            + ("" if "sop_acc" not in event else
+               f" | MLM {event['mlm_loss']:.4f} | SOP {event['sop_loss']:.4f} | SOP acc {event['sop_acc']:.3f}"))
 
 
 def save_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
