@@ -7,24 +7,31 @@ PY := $(VENV)/bin/python
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup demo test bench clean
+.PHONY: setup setup-test demo test bench clean
 
 setup: $(VENV)/.zoo-installed
+
+setup-test: $(VENV)/.zoo-test-installed
 
 $(VENV)/.zoo-installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
+	$(PY) -m pip install -q -e .
+	touch $@
+
+$(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
 demo: setup
 	$(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json
 
-test: setup
+test: setup-test
 	$(PY) -m pytest -q
 
 bench: setup
 	$(PY) benchmarks/bench_gpt2_step.py
+	$(PY) benchmarks/bench_pretrain.py
 
 clean:
 	rm -rf $(VENV) runs
