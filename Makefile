@@ -23,8 +23,9 @@ $(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
 	$(PY) -m pip install -q -e ".[test]"
 	touch $@
 
+# One node on CPU: gloo talks over loopback (left to itself it probes interfaces, ~45 s here).
 demo: setup
-	$(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json
+	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json
 
 test: setup-test
 	$(PY) -m pytest -q

@@ -39,7 +39,7 @@ def training_row(ranks: int, iters: int) -> list[str]:
         cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "launch/pretrain.py",
                "--deepspeed_config", "ds_configs/cpu_demo.json", "--tensor-parallel-size", str(ranks),
                "--train-iters", str(iters), "--eval-interval", "0", "--log-interval", "1", "--save", tmp]
-        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1"))
+        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, env=dict(os.environ, HF_HUB_OFFLINE="1", GLOO_SOCKET_IFNAME="lo"))
         events = [json.loads(line) for line in Path(tmp, "metrics.jsonl").read_text().splitlines()]
     steady = [e for e in events if "split" not in e][3:]  # drop warm-up iterations
     tokens = statistics.median(e["tokens_per_s"] for e in steady)

@@ -247,7 +247,7 @@ def test_deepspeed_launcher_tp2_dp2(corpus_prefix, tmp_path):
     from tests.spawn import free_port
 
     run_dir = tmp_path / "run"
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
     cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()),
            "launch/pretrain.py",
            "--deepspeed_config", "ds_configs/cpu_demo.json", "--data-path", corpus_prefix, "--save", str(run_dir),
