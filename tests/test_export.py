@@ -273,3 +273,24 @@ def test_cli_exits_2_with_the_sentence(tmp_path):
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert proc.stderr.strip().splitlines()[-1].startswith(f"error: checkpoint path {tmp_path / 'nowhere'} does not exist")
     assert not (tmp_path / "hf").exists()
+
+
+def test_evaluate_reads_a_deepspeed_checkpoint_directly(trained_run, tmp_path):
+    """launch/evaluate.py --load <run dir>: the DeepSpeed checkpoint is exported once and scored like
+    the same weights exported by hand."""
+    import json
+
+    from zoo.checkpoint import export_checkpoint
+    from zoo.eval.runner import main
+
+    texts = ["The quick brown fox jumps over the lazy dog", "Tensor parallel layers split the heads"]
+    data = tmp_path / "lambada_test.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+    export_checkpoint(trained_run["run_dir"], tmp_path / "hf")
+    scores = {}
+    for name, load in (("deepspeed", trained_run["run_dir"]), ("exported", tmp_path / "hf")):
+        main(["--task", "lambada", "--data", str(data), "--load", str(load), "--out", str(tmp_path / f"{name}.json"),
+              "--no-strict"])
+        scores[name] = json.loads((tmp_path / f"{name}.json").read_text())
+    for key in ("correct", "total", "accuracy"):
+        assert scores["deepspeed"][key] == scores["exported"][key], key

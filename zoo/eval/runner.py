@@ -73,7 +73,8 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     data = read_wikitext(args.data, args.split) if args.task == "wikitext" else read_lambada(args.data, args.split)
     device = _join_process_group(args.local_rank) if launched_distributed() else _single_device()
     ps = ParallelState.initialize(args.tensor_parallel_size)
-    model = GPT2LMHeadModel.from_pretrained(args.load, parallel=ps, dtype=DTYPES[args.dtype]).to(device).eval()
+    hf_dir = transformers_directory(args.load)
+    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=DTYPES[args.dtype]).to(device).eval()
     tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
     progress = ps.rank == 0
     if args.task == "wikitext":
@@ -87,6 +88,31 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return results
+
+
+def transformers_directory(load: str) -> str:
+    """``load`` itself when it holds a transformers-layout model (config.json); for a zoo DeepSpeed
+    training checkpoint (a run directory or its checkpoints/), the tag in ``latest`` exported once
+    to a cache directory by local rank 0 of each node, the other ranks waiting (collective)."""
+    import hashlib
+
+    import torch.distributed as dist
+
+    from zoo.checkpoint.deepspeed_export import checkpoints_root, export_checkpoint
+
+    if (Path(load) / "config.json").is_file():
+        return str(load)
+    root = checkpoints_root(load)  # one-sentence FileNotFoundError when it is neither
+    tag = (root / "latest").read_text().strip() if (root / "latest").is_file() else "newest"
+    key = hashlib.sha1(f"{root.resolve()}:{tag}:{(root / tag).stat().st_mtime_ns if (root / tag).exists() else 0}"
+                       .encode()).hexdigest()[:16]
+    target = Path(tempfile.gettempdir()) / f"zoo-eval-export-{key}"
+    distributed = dist.is_available() and dist.is_initialized()
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not (target / "config.json").is_file():
+        export_checkpoint(load, target)
+    if distributed:
+        dist.barrier()
+    return str(target)
 
 
 def _join_process_group(local_rank: int) -> str:
