@@ -32,8 +32,8 @@ from typing import Sequence
 
 import numpy as np
 
-from zoo.data.indexed_dataset import IndexedDatasetBuilder, dataset_exists
-from zoo.data.preprocess import BUNDLED_CORPUS, PreprocessSummary, _loader_for, default_cache_dir
+from zoo.data.indexed_dataset import IndexedDatasetBuilder
+from zoo.data.preprocess import BUNDLED_CORPUS, PreprocessSummary, _loader_for, cached_corpus_prefix
 
 BERT_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "bert-base-uncased"
 
@@ -221,24 +221,6 @@ def default_bert_corpus_prefix(
     """Prefix of ``corpus`` (default: the bundled Wikipedia sample) sentence-split and tokenized with
     the bundled uncased WordPiece vocab in ``cache_dir`` (default ``$ZOO_CACHE`` or ``~/.cache/zoo``).
 
-    Built once: when both files exist it returns at once. An exclusive file lock serializes
-    concurrent callers and the builder's atomic rename means a crash leaves nothing half-written.
-    Call it on one rank and barrier before the others read it.
+    Built once (see :func:`zoo.data.preprocess.cached_corpus_prefix`).
     """
-    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    cache.mkdir(parents=True, exist_ok=True)
-    name = Path(corpus).name.split(".")[0]
-    prefix = str(cache / f"{name}_bert-uncased_sentences")
-    if dataset_exists(prefix):
-        return prefix
-    with open(cache / f".{name}-bert.lock", "w") as lock:
-        try:
-            import fcntl
-
-            fcntl.flock(lock, fcntl.LOCK_EX)
-        except ImportError:  # no flock on this platform: the atomic rename still protects readers
-            pass
-        if not dataset_exists(prefix):
-            workers = workers if workers is not None else min(2, os.cpu_count() or 1)
-            preprocess_bert([corpus], prefix, workers=workers, progress=progress)
-    return prefix
+    return cached_corpus_prefix(corpus, "bert-uncased_sentences", preprocess_bert, cache_dir, workers, progress)

@@ -175,25 +175,22 @@ def default_cache_dir() -> Path:
     return Path(os.environ.get("ZOO_CACHE") or Path.home() / ".cache" / "zoo")
 
 
-def default_corpus_prefix(
-    cache_dir: str | os.PathLike | None = None,
-    corpus: str | os.PathLike = BUNDLED_CORPUS,
-    workers: int | None = None,
-    progress: bool = False,
-) -> str:
-    """Prefix of ``corpus`` (default: the bundled Wikipedia sample) tokenized with GPT-2 in ``cache_dir``.
+def cached_corpus_prefix(corpus: str | os.PathLike, suffix: str, build, cache_dir: str | os.PathLike | None = None,
+                         workers: int | None = None, progress: bool = False) -> str:
+    """Prefix ``<cache>/<corpus name>_<suffix>`` of a corpus preprocessed once by
+    ``build([corpus], prefix, workers=, progress=)``.
 
-    Built once: when both files exist it returns at once. An exclusive file lock serializes
-    concurrent callers and the builder's atomic rename means a crash leaves nothing half-written.
-    Call it on one rank and barrier before the others read it.
+    When both files exist it returns at once. An exclusive file lock serializes concurrent callers and
+    the builder's atomic rename means a crash leaves nothing half-written. Call it on one rank and
+    barrier before the others read it.
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
     name = Path(corpus).name.split(".")[0]
-    prefix = str(cache / f"{name}_gpt2_text_document")
+    prefix = str(cache / f"{name}_{suffix}")
     if dataset_exists(prefix):
         return prefix
-    with open(cache / f".{name}.lock", "w") as lock:
+    with open(cache / f".{name}_{suffix}.lock", "w") as lock:
         try:
             import fcntl
 
@@ -202,5 +199,16 @@ def default_corpus_prefix(
             pass
         if not dataset_exists(prefix):
             workers = workers if workers is not None else min(2, os.cpu_count() or 1)
-            preprocess([corpus], prefix, workers=workers, progress=progress)
+            build([corpus], prefix, workers=workers, progress=progress)
     return prefix
+
+
+def default_corpus_prefix(
+    cache_dir: str | os.PathLike | None = None,
+    corpus: str | os.PathLike = BUNDLED_CORPUS,
+    workers: int | None = None,
+    progress: bool = False,
+) -> str:
+    """Prefix of ``corpus`` (default: the bundled Wikipedia sample) tokenized with GPT-2 in ``cache_dir``
+    (default ``$ZOO_CACHE`` or ``~/.cache/zoo``), built once (see :func:`cached_corpus_prefix`)."""
+    return cached_corpus_prefix(corpus, "gpt2_text_document", preprocess, cache_dir, workers, progress)
