@@ -24,12 +24,7 @@ from zoo.data.bert_dataset import (
     truncate_pair,
     whole_words,
 )
-from zoo.data.bert_preprocess import (
-    default_bert_corpus_prefix,
-    load_bert_tokenizer,
-    preprocess_bert,
-    split_sentences,
-)
+from zoo.data import default_bert_corpus_prefix, load_bert_tokenizer, preprocess_bert, split_sentences
 
 PAD, UNK, CLS, SEP, MASK = 0, 100, 101, 102, 103
 SEQ = 128

@@ -1,14 +1,7 @@
 """Data pipeline: GPT-2 tokenizer, Megatron-layout mmap indexed dataset, preprocessing, GPT samples."""
 
 from zoo.data.bert_dataset import BertDataset, build_bert_datasets
-from zoo.data.bert_preprocess import (
-    BERT_TOKENIZER_DIR,
-    BertPreprocessSummary,
-    default_bert_corpus_prefix,
-    load_bert_tokenizer,
-    preprocess_bert,
-    split_sentences,
-)
+from zoo.data.bert_preprocess import BertPreprocessSummary, default_bert_corpus_prefix, preprocess_bert, split_sentences
 from zoo.data.gpt_dataset import (
     DistributedPretrainingSampler,
     GPTDataset,
@@ -26,7 +19,8 @@ from zoo.data.indexed_dataset import (
     index_file_path,
 )
 from zoo.data.preprocess import PreprocessSummary, default_cache_dir, default_corpus_prefix, preprocess
-from zoo.data.tokenizers import GPT2_EOD_TOKEN_ID, GPT2_TOKENIZER_DIR, load_gpt2_tokenizer
+from zoo.data.tokenizers import (BERT_TOKENIZER_DIR, GPT2_EOD_TOKEN_ID, GPT2_TOKENIZER_DIR, load_bert_tokenizer,
+                                 load_gpt2_tokenizer)
 
 __all__ = [
     "BERT_TOKENIZER_DIR",

@@ -326,7 +326,7 @@ class BertDataset(torch.utils.data.Dataset):
             which, max_seq_length, max_position_embeddings, masked_lm_prob, max_ngram, short_seq_prob
         )
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-            from zoo.data.bert_preprocess import load_bert_tokenizer
+            from zoo.data.tokenizers import load_bert_tokenizer
 
             tokenizer = load_bert_tokenizer(tokenizer)
         if len(tokenizer) != int(vocab_size):
@@ -476,7 +476,7 @@ def build_bert_datasets(
     """
     indexed = IndexedDataset(prefix)
     if kwargs.get("tokenizer") is None or isinstance(kwargs["tokenizer"], (str, os.PathLike)):
-        from zoo.data.bert_preprocess import load_bert_tokenizer
+        from zoo.data.tokenizers import load_bert_tokenizer
 
         kwargs["tokenizer"] = load_bert_tokenizer(kwargs.get("tokenizer"))
     return tuple(

@@ -33,9 +33,9 @@ from typing import Sequence
 import numpy as np
 
 from zoo.data.indexed_dataset import IndexedDatasetBuilder
-from zoo.data.preprocess import BUNDLED_CORPUS, PreprocessSummary, _loader_for, cached_corpus_prefix
+from zoo.data.preprocess import BUNDLED_CORPUS, PreprocessSummary, cached_corpus_prefix, validated_inputs
+from zoo.data.tokenizers import load_bert_tokenizer
 
-BERT_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "bert-base-uncased"
 
 # Words that end in "." without ending the sentence (compared lower-cased, without the final ".").
 _ABBREVIATIONS = frozenset(
@@ -43,19 +43,6 @@ _ABBREVIATIONS = frozenset(
 )
 _CANDIDATE_END = re.compile(r"""[.!?]+["')\]”’]*(?=\s+["'(\[“‘]?[A-Z])""")
 _LAST_WORD = re.compile(r"(\S+)$")
-
-
-def load_bert_tokenizer(path: str | os.PathLike | None = None):
-    """The fast WordPiece tokenizer from ``path`` (default: the bundled ``zoo/assets/bert-base-uncased``)."""
-    from transformers import BertTokenizerFast
-
-    directory = Path(path) if path is not None else BERT_TOKENIZER_DIR
-    if not directory.is_dir():
-        raise FileNotFoundError(
-            f"tokenizer directory '{directory}' does not exist; pass a directory holding vocab.txt "
-            "(or omit it to use the bundled bert-base-uncased tokenizer)."
-        )
-    return BertTokenizerFast.from_pretrained(str(directory))
 
 
 def _ends_sentence(line: str, end: int) -> bool:
@@ -148,17 +135,7 @@ def preprocess_bert(
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [inputs]
-    paths = [os.fspath(p) for p in inputs]
-    if not paths:
-        raise ValueError("no input files given; pass at least one --input FILE.")
-    for p in paths:
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"input file '{p}' does not exist; check the --input path.")
-    loaders = [_loader_for(p) for p in paths]
-    if int(workers) < 1:
-        raise ValueError(f"workers={workers} is invalid; use at least 1.")
+    paths, loaders = validated_inputs(inputs, workers)
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_bert_tokenizer(tokenizer)
 

@@ -81,6 +81,22 @@ def _encode_batch(batch, tokenizer, key, eod):
     return {"input_ids": ids}
 
 
+def validated_inputs(inputs, workers: int) -> tuple[list[str], list[str]]:
+    """The input paths and their ``datasets`` loader names, with one-sentence errors."""
+    if isinstance(inputs, (str, os.PathLike)):
+        inputs = [inputs]
+    paths = [os.fspath(p) for p in inputs]
+    if not paths:
+        raise ValueError("no input files given; pass at least one --input FILE.")
+    for p in paths:
+        if not os.path.isfile(p):
+            raise FileNotFoundError(f"input file '{p}' does not exist; check the --input path.")
+    loaders = [_loader_for(p) for p in paths]
+    if int(workers) < 1:
+        raise ValueError(f"workers={workers} is invalid; use at least 1.")
+    return paths, loaders
+
+
 def preprocess(
     inputs: Sequence[str | os.PathLike] | str | os.PathLike,
     output_prefix: str | os.PathLike,
@@ -100,17 +116,7 @@ def preprocess(
     from tqdm.auto import tqdm
 
     start = time.perf_counter()
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [inputs]
-    paths = [os.fspath(p) for p in inputs]
-    if not paths:
-        raise ValueError("no input files given; pass at least one --input FILE.")
-    for p in paths:
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"input file '{p}' does not exist; check the --input path.")
-    loaders = [_loader_for(p) for p in paths]
-    if int(workers) < 1:
-        raise ValueError(f"workers={workers} is invalid; use at least 1.")
+    paths, loaders = validated_inputs(inputs, workers)
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_gpt2_tokenizer(tokenizer)
     eod = tokenizer.eos_token_id if append_eod else None
