@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from transformers.modeling_outputs import CausalLMOutput
+from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from zoo.models.config import GPT2Config
 from zoo.models.hf_io import HFParam
@@ -39,19 +39,37 @@ class GPT2Model(nn.Module):
         self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None) -> torch.Tensor:
+                position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False):
+        """Final hidden states (b, s, h); with ``use_cache`` the pair (hidden, presents).
+
+        ``past_key_values``: one (k, v) per layer, each (b, heads_local, P, d), from an earlier call
+        with ``use_cache``; ``input_ids`` then holds only the s new tokens, ``attention_mask`` (if
+        given) covers past and new tokens, (b, P + s), and positions default to P ... P + s - 1.
+        """
         b, s = input_ids.shape
-        if s > self.config.n_positions:
-            raise ValueError(f"sequence length {s} exceeds n_positions={self.config.n_positions}; "
+        past_length = past_key_values[0][0].shape[2] if past_key_values is not None else 0
+        if s > self.config.n_positions or (position_ids is None and past_length + s > self.config.n_positions):
+            raise ValueError(f"sequence length {past_length + s} exceeds n_positions={self.config.n_positions}; "
                              f"truncate inputs to {self.config.n_positions} tokens.")
         if position_ids is None:
-            position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)   # (1, s)
+            position_ids = torch.arange(past_length, past_length + s, device=input_ids.device).unsqueeze(0)  # (1, s)
         x = self.wte(input_ids) + self.wpe(position_ids)                           # (b, s, h)
         x = self.drop(x)
-        bias = attention_bias(attention_mask, s, causal=True, dtype=x.dtype)      # (b, 1, s, s) or None
-        x = run_layers(self.h, x, bias, causal=True,
-                       checkpoint=self.config.activation_checkpointing and self.training)       # (b, s, h)
-        return self.ln_f(x)                                                         # (b, s, h)
+        if past_key_values is None and not use_cache:                              # training / scoring path
+            bias = attention_bias(attention_mask, s, causal=True, dtype=x.dtype)  # (b, 1, s, s) or None
+            x = run_layers(self.h, x, bias, causal=True,
+                           checkpoint=self.config.activation_checkpointing and self.training)   # (b, s, h)
+            return self.ln_f(x)                                                     # (b, s, h)
+        if past_length > 0 and attention_mask is None and s > 1:
+            # SDPA's is_causal would align the triangle top-left; the offset triangle needs a bias.
+            attention_mask = torch.ones(b, past_length + s, dtype=torch.bool, device=input_ids.device)
+        bias = attention_bias(attention_mask, s, causal=True, dtype=x.dtype,
+                              past_length=past_length)                             # (b, 1, s, P + s) or None
+        out = run_layers(self.h, x, bias, causal=True, checkpoint=False,
+                         past_key_values=past_key_values if past_length > 0 else None, use_cache=use_cache)
+        x, presents = out if use_cache else (out, None)                             # (b, s, h)
+        x = self.ln_f(x)                                                            # (b, s, h)
+        return (x, presents) if use_cache else x
 
 
 class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
@@ -60,6 +78,10 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
     ``forward`` follows transformers: labels are shifted inside, -100 is ignored. ``.logits`` is
     this rank's vocab shard (b, s, V_padded / p) by default and the full unpadded vocabulary
     (b, s, V) with ``gather_output=True``. The loss never gathers logits (fused cross-entropy).
+
+    Decoding: ``use_cache=True`` returns ``.past_key_values``, a tuple of one (k, v) per layer, each
+    (b, heads_local, P + s, d) for this rank's heads; pass it back with only the new tokens.
+    ``logits_to_keep`` = n > 0 computes (and gathers) the logits of the last n positions only.
     """
 
     base_prefix = "transformer."   # OpenAI-converted gpt2 checkpoints store keys without it
@@ -75,8 +97,19 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
-                gather_output: bool = False) -> CausalLMOutput:
-        hidden = self.transformer(input_ids, attention_mask, position_ids)          # (b, s, h)
+                gather_output: bool = False, past_key_values=None, use_cache: bool = False,
+                logits_to_keep: int = 0) -> CausalLMOutputWithPast:
+        presents = None
+        if past_key_values is None and not use_cache:
+            hidden = self.transformer(input_ids, attention_mask, position_ids)      # (b, s, h)
+        else:
+            out = self.transformer(input_ids, attention_mask, position_ids, past_key_values=past_key_values,
+                                   use_cache=use_cache)
+            hidden, presents = out if use_cache else (out, None)                    # (b, s, h)
+        if logits_to_keep:
+            if labels is not None:
+                raise ValueError("labels need the logits of every position; pass logits_to_keep=0 with labels.")
+            hidden = hidden[:, -logits_to_keep:]                                    # (b, n, h)
         local_logits = self.transformer.wte.lm_logits(hidden)                      # (b, s, V_pad/p)
         loss = None
         if labels is not None:
@@ -89,7 +122,7 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
         if gather_output:
             from zoo.parallel import gather_from_tp_region
             logits = gather_from_tp_region(local_logits, self.parallel)[..., :self.config.vocab_size]
-        return CausalLMOutput(loss=loss, logits=logits)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=presents)
 
     # ------------------------------------------------------------------ transformers checkpoints
     @classmethod

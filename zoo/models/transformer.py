@@ -3,6 +3,11 @@
 Per layer, forward: f -> [QKV column-parallel] -> attention on local heads -> [row-parallel out] -> g,
 then f -> [column-parallel up] -> GeLU -> [row-parallel down] -> g. Two all-reduces forward (the g's)
 and two backward (the f's). LayerNorm, residuals and residual dropout are replicated on every TP rank.
+
+Incremental decoding: a layer's key/value cache is the tuple ``(k, v)`` of this rank's heads,
+each (b, heads_local, s_past, d) -- the cache is sharded exactly like the heads, so it needs no
+communication. With ``layer_past`` the new keys/values are appended and the queries attend to
+past + new keys; without it (training, BERT) the code path is unchanged.
 """
 
 from __future__ import annotations
@@ -37,14 +42,25 @@ class ParallelSelfAttention(nn.Module):
                                            init_std=init_std)
         self.c_proj = RowParallelLinear(hidden_size, hidden_size, parallel=parallel, init_std=output_init_std)
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool,
+                layer_past: tuple[torch.Tensor, torch.Tensor] | None = None, use_cache: bool = False):
+        """Attention output (b, s, h); with ``use_cache`` the pair (output, (k, v)) where k and v are
+        (b, heads_local, s_past + s, d). With ``layer_past`` and a causal query of more than one token,
+        ``attn_bias`` must carry the offset causal mask (SDPA's ``is_causal`` aligns the top-left corner,
+        which is only right without a past)."""
         b, s, _ = x.shape                                                   # (b, s, h)
         qkv = self.c_attn(x)                                                # (b, s, 3 * h/p)
         q, k, v = qkv.split(self.local_hidden, dim=-1)                      # 3 x (b, s, h/p)
         q, k, v = (t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # q, k, v: (b, heads_local, s, d)
+        if layer_past is not None:
+            if causal and attn_bias is None and s > 1:
+                raise ValueError(f"a causal query of {s} tokens after a key/value cache needs the offset causal "
+                                 "mask; pass attn_bias from attention_bias(..., past_length=...).")
+            k = torch.cat((layer_past[0], k), dim=2)                        # (b, heads_local, s_past + s, d)
+            v = torch.cat((layer_past[1], v), dim=2)                        # (b, heads_local, s_past + s, d)
         dropout_p = self.attn_dropout if self.training else 0.0
-        use_causal_flag = causal and attn_bias is None
+        use_causal_flag = causal and attn_bias is None and layer_past is None
         if dropout_p > 0.0:
             with tp_rng_fork(self.parallel):
                 y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p,
@@ -52,7 +68,8 @@ class ParallelSelfAttention(nn.Module):
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=use_causal_flag)
         y = y.transpose(1, 2).reshape(b, s, self.local_hidden)              # (b, s, h/p)
-        return self.c_proj(y)                                               # (b, s, h)
+        y = self.c_proj(y)                                                  # (b, s, h)
+        return (y, (k, v)) if use_cache else y
 
 
 class ParallelMLP(nn.Module):
@@ -94,7 +111,12 @@ class TransformerLayer(nn.Module):
                                init_std=init_std, output_init_std=output_init_std)
         self.dropout = nn.Dropout(hidden_dropout)  # replicated activations: default RNG stream
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, causal: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, causal: bool = False,
+                layer_past: tuple[torch.Tensor, torch.Tensor] | None = None, use_cache: bool = False):
+        """The layer output (b, s, h); with ``use_cache`` the pair (output, (k, v)) of this layer's
+        updated key/value cache (see :class:`ParallelSelfAttention`)."""
+        if layer_past is not None or use_cache:
+            return self._forward_cached(x, attn_bias, causal, layer_past, use_cache)
         if self.pre_norm:
             x = x + self.dropout(self.attn(self.ln_1(x), attn_bias, causal))
             x = x + self.dropout(self.mlp(self.ln_2(x)))
@@ -103,28 +125,61 @@ class TransformerLayer(nn.Module):
             x = self.ln_2(x + self.dropout(self.mlp(x)))
         return x                                                            # (b, s, h)
 
+    def _forward_cached(self, x, attn_bias, causal, layer_past, use_cache):
+        """The same maths as :meth:`forward`, threading the key/value cache through the attention."""
+        attn_in = self.ln_1(x) if self.pre_norm else x
+        a, present = self.attn(attn_in, attn_bias, causal, layer_past=layer_past, use_cache=True)
+        if self.pre_norm:
+            x = x + self.dropout(a)
+            x = x + self.dropout(self.mlp(self.ln_2(x)))
+        else:
+            x = self.ln_1(x + self.dropout(a))
+            x = self.ln_2(x + self.dropout(self.mlp(x)))
+        return (x, present) if use_cache else x                             # (b, s, h)
+
 
 def attention_bias(attention_mask: torch.Tensor | None, seq_len: int, causal: bool,
-                   dtype: torch.dtype) -> torch.Tensor | None:
+                   dtype: torch.dtype, past_length: int = 0) -> torch.Tensor | None:
     """Additive attention bias (b, 1, s, s) from a (b, s) keep-mask, or None when nothing is masked
     beyond causality (SDPA's ``is_causal`` then does it). Masked entries get dtype's minimum, not
     -inf, so a fully masked row gives a uniform distribution rather than NaN (as transformers does).
+
+    With ``past_length`` P > 0 (decoding after a key/value cache) the keep-mask covers past and new
+    tokens, (b, P + s), and the bias is (b, 1, s, P + s): new query i (absolute position P + i) may
+    see key j iff j <= P + i, i.e. the causal triangle shifted right by P.
     """
     if attention_mask is None:
         return None
-    keep = attention_mask.to(torch.bool)[:, None, None, :]                  # (b, 1, 1, s)
+    keep = attention_mask.to(torch.bool)[:, None, None, :]                  # (b, 1, 1, P + s)
     if causal:
-        tril = torch.ones(seq_len, seq_len, dtype=torch.bool, device=attention_mask.device).tril()
-        keep = keep & tril                                                  # (b, 1, s, s)
+        tril = torch.ones(seq_len, past_length + seq_len, dtype=torch.bool,
+                          device=attention_mask.device).tril(diagonal=past_length)
+        keep = keep & tril                                                  # (b, 1, s, P + s)
     bias = torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device)
     return bias.masked_fill(~keep, torch.finfo(dtype).min)
 
 
 def run_layers(layers, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool,
-               checkpoint: bool) -> torch.Tensor:
+               checkpoint: bool, past_key_values=None, use_cache: bool = False):
     """Apply the layers in order; with ``checkpoint`` (and grad enabled) each layer's activations are
     recomputed in backward by DeepSpeed's activation checkpointing, which also restores the RNG
-    states (default and TP tracker) so recomputed dropout masks match."""
+    states (default and TP tracker) so recomputed dropout masks match.
+
+    ``past_key_values`` (one (k, v) per layer) and ``use_cache`` are for incremental decoding (no
+    checkpointing there): with ``use_cache`` the result is (x, presents), presents holding each
+    layer's updated (k, v), (b, heads_local, s_past + s, d).
+    """
+    if past_key_values is not None or use_cache:
+        pasts = past_key_values if past_key_values is not None else [None] * len(layers)
+        if len(pasts) != len(layers):
+            raise ValueError(f"past_key_values holds {len(pasts)} layers but the model has {len(layers)}; "
+                             "pass the cache this model returned.")
+        presents = []
+        for layer, layer_past in zip(layers, pasts):
+            out = layer(x, attn_bias, causal, layer_past=layer_past, use_cache=use_cache)
+            x, present = out if use_cache else (out, None)                  # (b, s, h)
+            presents.append(present)
+        return (x, tuple(presents)) if use_cache else x
     checkpoint = checkpoint and torch.is_grad_enabled()
     for layer in layers:
         if checkpoint:
