@@ -44,9 +44,10 @@ class SkippedExamples:
             return
         why = "; ".join(f"{n} {reason}" for reason, n in self.reasons.most_common())
         first_id, first_reason = self.first
+        first_why = f" ({first_reason})" if len(self.reasons) > 1 else ""
         warnings.warn(
             f"{self.source}: skipped {self.count} malformed example(s) ({why}); "
-            f"the first is id '{first_id}' ({first_reason}).",
+            f"the first is id '{first_id}'{first_why}.",
             MalformedExampleWarning,
             stacklevel=3,
         )

@@ -27,12 +27,14 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
-import torch
 
 from zoo.finetune.skips import SkippedExamples
+
+if TYPE_CHECKING:
+    import torch
 
 SQUAD_FILES = {"1.1": ("train-v1.1.json", "dev-v1.1.json"), "2.0": ("train-v2.0.json", "dev-v2.0.json")}
 
@@ -205,6 +207,8 @@ def featurize_squad(
     max_query_length: int = 64,
 ) -> SquadFeatures:
     """Document-stride windows ``[CLS] question [SEP] context window [SEP]`` of every example."""
+    import torch
+
     if max_seq_length - max_query_length - 3 < 1:
         raise ValueError(
             f"max_seq_length={max_seq_length} leaves no room for context after a {max_query_length}-token question; "
@@ -246,8 +250,9 @@ def featurize_squad(
 
 
 def _as_numpy(logits) -> np.ndarray:
-    if isinstance(logits, torch.Tensor):
-        return logits.detach().float().cpu().numpy()
+    """Logits from a torch tensor (any device or dtype) or anything array-like."""
+    if hasattr(logits, "detach"):
+        logits = logits.detach().float().cpu().numpy()
     return np.asarray(logits, dtype=np.float64)
 
 
