@@ -19,9 +19,13 @@ def _read_json(path: str, what: str):
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise FileNotFoundError(f"{what} file '{path}' does not exist; pass the path of an existing JSON file.") from None
+        raise FileNotFoundError(
+            f"{what} file '{path}' does not exist; pass the path of an existing JSON file."
+        ) from None
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"{what} file '{path}' is not JSON; write it as a JSON object of question id -> value.") from None
+        raise ValueError(
+            f"{what} file '{path}' is not JSON; write it as a JSON object of question id -> value."
+        ) from None
 
 
 def main(argv: list[str] | None = None) -> int:

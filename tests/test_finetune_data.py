@@ -217,7 +217,8 @@ def test_read_squad_v1_and_v2():
     dev = read_squad(FIXTURES / "squad1" / "dev-v1.1.json")
     assert len(dev[0].answers) == 3
     v2 = read_squad_dir(FIXTURES / "squad2")
-    assert [(e.qid, e.is_impossible, len(e.answers)) for e in v2["train"]] == [("g1", False, 1), ("g2", True, 0), ("g3", False, 1)]
+    assert [(e.qid, e.is_impossible, len(e.answers)) for e in v2["train"]] == [
+        ("g1", False, 1), ("g2", True, 0), ("g3", False, 1)]
     assert [e.is_impossible for e in v2["dev"]] == [False, True, False, True]
 
 
@@ -262,7 +263,8 @@ def test_featurize_squad_windows_layout(tokenizer, windows):
     assert tokens(tokenizer, ids[-1:]) == ["[SEP]"]
     context_tokens = [t for t, o in enumerate(features.offsets[first]) if o is not None]
     assert context_tokens == list(range(len(question) + 2, L - 1))
-    assert features.tensors["token_type_ids"][first].tolist() == [0] * (len(question) + 2) + [1] * (L - len(question) - 2)
+    prefix = len(question) + 2
+    assert features.tensors["token_type_ids"][first].tolist() == [0] * prefix + [1] * (L - prefix)
     # consecutive windows start 16 context tokens apart, and the last one reaches the end of the context
     window_starts = [features.offsets[f][len(question) + 2][0] for f, i in enumerate(features.example_index) if i == 0]
     full = tokenizer(examples[0].context, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
@@ -328,7 +330,8 @@ def test_decode_predictions_v2_null_answer(tokenizer):
         start_logits[f, span[0]], end_logits[f, span[-1]] = 3.0, 3.0  # span score 6
         null = 8.0 if examples[i].is_impossible else 2.0
         start_logits[f, 0] = end_logits[f, 0] = null / 2
-    predictions, na_probs = decode_predictions(examples, features, start_logits, end_logits, version_2_with_negative=True)
+    predictions, na_probs = decode_predictions(
+        examples, features, start_logits, end_logits, version_2_with_negative=True)
     assert predictions == {"v1": "in a furnace", "v2": "", "v3": "in a furnace", "v4": ""}
     assert na_probs["v2"] == pytest.approx(1 / (1 + torch.exp(torch.tensor(-2.0)).item()))
     assert na_probs["v1"] < 0.5 < na_probs["v2"]
@@ -364,7 +367,8 @@ def test_hub_layouts_read_into_the_same_dataclasses(tmp_path):
         "label": datasets.ClassLabel(names=["entailment", "neutral", "contradiction"]), "idx": datasets.Value("int32")})
     mnli = datasets.DatasetDict({
         "validation_matched": datasets.Dataset.from_dict(
-            {"premise": ["P0", "P1"], "hypothesis": ["H0", "H1"], "label": [0, 2], "idx": [0, 1]}, features=mnli_features),
+            {"premise": ["P0", "P1"], "hypothesis": ["H0", "H1"], "label": [0, 2], "idx": [0, 1]},
+            features=mnli_features),
         "validation_mismatched": datasets.Dataset.from_dict(
             {"premise": ["P2"], "hypothesis": ["H2"], "label": [1], "idx": [0]}, features=mnli_features),
         "test_matched": datasets.Dataset.from_dict(
@@ -380,7 +384,8 @@ def test_hub_layouts_read_into_the_same_dataclasses(tmp_path):
     squad_v2 = datasets.DatasetDict({"validation": datasets.Dataset.from_dict({
         "id": ["v1", "v2"], "title": ["Venrow", "Venrow"], "context": [context, context],
         "question": ["Where?", "Who?"],
-        "answers": [{"text": ["in a furnace", "a furnace"], "answer_start": [41, 44]}, {"text": [], "answer_start": []}]})})
+        "answers": [{"text": ["in a furnace", "a furnace"], "answer_start": [41, 44]},
+                    {"text": [], "answer_start": []}]})})
     race = datasets.DatasetDict({"test": datasets.Dataset.from_dict({
         "example_id": ["high7.txt", "high7.txt", "middle3.txt"], "article": ["Art one.", "Art one.", "Art two."],
         "answer": ["C", "A", "B"], "question": ["Q1 _ .", "Q2?", "Q3?"],
@@ -389,7 +394,8 @@ def test_hub_layouts_read_into_the_same_dataclasses(tmp_path):
     for directory in _save_both(mnli, tmp_path, "mnli"):
         splits = read_mnli(directory)
         assert splits == {
-            "dev_matched": [PairExample("dev_matched-0", "P0", "H0", ENTAILMENT), PairExample("dev_matched-1", "P1", "H1", CONTRADICTION)],
+            "dev_matched": [PairExample("dev_matched-0", "P0", "H0", ENTAILMENT),
+                            PairExample("dev_matched-1", "P1", "H1", CONTRADICTION)],
             "dev_mismatched": [PairExample("dev_mismatched-0", "P2", "H2", NEUTRAL)],
         }
     for directory in _save_both(qqp, tmp_path, "qqp"):

@@ -79,11 +79,25 @@ def test_v2_scores_with_no_answer_probabilities():
 
 def test_missing_predictions_score_zero_with_one_warning():
     examples = [SquadExample("a", "q", "c moon", (("moon", 2),)), SquadExample("b", "q", "c", (), True)]
-    with pytest.warns(MalformedExampleWarning, match=r"skipped 1 .*without a prediction, scored 0.*first is id 'b'"):
+    expected = r"1 question\(s\) lacked an input \(1 without a prediction, scored 0\).*first is id 'b'"
+    with pytest.warns(MalformedExampleWarning, match=expected):
         scores = squad_scores(examples, {"a": "moon"})
     assert scores["exact"] == 50.0 and scores["NoAns_exact"] == 0.0
     with pytest.raises(ValueError, match="predictions must be a JSON object mapping question id to answer text"):
         squad_scores(examples, {"a": 3})
+
+
+def test_best_threshold_counts_any_non_empty_no_answer_prediction_as_wrong():
+    # As the official script: "the" normalises to "" (exact 1 on the impossible question b), yet
+    # keeping a non-empty prediction on b costs 1 in the threshold search.
+    examples = [SquadExample("a", "q", "c moon", (("moon", 2),)), SquadExample("b", "q", "c", (), True)]
+    scores = squad_scores(examples, {"a": "moon", "b": "the"}, {"a": 0.2, "b": 0.7})
+    assert scores["exact"] == 100.0
+    # all null: 1 (b); + a (0.2): 2 -> best 100 at 0.2; + b (0.7): -1
+    assert (scores["best_exact"], scores["best_exact_thresh"]) == (100.0, 0.2)
+    scores = squad_scores(examples, {"a": "sun", "b": "the"}, {"a": 0.2, "b": 0.7})
+    # all null: 1; + a: +0; + b: -1 -> best stays at the start, 50 at threshold 0
+    assert (scores["best_exact"], scores["best_exact_thresh"]) == (50.0, 0.0)
 
 
 def _load_cli():
@@ -99,7 +113,8 @@ def test_squad_eval_cli_prints_the_hand_computed_scores(tmp_path):
     na_probs.write_text(json.dumps(V2_NA_PROBS))
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     result = subprocess.run(
-        [sys.executable, str(SQUAD_EVAL), str(FIXTURES / "squad2" / "dev-v2.0.json"), str(predictions), "--na-prob-file", str(na_probs)],
+        [sys.executable, str(SQUAD_EVAL), str(FIXTURES / "squad2" / "dev-v2.0.json"), str(predictions),
+         "--na-prob-file", str(na_probs)],
         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120,
     )
     assert result.returncode == 0, result.stderr

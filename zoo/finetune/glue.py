@@ -95,8 +95,9 @@ def read_pair_tsv(
     label_ids = {name: i for i, name in enumerate(labels)}
     skipped = SkippedExamples(str(path))
     examples = []
+    id_column = position.get(columns.guid)
     for line_number, row in enumerate(rows, start=2):
-        row_id = row[position[columns.guid]] if columns.guid in position and len(row) > position[columns.guid] else f"line {line_number}"
+        row_id = row[id_column] if id_column is not None and id_column < len(row) else f"line {line_number}"
         if len(row) != len(header):
             skipped.skip(row_id, f"row(s) with a field count other than the header's {len(header)}")
             continue
@@ -129,7 +130,9 @@ def _read_task_dir(
 ) -> dict[str, list[PairExample]]:
     directory = Path(data_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(f"{task} data directory '{directory}' does not exist; pass --data-dir with the GLUE {task} files.")
+        raise FileNotFoundError(
+            f"{task} data directory '{directory}' does not exist; pass --data-dir with the GLUE {task} files."
+        )
     splits = {}
     for split, name in split_files.items():
         path = directory / name
@@ -168,7 +171,9 @@ def encode_pairs(examples: Sequence[PairExample], tokenizer, max_seq_length: int
     ``attention_mask`` of shape (N, L), and ``labels`` of shape (N,), all int64.
     """
     if max_seq_length < 5:
-        raise ValueError(f"max_seq_length={max_seq_length} leaves no room for two texts; use at least 5 (128 is usual).")
+        raise ValueError(
+            f"max_seq_length={max_seq_length} leaves no room for two texts; use at least 5 (128 is usual)."
+        )
     if not examples:
         empty = torch.zeros((0, max_seq_length), dtype=torch.long)
         return {"input_ids": empty, "token_type_ids": empty.clone(), "attention_mask": empty.clone(),

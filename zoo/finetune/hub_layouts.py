@@ -92,7 +92,10 @@ def load_hub_splits(directory: str | os.PathLike) -> dict[str, datasets.Dataset]
         return dict(datasets.load_from_disk(str(directory)))
     files = _parquet_files(directory)
     if not files:
-        raise ValueError(f"'{directory}' holds neither dataset_dict.json nor hub parquet files; pass a save_to_disk directory or a hub dataset download.")
+        raise ValueError(
+            f"'{directory}' holds neither dataset_dict.json nor hub parquet files; "
+            "pass a save_to_disk directory or a hub dataset download."
+        )
     return {split: datasets.Dataset.from_parquet(paths, keep_in_memory=True) for split, paths in files.items()}
 
 
@@ -100,7 +103,8 @@ def _require_columns(dataset: datasets.Dataset, columns, directory: Path, split:
     for column in columns:
         if column not in dataset.column_names:
             raise ValueError(
-                f"split '{split}' of '{directory}' has no '{column}' column (it has {', '.join(dataset.column_names)}); "
+                f"split '{split}' of '{directory}' has no '{column}' column "
+                f"(it has {', '.join(dataset.column_names)}); "
                 "pass the matching Hugging Face dataset configuration."
             )
 
@@ -117,7 +121,10 @@ def read_glue_hub(directory: str | os.PathLike, task: str) -> dict[str, list[Pai
         label_feature = dataset.features["label"]
         names = tuple(label_feature.names) if isinstance(label_feature, datasets.ClassLabel) else hub_names
         if any(name not in our_ids for name in names):
-            raise ValueError(f"the label names {', '.join(names)} of '{directory}' are not those of glue/{task}; pass the glue/{task} dataset.")
+            raise ValueError(
+                f"the label names {', '.join(names)} of '{directory}' are not those of glue/{task}; "
+                f"pass the glue/{task} dataset."
+            )
         rows = dataset.to_dict()
         if all(label == -1 for label in rows["label"]):
             continue  # the hub's unlabelled test split
@@ -129,7 +136,8 @@ def read_glue_hub(directory: str | os.PathLike, task: str) -> dict[str, list[Pai
             if not isinstance(label, int) or not 0 <= label < len(names):
                 skipped.skip(str(row_id), f"label(s) outside 0..{len(names) - 1}")
                 continue
-            examples.append(PairExample(guid=f"{split}-{row_id}", text_a=text_a, text_b=text_b, label=our_ids[names[label]]))
+            label_id = our_ids[names[label]]
+            examples.append(PairExample(guid=f"{split}-{row_id}", text_a=text_a, text_b=text_b, label=label_id))
         skipped.warn()
         splits[split] = examples
     if not splits:

@@ -52,7 +52,8 @@ def make_race_example(
     guid: str, level: str, article: str, question: str, options, answer, skipped: SkippedExamples,
 ) -> RaceExample | None:
     """The example, or None (counted in ``skipped``) when its options or answer are malformed."""
-    if not isinstance(options, (list, tuple)) or len(options) != len(ANSWER_LETTERS) or not all(isinstance(o, str) for o in options):
+    four_texts = isinstance(options, (list, tuple)) and len(options) == len(ANSWER_LETTERS)
+    if not four_texts or not all(isinstance(option, str) for option in options):
         skipped.skip(guid, "question(s) without exactly 4 text options")
         return None
     if answer not in ANSWER_LETTERS:
@@ -69,15 +70,23 @@ def read_race_file(path: str | os.PathLike, split: str, level: str, skipped: Ski
         record = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
         raise ValueError(f"'{path}' is not a JSON object; each RACE .txt file must hold one JSON object.") from None
-    keys = ("article", "questions", "options", "answers")
-    if not isinstance(record, dict) or not all(isinstance(record.get(k), list if k != "article" else str) for k in keys):
-        raise ValueError(f"'{path}' lacks one of {', '.join(keys)}; each RACE file needs an article and lists of questions, options and answers.")
+    expected_types = {"article": str, "questions": list, "options": list, "answers": list}
+    if not isinstance(record, dict) or not all(isinstance(record.get(k), t) for k, t in expected_types.items()):
+        raise ValueError(
+            f"'{path}' lacks one of {', '.join(expected_types)}; each RACE file needs an article and lists of "
+            "questions, options and answers."
+        )
     if not len(record["questions"]) == len(record["options"]) == len(record["answers"]):
-        raise ValueError(f"'{path}' has questions, options and answers lists of different lengths; give one entry per question in each.")
+        raise ValueError(
+            f"'{path}' has questions, options and answers lists of different lengths; "
+            "give one entry per question in each."
+        )
     file_id = str(record.get("id", path.name))
     examples = []
-    for number, (question, options, answer) in enumerate(zip(record["questions"], record["options"], record["answers"])):
-        example = make_race_example(f"{split}-{level}-{file_id}-{number}", level, record["article"], question, options, answer, skipped)
+    questions = zip(record["questions"], record["options"], record["answers"])
+    for number, (question, options, answer) in enumerate(questions):
+        guid = f"{split}-{level}-{file_id}-{number}"
+        example = make_race_example(guid, level, record["article"], question, options, answer, skipped)
         if example is not None:
             examples.append(example)
     return examples
@@ -87,10 +96,13 @@ def read_race(data_dir: str | os.PathLike) -> dict[str, list[RaceExample]]:
     """RACE splits present in ``data_dir``: some of "train", "dev", "test"; one example per question."""
     directory = Path(data_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(f"RACE data directory '{directory}' does not exist; pass --data-dir with the RACE train/dev/test tree.")
+        raise FileNotFoundError(
+            f"RACE data directory '{directory}' does not exist; pass --data-dir with the RACE train/dev/test tree."
+        )
     splits = {}
     for split in RACE_SPLITS:
-        level_dirs = [(level, directory / split / level) for level in RACE_LEVELS if (directory / split / level).is_dir()]
+        level_dirs = [(level, directory / split / level) for level in RACE_LEVELS]
+        level_dirs = [(level, path) for level, path in level_dirs if path.is_dir()]
         if not level_dirs:
             continue
         skipped = SkippedExamples(str(directory / split))
@@ -117,7 +129,9 @@ def question_with_option(question: str, option: str) -> str:
     return question.replace("_", option) if "_" in question else f"{question} {option}"
 
 
-def _pair_ids(first: list[int], second: list[int], max_seq_length: int, cls_id: int, sep_id: int) -> tuple[list[int], list[int]]:
+def _pair_ids(
+    first: list[int], second: list[int], max_seq_length: int, cls_id: int, sep_id: int
+) -> tuple[list[int], list[int]]:
     """``[CLS] first [SEP] second [SEP]`` ids and token types; ``second`` is cut first."""
     budget = max_seq_length - 3
     second = second[: max(budget - len(first), 0)]
@@ -130,24 +144,31 @@ def _pair_ids(first: list[int], second: list[int], max_seq_length: int, cls_id: 
 def encode_race(examples: Sequence[RaceExample], tokenizer, max_seq_length: int) -> dict[str, torch.Tensor]:
     """``input_ids``, ``token_type_ids``, ``attention_mask`` (N, 4, L) and ``labels`` (N,), int64."""
     if max_seq_length < 5:
-        raise ValueError(f"max_seq_length={max_seq_length} leaves no room for a question and an article; use at least 5 (512 is usual).")
+        raise ValueError(
+            f"max_seq_length={max_seq_length} leaves no room for a question and an article; "
+            "use at least 5 (512 is usual)."
+        )
     count, num_options = len(examples), len(ANSWER_LETTERS)
     input_ids = torch.full((count, num_options, max_seq_length), tokenizer.pad_token_id, dtype=torch.long)
     token_type_ids = torch.zeros_like(input_ids)
     attention_mask = torch.zeros_like(input_ids)
+    cls_id, sep_id = tokenizer.cls_token_id, tokenizer.sep_token_id
     if count:
         articles = tokenizer([e.article for e in examples], add_special_tokens=False)["input_ids"]
         questions = tokenizer(
-            [question_with_option(e.question, option) for e in examples for option in e.options], add_special_tokens=False,
+            [question_with_option(e.question, option) for e in examples for option in e.options],
+            add_special_tokens=False,
         )["input_ids"]
         for i in range(count):
             for j in range(num_options):
-                ids, types = _pair_ids(questions[i * num_options + j], articles[i], max_seq_length, tokenizer.cls_token_id, tokenizer.sep_token_id)
+                question = questions[i * num_options + j]
+                ids, types = _pair_ids(question, articles[i], max_seq_length, cls_id, sep_id)
                 input_ids[i, j, : len(ids)] = torch.tensor(ids)
                 token_type_ids[i, j, : len(ids)] = torch.tensor(types)
                 attention_mask[i, j, : len(ids)] = 1
     labels = torch.tensor([e.label for e in examples], dtype=torch.long)
-    return {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": attention_mask, "labels": labels}
+    return {"input_ids": input_ids, "token_type_ids": token_type_ids, "attention_mask": attention_mask,
+            "labels": labels}
 
 
 def race_accuracy(predictions, examples: Sequence[RaceExample]) -> dict[str, float]:
@@ -161,6 +182,7 @@ def race_accuracy(predictions, examples: Sequence[RaceExample]) -> dict[str, flo
     correct = predicted == np.array([e.label for e in examples], dtype=np.int64)
     levels = np.array([e.level for e in examples])
     accuracy = {}
-    for name, mask in (("middle", levels == "middle"), ("high", levels == "high"), ("all", np.ones(len(examples), bool))):
+    masks = {"middle": levels == "middle", "high": levels == "high", "all": np.ones(len(examples), dtype=bool)}
+    for name, mask in masks.items():
         accuracy[name] = float(correct[mask].mean()) if mask.any() else float("nan")
     return accuracy

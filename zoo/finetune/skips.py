@@ -26,8 +26,9 @@ class MalformedExampleWarning(UserWarning):
 class SkippedExamples:
     """Tally of the malformed examples of one source; :meth:`warn` reports them once."""
 
-    def __init__(self, source: str):
+    def __init__(self, source: str, headline: str = "skipped {count} malformed example(s)"):
         self.source = source
+        self.headline = headline
         self.count = 0
         self.reasons: Counter[str] = Counter()
         self.first: tuple[str, str] | None = None  # (example id, reason)
@@ -46,7 +47,7 @@ class SkippedExamples:
         first_id, first_reason = self.first
         first_why = f" ({first_reason})" if len(self.reasons) > 1 else ""
         warnings.warn(
-            f"{self.source}: skipped {self.count} malformed example(s) ({why}); "
+            f"{self.source}: {self.headline.format(count=self.count)} ({why}); "
             f"the first is id '{first_id}'{first_why}.",
             MalformedExampleWarning,
             stacklevel=3,

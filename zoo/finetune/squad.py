@@ -104,7 +104,9 @@ def make_squad_example(
 
 
 def _not_squad(path: Path) -> ValueError:
-    return ValueError(f"'{path}' is not SQuAD JSON (data -> paragraphs -> context, qas); pass the official train/dev file.")
+    return ValueError(
+        f"'{path}' is not SQuAD JSON (data -> paragraphs -> context, qas); pass the official train/dev file."
+    )
 
 
 def read_squad_json(path: str | os.PathLike) -> list[SquadExample]:
@@ -123,7 +125,9 @@ def read_squad_json(path: str | os.PathLike) -> list[SquadExample]:
         if not isinstance(article, dict) or not isinstance(article.get("paragraphs"), list):
             raise _not_squad(path)
         for paragraph in article["paragraphs"]:
-            if not isinstance(paragraph, dict) or not isinstance(paragraph.get("context"), str) or not isinstance(paragraph.get("qas"), list):
+            if not isinstance(paragraph, dict) or not isinstance(paragraph.get("context"), str):
+                raise _not_squad(path)
+            if not isinstance(paragraph.get("qas"), list):
                 raise _not_squad(path)
             for qa in paragraph["qas"]:
                 qid, question = qa.get("id"), qa.get("question")
@@ -147,7 +151,10 @@ def read_squad(path: str | os.PathLike, split: str | None = None) -> list[SquadE
     from zoo.finetune import hub_layouts  # imports `datasets`, which is slow: only when needed
 
     if split is None:
-        raise ValueError(f"'{path}' is a directory; pass a SQuAD JSON file, or split='train' or 'dev' for a Hugging Face squad layout.")
+        raise ValueError(
+            f"'{path}' is a directory; pass a SQuAD JSON file, or split='train' or 'dev' for a "
+            "Hugging Face squad layout."
+        )
     splits = hub_layouts.read_squad_hub(path)
     if split not in splits:
         raise ValueError(f"'{path}' has no '{split}' split (it has {', '.join(splits)}); pass one of those.")
@@ -159,7 +166,9 @@ def read_squad_dir(data_dir: str | os.PathLike, version: str | None = None) -> d
     either when only one is there) or a Hugging Face squad/squad_v2 layout."""
     directory = Path(data_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(f"SQuAD data directory '{directory}' does not exist; pass --data-dir with the SQuAD JSON files.")
+        raise FileNotFoundError(
+            f"SQuAD data directory '{directory}' does not exist; pass --data-dir with the SQuAD JSON files."
+        )
     if version is not None and version not in SQUAD_FILES:
         raise ValueError(f"unknown SQuAD version '{version}'; use '1.1' or '2.0'.")
     present = {v: names for v, names in SQUAD_FILES.items() if any((directory / n).is_file() for n in names)}
@@ -216,8 +225,9 @@ def featurize_squad(
         )
     if doc_stride < 1:
         raise ValueError(f"doc_stride={doc_stride} must be a positive number of tokens (128 is usual).")
-    questions = tokenizer([e.question for e in examples], add_special_tokens=False)["input_ids"] if examples else []
-    contexts = tokenizer([e.context for e in examples], add_special_tokens=False, return_offsets_mapping=True) if examples else None
+    if examples:
+        questions = tokenizer([e.question for e in examples], add_special_tokens=False)["input_ids"]
+        contexts = tokenizer([e.context for e in examples], add_special_tokens=False, return_offsets_mapping=True)
     cls_id, sep_id, pad_id = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id
     rows: dict[str, list[list[int] | int]] = defaultdict(list)
     example_index, all_offsets = [], []
@@ -283,7 +293,10 @@ def decode_predictions(
     starts, ends = _as_numpy(start_logits), _as_numpy(end_logits)
     expected = (len(features), features.tensors["input_ids"].shape[1])
     if starts.shape != expected or ends.shape != expected:
-        raise ValueError(f"start/end logits of shape {starts.shape}/{ends.shape} do not match the {expected} features; pass one row per window.")
+        raise ValueError(
+            f"start/end logits of shape {starts.shape}/{ends.shape} do not match the {expected} features; "
+            "pass one row per window."
+        )
     windows_of = defaultdict(list)
     for f, i in enumerate(features.example_index):
         windows_of[i].append(f)

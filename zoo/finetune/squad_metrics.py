@@ -65,22 +65,31 @@ def _percent(scores: Mapping[str, float], qids: Sequence[str]) -> float:
 
 
 def _best_threshold(
-    raw: Mapping[str, float], na_probs: Mapping[str, float], has_answer: Mapping[str, bool]
+    raw: Mapping[str, float],
+    na_probs: Mapping[str, float],
+    has_answer: Mapping[str, bool],
+    answered: Mapping[str, bool],
 ) -> tuple[float, float]:
     """Best percent score and its threshold: start with every question answered "" and, in order
-    of rising no-answer probability, let each question keep its prediction instead."""
+    of rising no-answer probability, let each question keep its prediction instead (for a
+    no-answer question that costs 1 exactly when its prediction is not the empty string, as in the
+    official script, even if the text normalises to nothing)."""
     score = best = sum(1 for q in raw if not has_answer[q])
     best_thresh = 0.0
     for qid in sorted(na_probs, key=lambda q: na_probs[q]):
-        score += raw[qid] - (0.0 if has_answer[qid] else 1.0)
+        score += raw[qid] if has_answer[qid] else -float(answered[qid])
         if score > best:
             best, best_thresh = score, na_probs[qid]
     return 100.0 * best / len(raw), float(best_thresh)
 
 
 def _check_mapping(mapping, what: str, value_types: tuple[type, ...], value_name: str) -> None:
-    if not isinstance(mapping, Mapping) or not all(isinstance(k, str) and isinstance(v, value_types) for k, v in mapping.items()):
-        raise ValueError(f"the {what} must be a JSON object mapping question id to {value_name}; write them in the official format.")
+    if not isinstance(mapping, Mapping) or not all(
+        isinstance(key, str) and isinstance(value, value_types) for key, value in mapping.items()
+    ):
+        raise ValueError(
+            f"the {what} must be a JSON object mapping question id to {value_name}; write them in the official format."
+        )
 
 
 def squad_scores(
@@ -96,7 +105,7 @@ def squad_scores(
     _check_mapping(predictions, "predictions", (str,), "answer text")
     if na_probs is not None:
         _check_mapping(na_probs, "no-answer probabilities", (int, float), "a number")
-    missing = SkippedExamples("SQuAD scoring")
+    missing = SkippedExamples("SQuAD scoring", headline="{count} question(s) lacked an input")
     has_answer = {e.qid: not e.is_impossible and bool(e.answers) for e in examples}
     exact_raw, f1_raw = {}, {}
     # In the probabilities' own order, as the official script sorts them (it matters for ties).
@@ -107,11 +116,11 @@ def squad_scores(
             exact_raw[example.qid] = float(max(exact_match_score(pred, g) for g in golds))
             f1_raw[example.qid] = max(f1_score(pred, g) for g in golds)
         else:
-            missing.skip(example.qid, "question(s) without a prediction, scored 0")
+            missing.skip(example.qid, "without a prediction, scored 0")
             exact_raw[example.qid] = f1_raw[example.qid] = 0.0
         if example.qid not in probs:
             if na_probs is not None:
-                missing.skip(example.qid, "question(s) without a no-answer probability, taken as 0")
+                missing.skip(example.qid, "without a no-answer probability, taken as 0")
             probs[example.qid] = 0.0
     missing.warn()
 
@@ -121,10 +130,14 @@ def squad_scores(
     exact, f1 = thresholded(exact_raw), thresholded(f1_raw)
     qids = [e.qid for e in examples]
     result: dict[str, float | int] = {"exact": _percent(exact, qids), "f1": _percent(f1, qids), "total": len(qids)}
-    for prefix, subset in (("HasAns", [q for q in qids if has_answer[q]]), ("NoAns", [q for q in qids if not has_answer[q]])):
+    for prefix, answerable in (("HasAns", True), ("NoAns", False)):
+        subset = [q for q in qids if has_answer[q] == answerable]
         if subset:
-            result.update({f"{prefix}_exact": _percent(exact, subset), f"{prefix}_f1": _percent(f1, subset), f"{prefix}_total": len(subset)})
+            result[f"{prefix}_exact"] = _percent(exact, subset)
+            result[f"{prefix}_f1"] = _percent(f1, subset)
+            result[f"{prefix}_total"] = len(subset)
     if na_probs is not None:
-        result["best_exact"], result["best_exact_thresh"] = _best_threshold(exact_raw, probs, has_answer)
-        result["best_f1"], result["best_f1_thresh"] = _best_threshold(f1_raw, probs, has_answer)
+        answered = {q: predictions.get(q, None) != "" for q in qids}  # a missing prediction is wrong
+        result["best_exact"], result["best_exact_thresh"] = _best_threshold(exact_raw, probs, has_answer, answered)
+        result["best_f1"], result["best_f1_thresh"] = _best_threshold(f1_raw, probs, has_answer, answered)
     return result
