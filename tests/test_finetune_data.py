@@ -407,7 +407,10 @@ def test_hub_layouts_read_into_the_same_dataclasses(tmp_path):
         assert dev == read_squad(directory, split="dev") == [
             SquadExample("v1", "Where?", context, (("in a furnace", 41), ("a furnace", 44)), False),
             SquadExample("v2", "Who?", context, (), True)]
-    for directory in _save_both(race, tmp_path, "race"):
+    converted = tmp_path / "race_converted" / "test"  # the hub's refs/convert/parquet naming
+    converted.mkdir(parents=True)
+    race["test"].to_parquet(str(converted / "0000.parquet"))
+    for directory in (*_save_both(race, tmp_path, "race"), converted.parent):
         test = read_race(directory)["test"]
         assert test == [
             RaceExample("test-high-high7.txt-0", "high", "Art one.", "Q1 _ .", ("a", "b", "c", "d"), 2),

@@ -53,21 +53,23 @@ class PairExample:
 
 
 @dataclass(frozen=True)
-class _PairColumns:
+class TsvColumns:
+    """Header names of a task's two texts, its label and its example id (row number if absent)."""
+
     text_a: str
     text_b: str
     label: str
     guid: str
 
 
-_MNLI_COLUMNS = _PairColumns(text_a="sentence1", text_b="sentence2", label="gold_label", guid="index")
-_QQP_COLUMNS = _PairColumns(text_a="question1", text_b="question2", label="is_duplicate", guid="id")
+MNLI_COLUMNS = TsvColumns(text_a="sentence1", text_b="sentence2", label="gold_label", guid="index")
+QQP_COLUMNS = TsvColumns(text_a="question1", text_b="question2", label="is_duplicate", guid="id")
 
 
 def _read_tsv(path: Path) -> tuple[list[str], list[list[str]]]:
     """The header and the non-blank rows of a GLUE TSV file."""
     try:
-        with open(path, encoding="utf-8", newline="") as f:
+        with open(path, encoding="utf-8-sig", newline="") as f:
             rows = [row for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if row]
     except UnicodeDecodeError:
         raise ValueError(f"'{path}' is not UTF-8 text; pass the GLUE TSV file as distributed.") from None
@@ -79,7 +81,7 @@ def _read_tsv(path: Path) -> tuple[list[str], list[list[str]]]:
 def read_pair_tsv(
     path: str | os.PathLike,
     split: str,
-    columns: _PairColumns,
+    columns: TsvColumns,
     labels: Sequence[str],
 ) -> list[PairExample]:
     """Examples of one GLUE TSV file; malformed rows are skipped, counted and warned about once."""
@@ -96,8 +98,8 @@ def read_pair_tsv(
     skipped = SkippedExamples(str(path))
     examples = []
     id_column = position.get(columns.guid)
-    for line_number, row in enumerate(rows, start=2):
-        row_id = row[id_column] if id_column is not None and id_column < len(row) else f"line {line_number}"
+    for row_number, row in enumerate(rows, start=1):
+        row_id = row[id_column] if id_column is not None and id_column < len(row) else f"row {row_number}"
         if len(row) != len(header):
             skipped.skip(row_id, f"row(s) with a field count other than the header's {len(header)}")
             continue
@@ -124,7 +126,7 @@ def _read_task_dir(
     data_dir: str | os.PathLike,
     task: str,
     split_files: Mapping[str, str],
-    columns: _PairColumns,
+    columns: TsvColumns,
     labels: Sequence[str],
     unlabelled_ok: Sequence[str] = (),
 ) -> dict[str, list[PairExample]]:
@@ -156,12 +158,12 @@ def _read_task_dir(
 
 def read_mnli(data_dir: str | os.PathLike) -> dict[str, list[PairExample]]:
     """MNLI splits present in ``data_dir``: some of "train", "dev_matched", "dev_mismatched"."""
-    return _read_task_dir(data_dir, "mnli", MNLI_SPLIT_FILES, _MNLI_COLUMNS, MNLI_LABELS)
+    return _read_task_dir(data_dir, "mnli", MNLI_SPLIT_FILES, MNLI_COLUMNS, MNLI_LABELS)
 
 
 def read_qqp(data_dir: str | os.PathLike) -> dict[str, list[PairExample]]:
     """QQP splits present in ``data_dir``: some of "train", "dev" and, when labelled, "test"."""
-    return _read_task_dir(data_dir, "qqp", QQP_SPLIT_FILES, _QQP_COLUMNS, QQP_LABELS, unlabelled_ok=("test",))
+    return _read_task_dir(data_dir, "qqp", QQP_SPLIT_FILES, QQP_COLUMNS, QQP_LABELS, unlabelled_ok=("test",))
 
 
 def encode_pairs(examples: Sequence[PairExample], tokenizer, max_seq_length: int) -> dict[str, torch.Tensor]:

@@ -162,8 +162,11 @@ def read_squad(path: str | os.PathLike, split: str | None = None) -> list[SquadE
 
 
 def read_squad_dir(data_dir: str | os.PathLike, version: str | None = None) -> dict[str, list[SquadExample]]:
-    """"train" and/or "dev" of ``data_dir``: the official files of ``version`` ("1.1" or "2.0";
-    either when only one is there) or a Hugging Face squad/squad_v2 layout."""
+    """The "train" and/or "dev" examples of ``data_dir``.
+
+    They come from the official files of ``version`` ("1.1" or "2.0"; None takes whichever is
+    there) or, without them, from a Hugging Face squad/squad_v2 layout.
+    """
     directory = Path(data_dir)
     if not directory.is_dir():
         raise FileNotFoundError(
