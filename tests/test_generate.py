@@ -1,0 +1,294 @@
+"""Generation: greedy equals transformers' ``generate`` at tp = 1 and 2, the KV cache changes nothing,
+sampled tokens are identical on every TP rank and reproducible from the seed, the sampling filters,
+EOD and context stopping, and the launch/generate.py CLI.
+
+Tolerance: cached vs full-recompute logits max|a - b| / max|b| <= 1e-5 (fp32); token ids exactly equal.
+All tp = 2 checks share one spawn (imports dominate its cost).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.spawn import spawn
+
+REPO = Path(__file__).resolve().parent.parent
+REL_TOL = 1e-5
+VOCAB = 1000            # not a multiple of 128: padded vocab shards at tp = 2
+EOD = VOCAB - 1
+N_POSITIONS = 48
+NEW = 12
+PROMPTS = [[5, 17, 300, 42, 7, 11, 600], [9, 8, 123]]      # different lengths: left padding
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
+
+
+@pytest.fixture(scope="module")
+def gpt2_dir(tmp_path_factory):
+    """A tiny random transformers GPT-2 whose weights are large enough (std 0.3) for varied greedy tokens."""
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=N_POSITIONS, n_embd=64, n_layer=2, n_head=4,
+                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                     bos_token_id=EOD, eos_token_id=EOD)
+    torch.manual_seed(1234)
+    model = transformers.GPT2LMHeadModel(config)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.normal_(0.0, 0.3 if param.dim() > 1 else 0.1)
+    path = tmp_path_factory.mktemp("gen_gpt2")
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(gpt2_dir):
+    """transformers' greedy continuation of each prompt, generated alone (no padding)."""
+    import transformers
+
+    model = transformers.GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
+    out = []
+    for prompt in PROMPTS:
+        ids = torch.tensor([prompt])
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=NEW,
+                             pad_token_id=EOD, eos_token_id=EOD)
+        out.append(seq[0, len(prompt):].tolist())
+    return out
+
+
+# ---------------------------------------------------------------------------- model-level checks
+def _cache_logits_errors(model, parallel) -> dict[str, float]:
+    """Logits of a left-padded batch computed in pieces through the cache (prefill 4, a 3-token chunk
+    after the cache -- the offset causal mask --, then single tokens) vs one full forward; and the same
+    without any mask (one row, positions implied by the cache length)."""
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, VOCAB, (2, 10), generator=gen)                   # (b, T)
+    mask = torch.ones(2, 10, dtype=torch.bool)
+    mask[1, :3] = False                                                     # row 1: three left pads
+    positions = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    errors = {}
+    for name, (m, pos, rows) in {"padded": (mask, positions, slice(None)), "unmasked": (None, None, slice(0, 1))}.items():
+        x = ids[rows]
+        full = model(x, attention_mask=m, position_ids=pos, gather_output=True).logits   # (b, T, V)
+        pieces, past = [], None
+        for lo, hi in ((0, 4), (4, 7), (7, 8), (8, 9), (9, 10)):
+            out = model(x[:, lo:hi], attention_mask=None if m is None else m[:, :hi],
+                        position_ids=None if pos is None else pos[:, lo:hi], past_key_values=past,
+                        use_cache=True, gather_output=True)
+            past = out.past_key_values
+            pieces.append(out.logits)
+        cached = torch.cat(pieces, dim=1)                                  # (b, T, V)
+        real = torch.ones_like(x, dtype=torch.bool) if m is None else m    # pad queries are not compared
+        errors[name] = rel_err(cached[real], full[real])
+        assert past[0][0].shape == (x.shape[0], 4 // parallel.tp_size, 10, 16)   # (b, heads_local, s, d)
+    return errors
+
+
+def _generation_worker(rank, world_size, directory):
+    from zoo.inference import GenerationConfig, generate
+    from zoo.models import GPT2LMHeadModel
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(world_size)
+    model = GPT2LMHeadModel.from_pretrained(directory, parallel=ps).eval()
+
+    def run(config, prompts=PROMPTS, **kwargs):
+        return [c.tokens for c in generate(model, prompts, config, ps, **kwargs)]
+
+    greedy = GenerationConfig(max_new_tokens=NEW, greedy=True, eod_token_id=EOD)
+    sampled = GenerationConfig(max_new_tokens=NEW, temperature=0.7, top_k=20, top_p=0.9, seed=11, eod_token_id=EOD)
+    with torch.no_grad():
+        logits_errors = _cache_logits_errors(model, ps)
+    completions = generate(model, PROMPTS, sampled, ps)
+    return {
+        "logits_errors": logits_errors,
+        "greedy_batched": run(greedy),
+        "greedy_alone": [run(greedy, [p])[0] for p in PROMPTS],
+        "greedy_no_cache": run(dataclasses.replace(greedy, use_cache=False)),
+        "greedy_batch_of_one": run(greedy, batch_size=1),
+        "sampled": [c.tokens for c in completions],
+        "disagreements": sum(c.rank_disagreements for c in completions),
+        "sampled_again": run(sampled),
+        "sampled_no_cache": run(dataclasses.replace(sampled, use_cache=False)),
+        "sampled_alone": [run(sampled, [p], first_index=i)[0] for i, p in enumerate(PROMPTS)],
+        "sampled_other_seed": run(dataclasses.replace(sampled, seed=12)),
+    }
+
+
+@pytest.fixture(scope="module")
+def results(gpt2_dir):
+    """tp -> the worker's results on every rank; tp = 1 in this process, tp = 2 in one spawn."""
+    return {1: [_generation_worker(0, 1, gpt2_dir)], 2: spawn(_generation_worker, 2, gpt2_dir)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_equals_transformers_generate(results, hf_greedy, tp):
+    """Batched (left-padded), alone, batch size 1 and without the cache: all equal transformers' ids."""
+    assert any(len(set(tokens)) > 3 for tokens in hf_greedy), "the reference is degenerate"
+    for rank, res in enumerate(results[tp]):
+        for key in ("greedy_batched", "greedy_alone", "greedy_no_cache", "greedy_batch_of_one"):
+            assert res[key] == hf_greedy, f"{key} at tp={tp} rank {rank}: {res[key]} != {hf_greedy}"
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_cached_logits_equal_full_recompute(results, tp):
+    for rank, res in enumerate(results[tp]):
+        for name, err in res["logits_errors"].items():
+            assert err <= REL_TOL, f"{name}: cached vs full logits {err:.3e} at tp={tp} rank {rank}"
+
+
+def test_sampling_identical_across_tp_ranks_and_reproducible(results):
+    tp2 = results[2]
+    assert tp2[0]["sampled"] == tp2[1]["sampled"], "TP ranks sampled different tokens"
+    assert all(res["disagreements"] == 0 for res in tp2), "a rank's own draw differed from TP rank 0's"
+    for res in results[1] + tp2:
+        assert res["sampled_again"] == res["sampled"], "the same seed gave different tokens"
+        assert res["sampled_no_cache"] == res["sampled"], "the KV cache changed the sampled tokens"
+        assert res["sampled_alone"] == res["sampled"], "a prompt's tokens depend on its batch"
+        assert res["sampled_other_seed"] != res["sampled"], "the seed has no effect"
+    # One sampling stream per (seed, prompt): tp = 1 and tp = 2 draw the same tokens from the same seed.
+    assert tp2[0]["sampled"] == results[1][0]["sampled"]
+
+
+# ---------------------------------------------------------------------------- sampling filters
+def test_temperature():
+    from zoo.inference import apply_temperature
+
+    logits = torch.tensor([[1.0, 2.0, 3.0]])
+    assert torch.equal(apply_temperature(logits, 0.5), torch.tensor([[2.0, 4.0, 6.0]]))
+    assert apply_temperature(logits, 1.0) is logits
+    sharp, flat = (torch.softmax(apply_temperature(logits, t), -1)[0, -1] for t in (0.5, 2.0))
+    assert sharp > torch.softmax(logits, -1)[0, -1] > flat
+    with pytest.raises(ValueError, match="temperature"):
+        apply_temperature(logits, 0.0)
+
+
+def test_top_k_keeps_k():
+    from zoo.inference import top_k_filter
+
+    logits = torch.tensor([[1.0, 5.0, 3.0, 4.0, 2.0], [0.0, -1.0, 2.0, 2.0, 1.0]])
+    kept = torch.isfinite(top_k_filter(logits, 2))
+    assert kept.tolist() == [[False, True, False, True, False], [False, False, True, True, False]]
+    assert torch.equal(top_k_filter(logits, 2)[kept], logits[kept])                 # kept values untouched
+    assert torch.isfinite(top_k_filter(torch.tensor([[3.0, 1.0, 3.0]]), 1)).tolist() == [[True, False, True]]  # ties
+    assert top_k_filter(logits, 0) is logits and top_k_filter(logits, 5) is logits
+    with pytest.raises(ValueError, match="top-k"):
+        top_k_filter(logits, -1)
+
+
+def test_top_p_keeps_smallest_set_with_mass_p():
+    from zoo.inference import top_p_filter
+
+    probs = torch.tensor([0.1, 0.5, 0.05, 0.2, 0.15])        # sorted: 0.5, 0.2, 0.15, 0.1, 0.05
+    logits = probs.log()[None] + 3.0                         # any shift: softmax recovers probs
+    expected = {0.3: {1}, 0.5: {1}, 0.6: {1, 3}, 0.84: {1, 3, 4}, 0.86: {0, 1, 3, 4}, 0.99: {0, 1, 2, 3, 4},
+                1.0: {0, 1, 2, 3, 4}}
+    for p, keep in expected.items():
+        kept = torch.isfinite(top_p_filter(logits, p))[0].nonzero().flatten().tolist()
+        assert set(kept) == keep, f"top-p {p}: kept {kept}, expected {sorted(keep)}"
+        assert probs[kept].sum() >= p - 1e-6
+    for bad in (0.0, 1.5, -0.1):
+        with pytest.raises(ValueError, match="top-p"):
+            top_p_filter(logits, bad)
+
+
+def test_filters_compose_and_sample_follows_the_distribution():
+    from zoo.inference import filter_logits, sample
+
+    logits = torch.tensor([[0.0, math.log(3.0), -50.0, -60.0]])          # probs ~ 0.25, 0.75, 0, 0
+    # temperature first: T = 0.5 squares the odds to 1:9, so top-p 0.85 keeps only the top token
+    assert torch.isfinite(filter_logits(logits, 0.5, top_p=0.85)).tolist() == [[False, True, False, False]]
+    assert torch.isfinite(filter_logits(logits, 1.0, top_k=3, top_p=0.85)).tolist() == [[True, True, False, False]]
+    draws = sample(logits.expand(4000, -1), [torch.Generator().manual_seed(0)] * 4000)
+    assert set(draws.tolist()) <= {0, 1}
+    assert abs((draws == 1).float().mean().item() - 0.75) < 0.03
+    again = sample(logits.expand(4000, -1), [torch.Generator().manual_seed(0)] * 4000)
+    assert torch.equal(draws, again)
+
+
+# ---------------------------------------------------------------------------- stopping
+def test_eod_stops_one_sequence_while_others_continue(gpt2_dir):
+    from zoo.inference import GenerationConfig, generate
+    from zoo.models import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
+    free = GenerationConfig(max_new_tokens=NEW, greedy=True, eod_token_id=None)
+    unstopped = [c.tokens for c in generate(model, PROMPTS, free)]
+    # Call "EOD" a token that row 0 produces before row 1 does (if row 1 does at all).
+    def first(tokens, t):
+        return tokens.index(t) if t in tokens else NEW
+
+    stop = next(t for t in unstopped[0] if first(unstopped[0], t) < min(first(unstopped[1], t), NEW - 1) - 1)
+    cuts = [first(tokens, stop) + 1 for tokens in unstopped]                 # tokens kept, EOD included
+    for use_cache in (True, False):
+        got = generate(model, PROMPTS, dataclasses.replace(free, eod_token_id=stop, use_cache=use_cache))
+        assert got[0].tokens == unstopped[0][:cuts[0]] and got[0].finish_reason == "eod"
+        assert len(got[1].tokens) > len(got[0].tokens) + 1, "row 1 did not continue after row 0 stopped"
+        assert got[1].tokens == unstopped[1][:cuts[1]]
+        assert got[1].finish_reason == ("eod" if cuts[1] <= NEW else "length")
+    # The context limit: a prompt 3 short of n_positions gets 3 tokens; its short batch-mate goes on.
+    long_prompt = [(7 * i) % VOCAB for i in range(N_POSITIONS - 3)]
+    for use_cache in (True, False):
+        got = generate(model, [long_prompt, PROMPTS[1]], dataclasses.replace(free, use_cache=use_cache))
+        assert [c.finish_reason for c in got] == ["context", "length"]
+        assert len(got[0].tokens) == 3 and got[1].tokens == unstopped[1]
+    with pytest.raises(ValueError, match="prompt 1 has 48 tokens"):
+        generate(model, [[1], [2] * N_POSITIONS], free)
+
+
+# ---------------------------------------------------------------------------- CLI
+def test_generate_cli_error_exits_2_with_one_sentence(tmp_path):
+    proc = subprocess.run([sys.executable, str(REPO / "launch" / "generate.py"), "--load", str(tmp_path),
+                           "--prompt-file", str(tmp_path / "missing.txt")],
+                          capture_output=True, text=True, timeout=60, cwd=REPO)
+    assert proc.returncode == 2, proc.stderr
+    message = proc.stderr.strip()
+    assert message.startswith("error: prompt file") and "missing.txt" in message
+    assert message.count("\n") == 0 and message.endswith(".")
+
+
+@pytest.fixture(scope="module")
+def gpt2_bpe_dir(tmp_path_factory):
+    """A tiny transformers GPT-2 with the real 50257-token vocabulary (no tokenizer files: the CLI falls
+    back to the bundled GPT-2 BPE)."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=16, n_embd=32, n_layer=1, n_head=2))
+    path = tmp_path_factory.mktemp("gen_gpt2_bpe")
+    model.save_pretrained(path)
+    return str(path)
+
+
+def test_generate_cli_writes_jsonl_and_refuses_bad_input(gpt2_bpe_dir, tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("launch_generate", REPO / "launch" / "generate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Hello world\n\nThe quick brown fox\n")
+    out = tmp_path / "out.jsonl"
+    results = cli.main(["--load", gpt2_bpe_dir, "--prompt", "One", "--prompt-file", str(prompts), "--greedy",
+                        "--max-new-tokens", "4", "--output", str(out)])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["prompt"] for r in rows] == ["One", "Hello world", "The quick brown fox"]
+    assert all(1 <= len(r["tokens"]) <= 4 and isinstance(r["completion"], str) for r in rows)
+    assert [r.tokens for r in results] == [r["tokens"] for r in rows]
+    assert "--- [2]" in capsys.readouterr().out
+    for argv, needle in ((["--prompt", "word " * 20], "n_positions=16"), (["--prompt", "x", "--top-p", "1.5"], "top-p"),
+                         (["--prompt", "x", "--tensor-parallel-size", "2"], "tensor-parallel size 2")):
+        with pytest.raises(SystemExit) as exit_info:
+            cli.main(["--load", gpt2_bpe_dir, *argv])
+        assert exit_info.value.code == 2
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and needle in err and err.count("\n") == 0, err
