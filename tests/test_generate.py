@@ -95,6 +95,29 @@ def _cache_logits_errors(model, parallel) -> dict[str, float]:
     return errors
 
 
+class _IdTokenizer:
+    """Text is space-separated token ids (the test model's vocabulary has no BPE)."""
+
+    def encode(self, text):
+        return [int(t) for t in text.split()]
+
+    def decode(self, ids):
+        return " ".join(str(t) for t in ids)
+
+
+def _dp_texts(world_size, directory):
+    """generate_text at tp = 1 x dp = world_size: each DP rank decodes its block, every rank gets all."""
+    from zoo.inference import GenerationConfig, generate_text
+    from zoo.models import GPT2LMHeadModel
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(1)
+    model = GPT2LMHeadModel.from_pretrained(directory, parallel=ps).eval()
+    texts = [" ".join(map(str, PROMPTS[i % 2])) for i in range(3)]
+    greedy = GenerationConfig(max_new_tokens=NEW, greedy=True, eod_token_id=EOD)
+    return [(r.prompt, r.tokens) for r in generate_text(model, _IdTokenizer(), texts, greedy, ps, batch_size=2)]
+
+
 def _generation_worker(rank, world_size, directory):
     from zoo.inference import GenerationConfig, generate
     from zoo.models import GPT2LMHeadModel
@@ -123,12 +146,13 @@ def _generation_worker(rank, world_size, directory):
         "sampled_no_cache": run(dataclasses.replace(sampled, use_cache=False)),
         "sampled_alone": [run(sampled, [p], first_index=i)[0] for i, p in enumerate(PROMPTS)],
         "sampled_other_seed": run(dataclasses.replace(sampled, seed=12)),
+        "dp_texts": _dp_texts(world_size, directory),
     }
 
 
 @pytest.fixture(scope="module")
 def results(gpt2_dir):
-    """tp -> the worker's results on every rank; tp = 1 in this process, tp = 2 in one spawn."""
+    """world size -> the worker's results on every rank: 1 in this process, 2 in one spawn."""
     return {1: [_generation_worker(0, 1, gpt2_dir)], 2: spawn(_generation_worker, 2, gpt2_dir)}
 
 
@@ -139,6 +163,14 @@ def test_greedy_equals_transformers_generate(results, hf_greedy, tp):
     for rank, res in enumerate(results[tp]):
         for key in ("greedy_batched", "greedy_alone", "greedy_no_cache", "greedy_batch_of_one"):
             assert res[key] == hf_greedy, f"{key} at tp={tp} rank {rank}: {res[key]} != {hf_greedy}"
+
+
+@pytest.mark.parametrize("dp", [1, 2])
+def test_text_generation_over_data_parallel_ranks(results, hf_greedy, dp):
+    """generate_text at tp = 1: prompts split over the DP ranks, all results gathered on every rank."""
+    expected = [(" ".join(map(str, PROMPTS[i % 2])), hf_greedy[i % 2]) for i in range(3)]
+    for rank, res in enumerate(results[dp]):
+        assert res["dp_texts"] == expected, f"dp={dp} rank {rank}"
 
 
 @pytest.mark.parametrize("tp", [1, 2])

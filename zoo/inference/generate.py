@@ -76,13 +76,15 @@ class GenerationConfig:
 
 @dataclass
 class Completion:
-    """The new tokens of one prompt; the last one is the EOD token when ``finish_reason`` is "eod"."""
+    """The new tokens of one prompt; the last one is the EOD token when ``finish_reason`` is "eod".
+
+    ``rank_disagreements`` counts the steps at which this rank's own choice differed from TP rank 0's
+    (which every rank used): always 0 unless the ranks' logits or sampling streams diverged.
+    """
 
     tokens: list[int]
     finish_reason: str
-    rank_disagreements: int = field(default=0, compare=False)  # steps where this rank's own choice
-    #                                                            differed from TP rank 0's (always 0
-    #                                                            unless logits or RNG diverged)
+    rank_disagreements: int = field(default=0, compare=False)
 
 
 def sequence_seed(seed: int, index: int) -> int:
