@@ -1,7 +1,10 @@
-"""Exporting zoo DeepSpeed training checkpoints to transformers' GPT-2 layout, in one process.
+"""Exporting zoo DeepSpeed training checkpoints to transformers' layout (GPT-2, BERT), in one process.
 
-* A real 2-iteration DeepSpeed pretraining run at tp=2 is exported; transformers' logits on the export
-  equal those of the zoo model that DeepSpeed's ``load_checkpoint`` fills from the same files.
+* Real 2-iteration DeepSpeed pretraining runs at tp=2, GPT-2 and pre-norm BERT (one spawn), are exported;
+  transformers' logits on the export (GPT2LMHeadModel, MegatronBertForPreTraining) equal those of the
+  zoo model that DeepSpeed's ``load_checkpoint`` fills from the same files.
+* A post-norm BERT checkpoint at tp=4 exports to transformers' BertForPreTraining layout, whose logits
+  equal the same model built at tp=1.
 * A tp=4 checkpoint in DeepSpeed's file layout, without ``model_config`` in its client state, exports to
   exactly the weights of the same model built at tp=1 (TP-invariant init), in bf16 and fp16.
 * Every bad input gives its one-sentence error, writes nothing, and the CLI exits 2.
@@ -55,6 +58,33 @@ def corpus_prefix(tmp_path_factory):
     return str(prefix)
 
 
+@pytest.fixture(scope="module")
+def bert_corpus_prefix(tmp_path_factory):
+    """Random BERT word-piece ids (no special tokens) in documents of sentences, the layout
+    preprocess_bert writes: enough for SOP pairs and whole-word masking."""
+    import numpy as np
+
+    from zoo.data.indexed_dataset import IndexedDatasetBuilder
+
+    prefix = tmp_path_factory.mktemp("bert_corpus") / "random"
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix, vocab_size=30522) as builder:
+        for _ in range(12):
+            for _ in range(6):
+                builder.add_item(rng.integers(1000, 30000, size=int(rng.integers(6, 14))))
+            builder.end_document()
+    return str(prefix)
+
+
+BERT_MODEL = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4)
+
+
+def bert_inputs() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(12)
+    return {"input_ids": torch.randint(0, 30522, (2, 10), generator=generator),
+            "token_type_ids": torch.randint(0, 2, (2, 10), generator=generator)}
+
+
 def _pretrain_config(data_path: str, save: str):
     from zoo.training.run_config import RunConfig, validate_static
 
@@ -67,33 +97,50 @@ def _pretrain_config(data_path: str, save: str):
         model_overrides=dict(TINY_MODEL), ds_config=ds_config, ds_config_path="<test>"))
 
 
-def _train_then_reload_worker(rank, world_size, data_path, run_dir):
-    """Pretrain 2 iterations at tp=2, then let DeepSpeed load the checkpoint into a fresh zoo model and
-    return its gathered logits: the reference the export must reproduce."""
-    import deepspeed
-
+def _train_then_reload_worker(rank, world_size, data_path, run_dir, bert_data_path, bert_run_dir):
+    """Pretrain GPT-2 and then BERT 2 iterations at tp=2; after each, let DeepSpeed load the checkpoint into
+    a fresh zoo model and return its gathered logits: the references the exports must reproduce."""
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.parallel import ParallelState
     from zoo.training.pretrain import pretrain
 
     pretrain(_pretrain_config(data_path, run_dir))
     ps = ParallelState.initialize(2)
-    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **TINY_MODEL), parallel=ps)
+    gpt = reloaded_engine(GPT2LMHeadModel(gpt2_config("gpt2-tiny", **TINY_MODEL), parallel=ps), ps, run_dir)
+    with torch.no_grad():
+        logits = {"gpt2": gpt(input_ids=input_ids(), gather_output=True).logits}
+
+    from zoo.models import BertForPreTraining, bert_config
+
+    config = _pretrain_config(bert_data_path, bert_run_dir)
+    config.model, config.model_overrides = "bert-tiny", dict(BERT_MODEL)
+    pretrain(config)
+    bert = reloaded_engine(BertForPreTraining(bert_config("bert-tiny", **BERT_MODEL), parallel=ps), ps, bert_run_dir)
+    with torch.no_grad():
+        output = bert(**bert_inputs(), gather_output=True)
+    logits["bert"] = (output.prediction_logits, output.seq_relationship_logits)
+    return logits
+
+
+def reloaded_engine(model, ps, run_dir):
+    """A fresh zoo model filled by DeepSpeed's own load_checkpoint from the run's latest checkpoint."""
+    import deepspeed
+
     engine, _, _, _ = deepspeed.initialize(model=model, mpu=ps, config={
         "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1, "steps_per_print": 10 ** 9})
     path, client = engine.load_checkpoint(f"{run_dir}/checkpoints", load_optimizer_states=False,
                                           load_lr_scheduler_states=False)
     assert path is not None and client["iteration"] == 2
-    engine.eval()
-    with torch.no_grad():
-        return engine(input_ids=input_ids(), gather_output=True).logits
+    return engine.eval()
 
 
 @pytest.fixture(scope="module")
-def trained_run(corpus_prefix, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("run") / "tp2"
-    logits = spawn(_train_then_reload_worker, 2, corpus_prefix, str(run_dir))
-    return {"run_dir": run_dir, "logits": logits[0]}
+def trained_run(corpus_prefix, bert_corpus_prefix, tmp_path_factory):
+    root = tmp_path_factory.mktemp("run")
+    logits = spawn(_train_then_reload_worker, 2, corpus_prefix, str(root / "tp2"), bert_corpus_prefix,
+                   str(root / "bert_tp2"))
+    return {"run_dir": root / "tp2", "logits": logits[0]["gpt2"], "bert_run_dir": root / "bert_tp2",
+            "bert_logits": logits[0]["bert"]}
 
 
 def test_export_of_tp2_run_equals_deepspeed_loaded_model(trained_run, tmp_path):
@@ -115,6 +162,56 @@ def test_export_of_tp2_run_equals_deepspeed_loaded_model(trained_run, tmp_path):
         assert rel_err(zoo(input_ids(), gather_output=True).logits, trained_run["logits"]) <= REL_TOL
     tokenizer = transformers.AutoTokenizer.from_pretrained(out)
     assert tokenizer("Hello world")["input_ids"] == [15496, 995]
+
+
+def test_export_of_tp2_bert_run_equals_deepspeed_loaded_model(trained_run, tmp_path):
+    import json
+
+    import transformers
+
+    from zoo.checkpoint import export_checkpoint
+
+    out = tmp_path / "hf"
+    result = export_checkpoint(trained_run["bert_run_dir"], out)
+    assert result.tp_size == 2 and result.model_type == "megatron-bert"
+    config = json.loads((out / "config.json").read_text())
+    assert config["architectures"] == ["MegatronBertForPreTraining"] and (out / "vocab.txt").is_file()
+    hf = transformers.MegatronBertForPreTraining.from_pretrained(out).eval()
+    with torch.no_grad():
+        output = hf(**bert_inputs())
+    prediction, sop = trained_run["bert_logits"]
+    assert rel_err(output.prediction_logits, prediction) <= REL_TOL
+    assert rel_err(output.seq_relationship_logits, sop) <= REL_TOL
+
+
+def test_post_norm_bert_at_tp4_exports_bert_for_pretraining(tmp_path):
+    """Post-norm BERT in DeepSpeed's file layout at tp=4 (no processes: TP-invariant init makes the rank
+    models shards of one master) -> transformers.BertForPreTraining with the tp=1 model's logits."""
+    import transformers
+
+    from zoo.checkpoint import export_checkpoint
+    from zoo.models import BertForPreTraining, bert_config
+
+    config = bert_config("bert-tiny", **BERT_MODEL, pre_norm=False, hidden_dropout_prob=0.0,
+                         attention_probs_dropout_prob=0.0)
+    tag_dir = tmp_path / "run" / "checkpoints" / "iter_0000001"
+    tag_dir.mkdir(parents=True)
+    for rank in range(4):
+        torch.manual_seed(7)
+        model = BertForPreTraining(config, parallel=layout_state(4, rank))
+        torch.save({"module": model.state_dict(), "optimizer": None, "mp_world_size": 4, "iteration": 1,
+                    "zoo_model": "bert-tiny", "tensor_parallel_size": 4,
+                    "model_config": model.hf_config_dict()}, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text(tag_dir.name)
+    result = export_checkpoint(tmp_path / "run", tmp_path / "hf")
+    assert result.model_type == "bert" and result.tp_size == 4
+    torch.manual_seed(7)
+    reference = BertForPreTraining(config).eval()
+    hf = transformers.BertForPreTraining.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        ours, theirs = reference(**bert_inputs(), gather_output=True), hf(**bert_inputs())
+    assert rel_err(theirs.prediction_logits, ours.prediction_logits) <= REL_TOL
+    assert rel_err(theirs.seq_relationship_logits, ours.seq_relationship_logits) <= REL_TOL
 
 
 def test_export_main_writes_requested_dtype(trained_run, tmp_path, capsys):
@@ -248,7 +345,7 @@ def test_stray_rank_file(fake_run, tmp_path):
 def test_not_a_zoo_checkpoint(fake_run, tmp_path):
     path = fake_run / "checkpoints" / "iter_0000003" / "mp_rank_00_model_states.pt"
     torch.save({"module": {"bert.embeddings.word_embeddings.weight": torch.zeros(4, 4)}, "mp_world_size": 2}, path)
-    expect_error(ValueError, r"mp_rank_00_model_states.pt is not a zoo GPT-2 checkpoint \(its client state has no "
+    expect_error(ValueError, r"mp_rank_00_model_states.pt is not a zoo checkpoint \(its client state has no "
                              r"'zoo_model'\)", fake_run, tmp_path / "hf")
 
 

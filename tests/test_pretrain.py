@@ -300,3 +300,81 @@ def test_bert_pretraining_at_tp2_logs_mlm_and_sop(tmp_path):
         assert 0.0 <= event["sop_acc"] <= 1.0
     model_states = tmp_path / "run" / "checkpoints" / "iter_0000003" / "mp_rank_01_model_states.pt"
     assert model_states.is_file()
+
+
+# ----------------------------------------------------------------------------- --pretrained
+HF_TINY = dict(vocab_size=50257, n_positions=64, n_embd=64, n_layer=2, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0,
+               attn_pdrop=0.0)
+
+
+def _pretrained_worker(rank, world_size, data_path, hf_dir, save):
+    """Pretrain 2 iterations at tp=2 from a transformers directory; then the fp16 pitfall on a live engine:
+    weights copied into the module after deepspeed.initialize, masters stale until refreshed."""
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from zoo.models import GPT2LMHeadModel, gpt2_config
+    from zoo.parallel import ParallelState, model_parallel_seed
+    from zoo.training.engine import fp32_master_weight_error, param_groups, refresh_fp32_master_weights
+    from zoo.training.pretrain import pretrain
+
+    result = {"first": pretrain(run_config(data_path, save, 2, 2, 2, train_iters=1, pretrained=hf_dir,
+                                           model_overrides={}))}
+    # DeepSpeed refuses fp16 on this CPU by a capability check (no native fp16 units), although torch
+    # computes fp16 on CPU; overriding it runs DeepSpeed's real FP16_UnfusedOptimizer (DESIGN.md).
+    get_accelerator().is_fp16_supported = lambda: True
+    ps = ParallelState.initialize(2)
+    model_parallel_seed(3, ps)
+    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **HF_TINY), parallel=ps)   # random init
+    config = ds_config(2, 2, fp16={"enabled": True, "initial_scale_power": 8})
+    del config["scheduler"]
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01), config=config,
+                                           mpu=ps)
+    loaded = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps)
+    with torch.no_grad():
+        for live, weight in zip(engine.module.parameters(), loaded.parameters()):
+            live.copy_(weight)
+    result["stale_error"] = fp32_master_weight_error(engine)
+    result["refreshed"] = refresh_fp32_master_weights(engine)
+    result["fresh_error"] = fp32_master_weight_error(engine)
+    masters = [m for group in engine.optimizer.fp32_groups for m in group]
+    weights = [p for group in param_groups(loaded, 0.01) for p in group["params"]]
+    result["masters_equal_loaded"] = all(torch.equal(m, w.half().float()) for m, w in zip(masters, weights))
+    return result
+
+
+def test_pretraining_starts_from_a_transformers_directory_at_tp2(corpus_prefix, tmp_path):
+    """--pretrained: the first logged loss is transformers' loss on the first batch (<= 1e-5), and
+    refresh_fp32_master_weights makes fp16 masters equal weights loaded after deepspeed.initialize."""
+    import transformers
+
+    from zoo.data import IndexedDataset
+    from zoo.models import GPT2Config
+    from zoo.training.families import build_dataset
+
+    torch.manual_seed(0)
+    hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**HF_TINY)).eval()
+    hf.save_pretrained(tmp_path / "hf")
+    ranks = spawn(_pretrained_worker, 2, corpus_prefix, str(tmp_path / "hf"), str(tmp_path / "run"))
+
+    dataset = build_dataset(GPT2Config(**HF_TINY), IndexedDataset(corpus_prefix), 32, 1234, "80,20,0", "train", 2)
+    batch = torch.stack([dataset[i]["input_ids"] for i in range(2)])
+    with torch.no_grad():
+        expected = hf(input_ids=batch, labels=batch).loss.item()
+    for result in ranks:
+        assert abs(result["first"]["loss"] - expected) <= 1e-5 * expected, (result["first"], expected)
+        assert result["stale_error"] > 1e-3 and result["refreshed"], result
+        assert result["fresh_error"] == 0.0 and result["masters_equal_loaded"], result
+
+
+def test_pretrained_of_another_family_is_one_sentence(tmp_path):
+    from zoo.models import BertConfig
+    from zoo.training.families import pretrained_model
+    from zoo.models.presets import gpt2_config
+
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text(json.dumps(BertConfig(hidden_size=64).to_hf_dict("ForPreTraining")))
+    with pytest.raises(ValueError, match=r"--pretrained .*bert holds a model_type 'megatron-bert' model but the run's "
+                                         r"preset 'gpt2-tiny' builds 'gpt2'; pass a --model preset") as err:
+        pretrained_model(str(tmp_path / "bert"), gpt2_config("gpt2-tiny"), "gpt2-tiny", {}, None)
+    assert "\n" not in str(err.value)

@@ -1,4 +1,4 @@
-"""Checkpoint conversion: zoo DeepSpeed training checkpoints (any tp) to transformers' layout."""
+"""zoo DeepSpeed training checkpoints: export to transformers' layout (GPT-2, BERT; any tp) and reshard to a new tp."""
 
 from zoo.checkpoint.deepspeed_export import ExportResult, export_checkpoint, merged_hf_state, tag_directory
 

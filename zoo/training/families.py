@@ -1,5 +1,5 @@
-"""What the pretraining loop needs to know about a model family (GPT-2 or BERT): the model, its
-shape for the FLOPs formula, its datasets and its extra metrics."""
+"""What the pretraining loop needs to know about a model family (GPT-2 or BERT): the model (random
+init or ``--pretrained`` weights), its shape for the FLOPs formula, its datasets and its extra metrics."""
 
 from __future__ import annotations
 
@@ -33,6 +33,44 @@ def build_model(config: GPT2Config | BertConfig, parallel) -> torch.nn.Module:
     if isinstance(config, BertConfig):
         return BertForPreTraining(config, parallel=parallel)
     return GPT2LMHeadModel(config, parallel=parallel)
+
+
+ZOO_ONLY_FIELDS = ("activation_checkpointing", "make_vocab_size_divisible_by")
+
+
+def model_type_of(config: GPT2Config | BertConfig) -> str:
+    return config.model_type
+
+
+def pretrained_model(directory: str, run_config: GPT2Config | BertConfig, preset: str,
+                     overrides: dict[str, Any], parallel) -> torch.nn.Module:
+    """The family's training model with the weights of a transformers-layout directory (``--pretrained``),
+    this rank's slices only, at the run's tp.
+
+    The directory decides the shapes; the run's preset only names the family, which must match the
+    directory's ``model_type``. Overrides may change dropout and zoo's own fields; any other override
+    must agree with the directory's config.json.
+    """
+    from zoo.models import BertForPreTraining, GPT2LMHeadModel
+    from zoo.models.hf_io import read_config_json
+
+    values = read_config_json(directory)
+    stored, wanted = values.get("model_type"), model_type_of(run_config)
+    if stored != wanted:
+        raise ValueError(f"--pretrained {directory} holds a model_type {stored!r} model but the run's preset "
+                         f"{preset!r} builds {wanted!r}; pass a --model preset of the directory's family (or "
+                         "pre_norm matching it) or another directory.")
+    for key, value in overrides.items():
+        if "drop" in key or key in ZOO_ONLY_FIELDS or key not in values or values[key] == value:
+            continue
+        raise ValueError(f"model_overrides {key}={value!r} disagrees with {directory}/config.json ({key}="
+                         f"{values[key]!r}); drop the override, since --pretrained takes the model's shape from the "
+                         "directory.")
+    kept = {k: v for k, v in overrides.items() if "drop" in k or k in ZOO_ONLY_FIELDS}
+    kept["activation_checkpointing"] = run_config.activation_checkpointing
+    kept.pop("pre_norm", None)
+    cls = BertForPreTraining if isinstance(run_config, BertConfig) else GPT2LMHeadModel
+    return cls.from_pretrained(directory, parallel=parallel, **kept)
 
 
 def default_corpus(config: GPT2Config | BertConfig, progress: bool) -> str:

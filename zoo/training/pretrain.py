@@ -15,7 +15,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zoo.training.families import build_dataset, build_model, default_corpus, extra_metrics, model_forward_kwargs, shape_of
+from zoo.training.engine import param_groups, refresh_fp32_master_weights
+from zoo.training.families import (build_dataset, build_model, default_corpus, extra_metrics, model_forward_kwargs,
+                                   pretrained_model, shape_of)
 from zoo.training.grad_norm import current_loss_scale, global_grad_norm
 from zoo.training.metrics import MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss
 from zoo.training.run_config import (RunConfig, build_parser, deepspeed_dict, load_run_config,
@@ -35,12 +37,7 @@ def share_cpu_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decoupled weight decay on matrices only; none on biases and LayerNorm (Megatron, GPT-2)."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (no_decay if param.dim() < 2 or "ln_" in name else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+__all__ = ["pretrain", "main", "param_groups", "checkpoint_to_load", "reseed_tp_rng"]
 
 
 def checkpoint_dir(path: str | os.PathLike) -> Path:
@@ -78,6 +75,51 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     deepspeed.accelerator.get_accelerator().set_rng_state(state["accelerator"])
     deepspeed.checkpointing.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def reseed_tp_rng(seed: int, iteration: int, ps) -> None:
+    """After a tp change, give the TP RNG tracker a fresh stream per TP rank.
+
+    The tracker's stream is per TP rank (dropout inside TP regions); a checkpoint written at another tp
+    has no stream for this rank's heads, so none can be carried over exactly. The new seed mixes the
+    run's seed, the iteration and the TP rank, so the streams differ across ranks, across resumes at
+    different iterations, and from the ones the run started with (``seed + 2718 + tp_rank``).
+    """
+    import deepspeed
+
+    from zoo.parallel.random import TP_RNG_STATE_NAME, TP_SEED_OFFSET
+
+    tracker = deepspeed.checkpointing.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + ps.tp_rank + 7919 * (iteration + 1) * ps.tp_size)
+
+
+def checkpoint_to_load(load: str | os.PathLike, ps) -> tuple[Path, str]:
+    """The (DeepSpeed load directory, tag) to resume from at this run's tp degree.
+
+    When the checkpoint named by ``latest`` was written at another tp, rank 0 writes (or reuses) a copy
+    resharded for this tp under ``<checkpoints>/resharded/<tag>-tp<N>/`` and every rank reads that; a
+    user error on rank 0 is raised on every rank with the same sentence.
+    """
+    from zoo.checkpoint.files import rank_files_tp, tag_directory
+    from zoo.checkpoint.reshard import ensure_resharded, resharded_directory
+
+    root = checkpoint_dir(load)
+    tag_dir = tag_directory(root)
+    if rank_files_tp(tag_dir) == ps.tp_size:
+        return root, tag_dir.name
+    target = resharded_directory(root, tag_dir.name, ps.tp_size)
+    failure = [None]
+    if dist.get_rank() == 0:
+        try:
+            ensure_resharded(tag_dir, ps.tp_size, target)
+        except (ValueError, FileNotFoundError) as err:
+            failure = [(type(err).__name__, str(err))]
+    dist.broadcast_object_list(failure, src=0)
+    if failure[0] is not None:
+        kind, message = failure[0]
+        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
+    return target.parent, target.name
 
 
 class PretrainingData:
@@ -163,11 +205,15 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
 
     model_config = build_model_config(config.model, activation_checkpointing=config.checkpoint_activations,
                                       **config.model_overrides)
+    if config.pretrained:  # the weights (and the shapes) of a transformers-layout directory, this rank's slices
+        model = pretrained_model(config.pretrained, model_config, config.model, config.model_overrides, ps)
+        model_config = model.config
     shape = shape_of(model_config)
     if config.seq_length > shape.max_positions:
-        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} preset's position table of "
+        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
                          f"{shape.max_positions}; pass --seq-length {shape.max_positions} or less.")
-    model = build_model(model_config, ps)
+    if not config.pretrained:
+        model = build_model(model_config, ps)
     ds_config = deepspeed_dict(config, gas)
     if config.checkpoint_activations:
         deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
@@ -175,15 +221,20 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
                                            config=ds_config, mpu=ps)
     micro, global_batch = engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()
+    if config.pretrained:
+        refresh_fp32_master_weights(engine)   # masters equal the loaded weights whatever the load order
 
     iteration, consumed = 0, 0
     if config.load:
-        _, client = engine.load_checkpoint(str(checkpoint_dir(config.load)))
+        load_dir, tag = checkpoint_to_load(config.load, ps)
+        _, client = engine.load_checkpoint(str(load_dir), tag=tag)
         if client is None:
             raise FileNotFoundError(f"the checkpoint under {config.load} could not be loaded; check its "
-                                    "'latest' tag file and tp degree.")
+                                    "'latest' tag file and its mp_rank_XX_model_states.pt files.")
         iteration, consumed = client["iteration"], client["consumed_samples"]
         set_rng_state(client["rng"])
+        if "resharded_from" in client:
+            reseed_tp_rng(client.get("seed", config.seed), iteration, ps)
 
     data = PretrainingData(config, model_config, ps, micro, global_batch)
     run_dir = Path(config.save) if config.save else None

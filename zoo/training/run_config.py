@@ -5,10 +5,14 @@ zoo reads its own settings from the top-level ``"zoo"`` key, which DeepSpeed ign
 
     "zoo": {"tensor_parallel_size": 2, "model": "gpt2-tiny", "seq_length": 128, "train_iters": 300,
             "data_path": null, "split": "969,30,1", "seed": 1234, "save": "runs/demo",
-            "log_interval": 10, "eval_interval": 100, "eval_iters": 4, "save_interval": 0,
+            "pretrained": null, "log_interval": 10, "eval_interval": 100, "eval_iters": 4, "save_interval": 0,
             "checkpoint_activations": false, "wandb_project": null, "model_overrides": {}}
 
 ``data_path`` null means the bundled Wikipedia sample, preprocessed once into a cache directory.
+``pretrained`` names a transformers-layout directory (GPT-2, MegatronBert or Bert, e.g. from
+``save_pretrained`` or ``launch/export.py``) whose weights replace the random init, at any tp; the
+preset then only names the family, the shapes come from the directory. ``load`` resumes a zoo
+DeepSpeed checkpoint, also one written at another tp (it is resharded once, see zoo.checkpoint.reshard).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class RunConfig:
     seed: int = 1234
     save: str | None = "runs/pretrain"
     load: str | None = None
+    pretrained: str | None = None   # transformers-layout directory to start from (instead of random init)
     log_interval: int = 10
     eval_interval: int = 1000
     eval_iters: int = 10
@@ -64,6 +69,7 @@ CLI_FLAGS = {  # flag -> (RunConfig field, type)
     "--seed": ("seed", int),
     "--save": ("save", str),
     "--load": ("load", str),
+    "--pretrained": ("pretrained", str),
     "--log-interval": ("log_interval", int),
     "--eval-interval": ("eval_interval", int),
     "--eval-iters": ("eval_iters", int),
@@ -120,6 +126,9 @@ def validate_static(config: RunConfig) -> RunConfig:
     for name in ("train_iters", "seq_length", "tensor_parallel_size", "log_interval", "eval_iters"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} = {getattr(config, name)} must be at least 1; fix the zoo block or the flag.")
+    if config.pretrained is not None and not Path(config.pretrained).is_dir():
+        raise FileNotFoundError(f"--pretrained directory {config.pretrained} does not exist; pass a directory written "
+                                "by save_pretrained or launch/export.py.")
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
         if key not in config.ds_config:
             raise ValueError(f"DeepSpeed config {config.ds_config_path} lacks {key!r}; zoo fixes the global "

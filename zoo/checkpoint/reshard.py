@@ -1,0 +1,350 @@
+"""Reshard a zoo DeepSpeed training checkpoint to another tensor-parallel degree.
+
+A checkpoint written at tp = p holds one ``mp_rank_XX_model_states.pt`` per TP rank. Resuming it at
+tp = q needs the same files laid out for q. :func:`reshard_checkpoint` writes them in one process
+(``<checkpoints>/resharded/<tag>-tp<q>/``, atomically); ``pretrain`` does it on rank 0 when the
+checkpoint's tp differs from the run's and then lets DeepSpeed's ``load_checkpoint`` read the copy,
+so the user passes the usual ``--load`` and nothing else.
+
+Every sharded tensor goes through its master: the p shards are merged along the parameter's
+``partition_dim`` (respecting ``partition_stride``, the per-rank [q | k | v] blocks of the fused QKV),
+the vocab padding of tp = p is cut and that of tp = q added (zero rows: padded rows are excluded from
+the softmax and receive no gradient), and rank r of q takes its slice. Replicated tensors are copied
+from rank 0. The same rule applies to the weights, to Adam's ``exp_avg``/``exp_avg_sq`` and to the fp32
+master weights of fp16 training, whichever of DeepSpeed's non-ZeRO optimizer layouts holds them:
+
+* fp32: the torch optimizer's state dict, one entry per parameter in
+  :func:`zoo.training.engine.param_groups` order;
+* fp16 with an unfused optimizer (``FP16_UnfusedOptimizer``): the same inside
+  ``optimizer_state_dict`` plus ``fp32_groups``, per-parameter fp32 masters;
+* fp16 with a fused optimizer (``FP16_Optimizer``): one flat fp32 master and one flat Adam state per
+  parameter group, split by the group's shapes, resharded, and flattened again at tp = q.
+
+Carried over unchanged: Adam's step counts, the param groups' hyper-parameters, the loss scaler
+(scale, window, last overflow, hysteresis counters), the LR scheduler state, DeepSpeed's
+global_steps/global_samples/skipped_steps and zoo's client state (iteration, consumed samples, RNG
+states, model config). The client state gains ``resharded_from`` so that ``pretrain`` re-seeds the
+TP RNG tracker (its stream is per TP rank and has no counterpart at another tp).
+
+ZeRO and BF16_Optimizer checkpoints partition the optimizer state over data parallelism in separate
+``*_optim_states.pt`` files; they are refused with a one-sentence error.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.checkpoint.files import (MODEL_STATES, OPTIMIZER_PARTITION_GLOB, check_rank_files, model_states_path,
+                                  read_model_states, tp_size_of_states)
+from zoo.checkpoint.layout import check_layout, checked_layout_model, recover_config
+from zoo.parallel.layers import is_tensor_parallel
+from zoo.parallel.utils import merge_shards, shard_tensor
+
+RESHARDED_SUBDIR = "resharded"
+SOURCE_RECORD = "resharded_from.json"
+
+
+def resharded_directory(checkpoints: Path, tag: str, tp_size: int) -> Path:
+    """Where the tp = ``tp_size`` copy of checkpoint ``tag`` lives: a sibling of the tags, so it is
+    found again (and reused) by every later resume at that tp."""
+    return Path(checkpoints) / RESHARDED_SUBDIR / f"{tag}-tp{tp_size}"
+
+
+# --------------------------------------------------------------------------- tensors
+class TensorResharder:
+    """Merges one tensor's shards of tp = ``old_tp`` and slices them for tp = ``new_tp``, by the
+    partition tags and vocab rows of the model's layout at both degrees."""
+
+    def __init__(self, config, old_tp: int, new_tp: int, path: Path):
+        self.old = checked_layout_model(config, old_tp, path)
+        self.new = checked_layout_model(config, new_tp, path)
+        self.old_tp, self.new_tp = old_tp, new_tp
+        self.old_params = dict(self.old.named_parameters())
+        self.new_params = dict(self.new.named_parameters())
+        self.vocab_rows = {name: spec.vocab_rows for name, spec in self.old.hf_param_map().items()
+                           if spec.vocab_rows is not None}
+
+    def is_parameter_shaped(self, name: str, tensor: Any) -> bool:
+        """``tensor`` (a state entry of parameter ``name``) has the parameter's local shape at old tp."""
+        return torch.is_tensor(tensor) and tensor.dim() > 0 and tensor.shape == self.old_params[name].shape
+
+    def reshard(self, name: str, shards: list[torch.Tensor], new_rank: int) -> torch.Tensor:
+        """Rank ``new_rank``'s slice at new tp of the tensor whose old-tp shards are ``shards``."""
+        old, new = self.old_params[name], self.new_params[name]
+        if not is_tensor_parallel(old):
+            return shards[0].clone()
+        master = merge_shards(list(shards), old.partition_dim, getattr(old, "partition_stride", 1))
+        if name in self.vocab_rows:   # the padding depends on tp: cut the old, add the new (zeros)
+            rows = self.vocab_rows[name]
+            padded = new.shape[0] * self.new_tp
+            master = master.narrow(0, 0, rows)
+            if padded > rows:
+                master = torch.cat([master, master.new_zeros((padded - rows, *master.shape[1:]))])
+        local = shard_tensor(master, new.partition_dim, new_rank, self.new_tp, getattr(new, "partition_stride", 1))
+        return local.clone()   # own storage: torch.save of a view would write the whole master
+
+    def reshard_entries(self, name: str, entries: list[dict[str, Any]], new_rank: int) -> dict[str, Any]:
+        """A parameter's optimizer entry (``exp_avg``, ``exp_avg_sq``, ``step``, ...): parameter-shaped
+        tensors resharded, everything else (step counts) taken from rank 0."""
+        return {key: (self.reshard(name, [entry[key] for entry in entries], new_rank)
+                      if self.is_parameter_shaped(name, value) else value)
+                for key, value in entries[0].items()}
+
+
+# --------------------------------------------------------------------------- optimizer layouts
+def optimizer_groups(layout: torch.nn.Module) -> list[list[str]]:
+    """Parameter names per optimizer group, in the order zoo hands them to DeepSpeed."""
+    from zoo.training.engine import param_groups
+
+    names = {id(param): name for name, param in layout.named_parameters()}
+    return [[names[id(param)] for param in group["params"]] for group in param_groups(layout, 0.0)]
+
+
+def torch_state_by_name(state_dict: dict[str, Any], groups: list[list[str]], path: Path,
+                        shapes: dict[str, torch.Size]) -> dict[str, dict[str, Any]]:
+    """A torch optimizer state dict as ``{parameter name: its state entry}``.
+
+    One index per parameter (fp32 and the unfused fp16 optimizer), or one per group when the optimizer
+    steps flat group buffers (the fused fp16 optimizer): then every parameter-sized piece of the flat
+    tensors is cut out (views, no copies) and per-group scalars are repeated for each parameter.
+    """
+    indices = [list(group["params"]) for group in state_dict["param_groups"]]
+    names = [name for group in groups for name in group]
+    if [len(g) for g in indices] == [len(g) for g in groups]:
+        flat_indices = [i for group in indices for i in group]
+        return {name: dict(state_dict["state"].get(index, {})) for name, index in zip(names, flat_indices)}
+    if [len(g) for g in indices] == [1] * len(groups):
+        by_name = {}
+        for group, (index,) in zip(groups, indices):
+            entry = state_dict["state"].get(index, {})
+            for key, value in entry.items():
+                pieces = split_flat(value, group, shapes) if _is_flat_of(value, group, shapes) else None
+                for name in group:
+                    by_name.setdefault(name, {})[key] = value if pieces is None else pieces[name]
+            for name in group:
+                by_name.setdefault(name, {})
+        return by_name
+    raise ValueError(f"the optimizer state in {path} has groups of {[len(g) for g in indices]} parameters but zoo's "
+                     f"model has {[len(g) for g in groups]}; the checkpoint was not written by this version of "
+                     "zoo's pretrain and cannot be resharded.")
+
+
+def torch_state_from_names(template: dict[str, Any], by_name: dict[str, dict[str, Any]],
+                           groups: list[list[str]], flat: bool) -> dict[str, Any]:
+    """Inverse of :func:`torch_state_by_name` for the new layout; hyper-parameters from ``template``."""
+    state: dict[int, dict[str, Any]] = {}
+    param_groups = []
+    index = 0
+    for group, template_group in zip(groups, template["param_groups"]):
+        if flat:
+            first = by_name[group[0]]
+            entry = {key: (flatten([by_name[name][key] for name in group]) if _is_piece(value) else value)
+                     for key, value in first.items()}
+            if entry:
+                state[index] = entry
+            param_groups.append({**template_group, "params": [index]})
+            index += 1
+            continue
+        ids = []
+        for name in group:
+            if by_name[name]:
+                state[index] = by_name[name]
+            ids.append(index)
+            index += 1
+        param_groups.append({**template_group, "params": ids})
+    return {"state": state, "param_groups": param_groups}
+
+
+def _is_flat_of(value: Any, group: list[str], shapes: dict[str, torch.Size]) -> bool:
+    return torch.is_tensor(value) and value.dim() == 1 and value.numel() == sum(shapes[n].numel() for n in group) \
+        and value.numel() > 1
+
+
+def _is_piece(value: Any) -> bool:
+    return torch.is_tensor(value) and value.dim() > 0
+
+
+def split_flat(flat: torch.Tensor, names: list[str], shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
+    """A flat buffer of the parameters ``names`` (concatenated in order) as views of their shapes."""
+    pieces, offset = {}, 0
+    for name in names:
+        numel = shapes[name].numel()
+        pieces[name] = flat.narrow(0, offset, numel).view(shapes[name])
+        offset += numel
+    return pieces
+
+
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+class OptimizerResharder:
+    """Reads a rank's DeepSpeed (non-ZeRO) optimizer state by parameter name and writes it back for
+    the new layout; the kind (fp32 torch, fp16 unfused, fp16 fused) is recognised from its keys."""
+
+    def __init__(self, tensors: TensorResharder):
+        self.tensors = tensors
+        self.old_groups = optimizer_groups(tensors.old)
+        self.new_groups = optimizer_groups(tensors.new)
+        self.old_shapes = {name: p.shape for name, p in tensors.old.named_parameters()}
+
+    @staticmethod
+    def kind(optimizer: dict[str, Any]) -> str:
+        if "fp32_groups_flat" in optimizer:
+            return "fp16_fused"
+        if "fp32_groups" in optimizer:
+            return "fp16_unfused"
+        return "torch"
+
+    def by_name(self, optimizer: dict[str, Any], path: Path) -> tuple[dict[str, dict[str, Any]], dict | None]:
+        """(Adam state per parameter name, fp32 master per parameter name or None)."""
+        kind = self.kind(optimizer)
+        inner = optimizer if kind == "torch" else optimizer["optimizer_state_dict"]
+        try:
+            state = torch_state_by_name(inner, self.old_groups, path, self.old_shapes)
+        except (KeyError, TypeError):
+            raise ValueError(f"the optimizer state in {path} is not a torch or DeepSpeed fp16 optimizer state dict; "
+                             "it cannot be resharded.") from None
+        masters = None
+        if kind == "fp16_unfused":
+            masters = {name: tensor for group, tensors in zip(self.old_groups, optimizer["fp32_groups"])
+                       for name, tensor in zip(group, tensors)}
+        elif kind == "fp16_fused":
+            masters = {}
+            for group, flat in zip(self.old_groups, optimizer["fp32_groups_flat"]):
+                masters.update(split_flat(flat, group, self.old_shapes))
+        for name, entry in state.items():
+            for key, value in entry.items():
+                if _is_piece(value) and not self.tensors.is_parameter_shaped(name, value):
+                    raise ValueError(f"the optimizer state {key!r} of {name} in {path} has shape {tuple(value.shape)}, "
+                                     f"not the parameter's {tuple(self.old_shapes[name])}; the checkpoint's "
+                                     "optimizer does not follow zoo's parameter order and cannot be resharded.")
+        return state, masters
+
+    def reshard(self, optimizers: list[dict[str, Any]], paths: list[Path], new_rank: int) -> dict[str, Any]:
+        """Rank ``new_rank``'s optimizer state at the new tp from every old rank's."""
+        kind = self.kind(optimizers[0])
+        read = [self.by_name(optimizer, path) for optimizer, path in zip(optimizers, paths)]
+        state = {name: self.tensors.reshard_entries(name, [r[0][name] for r in read], new_rank)
+                 for group in self.new_groups for name in group}
+        template = optimizers[0] if kind == "torch" else optimizers[0]["optimizer_state_dict"]
+        inner = torch_state_from_names(template, state, self.new_groups, flat=kind == "fp16_fused")
+        if kind == "torch":
+            return inner
+        masters = {name: self.tensors.reshard(name, [r[1][name] for r in read], new_rank)
+                   for group in self.new_groups for name in group}
+        out = {key: value for key, value in optimizers[0].items()
+               if key not in ("optimizer_state_dict", "fp32_groups", "fp32_groups_flat")}
+        out["optimizer_state_dict"] = inner
+        if kind == "fp16_unfused":
+            out["fp32_groups"] = [[masters[name] for name in group] for group in self.new_groups]
+        else:
+            out["fp32_groups_flat"] = [flatten([masters[name] for name in group]) for group in self.new_groups]
+        return out
+
+
+# --------------------------------------------------------------------------- the whole checkpoint
+def reshard_checkpoint(tag_dir: str | Path, new_tp: int, out: str | Path) -> Path:
+    """Write the checkpoint of ``tag_dir`` (any tp) laid out for ``new_tp`` into ``out``, atomically.
+
+    One process, whatever the number of processes that wrote or will read it. Peak memory is one new
+    rank's state plus one master tensor at a time: the old files are memory-mapped.
+    """
+    tag_dir, out = Path(tag_dir), Path(out)
+    first_path = model_states_path(tag_dir, 0)
+    first = read_model_states(first_path)
+    old_tp = tp_size_of_states(first, first_path)
+    check_rank_files(tag_dir, old_tp)
+    partitions = sorted(p.name for p in tag_dir.glob(OPTIMIZER_PARTITION_GLOB))
+    if partitions:
+        raise ValueError(f"{tag_dir} keeps its optimizer state in ZeRO/BF16 partitions ({partitions[0]}), which zoo "
+                         f"cannot reshard; resume it at its own tp={old_tp}.")
+    config, _ = recover_config(first, old_tp, first_path)
+    tensors = TensorResharder(config, old_tp, new_tp, first_path)
+    paths = [model_states_path(tag_dir, rank) for rank in range(old_tp)]
+    sources = [first] + [read_model_states(path) for path in paths[1:]]
+    for states, path in zip(sources, paths):
+        if (recorded := tp_size_of_states(states, path)) != old_tp:
+            raise ValueError(f"{path} records tensor_parallel_size={recorded} but rank 0 records {old_tp}; the "
+                             "tag mixes files of two checkpoints, re-save it.")
+        check_layout(tensors.old, states["module"], path)
+    optimizers = OptimizerResharder(tensors) if isinstance(first.get("optimizer"), dict) else None
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        for rank in range(new_tp):
+            states = new_rank_states(sources, paths, tensors, optimizers, rank, tag_dir)
+            torch.save(states, staging / MODEL_STATES.format(rank))
+            del states
+        (staging / SOURCE_RECORD).write_text(json.dumps(source_record(tag_dir, old_tp, new_tp), indent=2) + "\n")
+        replace_directory(staging, out)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return out
+
+
+def new_rank_states(sources: list[dict[str, Any]], paths: list[Path], tensors: TensorResharder,
+                    optimizers: OptimizerResharder | None, rank: int, tag_dir: Path) -> dict[str, Any]:
+    """The complete model-states dict of new TP rank ``rank``."""
+    old_tp, new_tp = tensors.old_tp, tensors.new_tp
+    # Non-tensor state (RNG, counters) from the old rank whose position matches: TP ranks of a group
+    # hold the same default-generator states, so any choice is exact for them.
+    states = dict(sources[rank * old_tp // new_tp])
+    states["module"] = {name: tensors.reshard(name, [s["module"][name] for s in sources], rank)
+                        for name in sources[0]["module"]}
+    if optimizers is not None:
+        states["optimizer"] = optimizers.reshard([s["optimizer"] for s in sources], paths, rank)
+    states["mp_world_size"] = new_tp
+    states["tensor_parallel_size"] = new_tp
+    if isinstance(states.get("checkpoint_parallel_dimensions"), dict):
+        states["checkpoint_parallel_dimensions"] = {**states["checkpoint_parallel_dimensions"], "tp_degree": new_tp}
+    states["resharded_from"] = {"tensor_parallel_size": old_tp, "tag_dir": str(tag_dir)}
+    return states
+
+
+def source_record(tag_dir: Path, old_tp: int, new_tp: int) -> dict[str, Any]:
+    """What a resharded copy was made from: the source files' sizes and modification times."""
+    files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(tag_dir.iterdir()) if p.is_file()}
+    return {"source": str(tag_dir.resolve()), "from_tp": old_tp, "to_tp": new_tp, "files": files}
+
+
+def is_current(out: Path, tag_dir: Path, new_tp: int) -> bool:
+    """``out`` is a finished resharded copy of the present files of ``tag_dir`` at ``new_tp``."""
+    record = out / SOURCE_RECORD
+    if not record.is_file():
+        return False
+    try:
+        saved = json.loads(record.read_text())
+    except json.JSONDecodeError:
+        return False
+    current = source_record(tag_dir, saved.get("from_tp", 0), new_tp)
+    return saved == current and all(model_states_path(out, r).is_file() for r in range(new_tp))
+
+
+def ensure_resharded(tag_dir: str | Path, new_tp: int, out: str | Path) -> Path:
+    """:func:`reshard_checkpoint` unless ``out`` already holds a current copy."""
+    tag_dir, out = Path(tag_dir), Path(out)
+    if is_current(out, tag_dir, new_tp):
+        return out
+    return reshard_checkpoint(tag_dir, new_tp, out)
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """Rename ``staging`` to ``target``, replacing an existing ``target`` without a moment where
+    neither a complete old nor a complete new directory is there."""
+    if target.exists():
+        backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.replace(target, backup / target.name)
+        os.replace(staging, target)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(staging, target)
