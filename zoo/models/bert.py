@@ -64,6 +64,34 @@ class _BertCheckpoints(HFPretrainedMixin):
     def config_from_hf(cls, values: dict) -> BertConfig:
         return BertConfig.from_dict(values)
 
+    @classmethod
+    def check_overrides(cls, directory, values: dict, overrides: dict) -> None:
+        """pre_norm comes from model_type; asking for the other layout would run the weights through
+        a different function, so it is refused rather than silently converted."""
+        if "pre_norm" not in overrides:
+            return
+        stored = values.get("model_type") == "megatron-bert"
+        if bool(overrides["pre_norm"]) != stored:
+            layout = "pre-norm (model_type 'megatron-bert')" if stored else "post-norm (model_type 'bert')"
+            raise ValueError(f"checkpoint {directory} holds {layout} BERT weights but pre_norm="
+                             f"{overrides['pre_norm']} was requested; drop the pre_norm override, since zoo takes "
+                             "the layer order from model_type and the two orders compute different functions.")
+
+    @classmethod
+    def check_checkpoint_keys(cls, directory, file_keys: set[str], config: BertConfig) -> None:
+        """A config.json whose model_type contradicts the tensors (an embedding LayerNorm exists only in
+        post-norm BERT, a final encoder LayerNorm only in pre-norm) is refused with the fix."""
+        has_embedding_ln = any(k.endswith("embeddings.LayerNorm.weight") for k in file_keys)
+        has_final_ln = any(k.endswith("encoder.ln.weight") for k in file_keys)
+        if config.pre_norm and has_embedding_ln and not has_final_ln:
+            raise ValueError(f"checkpoint {directory} holds post-norm BERT weights (embeddings.LayerNorm, no "
+                             "encoder.ln) but its config.json says model_type 'megatron-bert' (pre-norm); set "
+                             "model_type to 'bert' in config.json.")
+        if not config.pre_norm and has_final_ln and not has_embedding_ln:
+            raise ValueError(f"checkpoint {directory} holds pre-norm BERT weights (encoder.ln, no embeddings."
+                             "LayerNorm) but its config.json says model_type 'bert' (post-norm); set model_type "
+                             "to 'megatron-bert' in config.json.")
+
     def hf_config_dict(self) -> dict:
         return self.config.to_hf_dict(self.hf_architecture)
 

@@ -180,27 +180,38 @@ def _master_shape(param: torch.Tensor, parallel: ParallelState | None, spec: HFP
 
 @torch.no_grad()
 def load_hf_weights(model: torch.nn.Module, directory: str | os.PathLike, param_map: dict[str, HFParam],
-                    parallel: ParallelState | None, ignorable: Iterable[str] = ()) -> None:
+                    parallel: ParallelState | None, ignorable: Iterable[str] = (),
+                    ignorable_prefixes: Iterable[str] = (), may_be_missing: Iterable[str] = ()) -> list[str]:
     """Fill every parameter of ``model`` from a transformers directory, this rank's slices only.
 
-    Missing keys and keys the model does not know (other than ``ignorable`` suffixes) are errors.
+    Missing keys and keys the model does not know are errors, except file keys ending in one of
+    ``ignorable`` or starting with one of ``ignorable_prefixes``, and parameters whose zoo name
+    starts with one of ``may_be_missing`` (returned, left for the caller to initialise).
     """
     files = CheckpointFiles(directory)
     available = set(files.keys())
     params = dict(model.named_parameters())
+    may_be_missing = tuple(may_be_missing)
+    missing = []
     for name, param in params.items():
         spec = param_map[name]
-        for key in spec.keys:
-            if key not in available:
-                raise ValueError(f"checkpoint {directory} has no tensor {key!r} (needed for {name}); "
-                                 "it was not written for this model type or config.")
+        absent = [key for key in spec.keys if key not in available]
+        if absent and name.startswith(may_be_missing) and may_be_missing:
+            missing.append(name)
+            continue
+        if absent:
+            raise ValueError(f"checkpoint {directory} has no tensor {absent[0]!r} (needed for {name}); "
+                             "it was not written for this model type or config.")
         local = read_local_shard(files, spec, param, parallel)
         param.copy_(local.to(param.dtype))
     wanted = {key for spec in param_map.values() for key in spec.keys}
-    unexpected = sorted(k for k in available - wanted if not any(k.endswith(s) for s in ignorable))
+    ignorable, ignorable_prefixes = tuple(ignorable), tuple(ignorable_prefixes)
+    unexpected = sorted(k for k in available - wanted
+                        if not k.endswith(ignorable) and not (ignorable_prefixes and k.startswith(ignorable_prefixes)))
     if unexpected:
         raise ValueError(f"checkpoint {directory} has tensors this model does not use, e.g. {unexpected[0]!r} "
                          f"({len(unexpected)} in all); load it with the matching model class.")
+    return missing
 
 
 # --------------------------------------------------------------------------- writing

@@ -7,6 +7,7 @@ slices; saving merges over tp (collective) and writes transformers' layout atomi
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, CheckpointFiles, HFParam, 
                               read_config_json, write_pretrained)
 from zoo.parallel.layers import materialize_meta_module
 
+logger = logging.getLogger(__name__)
 ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
                         "special_tokens_map.json")
@@ -40,11 +42,16 @@ class HFPretrainedMixin:
 
     ``base_prefix``: the key prefix of the bare model inside a heads checkpoint ("bert.",
     "transformer."); ``ignorable_keys``: suffixes of file keys that hold no parameter (buffers, tied
-    copies); ``default_tokenizer_dir``: bundled tokenizer files written next to the weights.
+    copies); ``ignorable_prefixes``: file keys of other heads that this model drops (a pretraining
+    head under a finetuning model); ``new_param_prefixes``: zoo parameters a checkpoint may lack (a
+    task head not trained yet), initialised by ``init_new_params``; ``default_tokenizer_dir``:
+    bundled tokenizer files written next to the weights.
     """
 
     base_prefix = ""
     ignorable_keys: tuple[str, ...] = ()
+    ignorable_prefixes: tuple[str, ...] = ()
+    new_param_prefixes: tuple[str, ...] = ()
     default_tokenizer_dir: Path = ASSETS
 
     @classmethod
@@ -59,19 +66,45 @@ class HFPretrainedMixin:
                         **config_overrides):
         """Build from a transformers directory (config.json + safetensors), reading only this rank's
         slices. ``config_overrides`` set config fields, e.g. ``activation_checkpointing=True``."""
-        config = cls.config_from_hf(read_config_json(directory)).replace(**config_overrides)
+        values = read_config_json(directory)
+        cls.check_overrides(directory, values, config_overrides)
+        config = cls.config_from_hf(values).replace(**config_overrides)
+        return cls.load_into(directory, config, parallel, dtype)
+
+    @classmethod
+    def check_overrides(cls, directory, values: dict, overrides: dict) -> None:
+        """Refuse overrides that contradict what the checkpoint holds (a model family hook)."""
+
+    @classmethod
+    def load_into(cls, directory: str | os.PathLike, config, parallel=None, dtype: torch.dtype | None = None,
+                  new_params_seed: int | None = None):
+        """Build ``cls(config, parallel)`` on the meta device and fill it from ``directory``.
+
+        Parameters named in ``cls.new_param_prefixes`` (a task head the checkpoint may not have)
+        are drawn fresh from ``new_params_seed`` when absent, identically on every rank."""
         with torch.device("meta"):
             model = cls(config, parallel)
         materialize_meta_module(model, "cpu")
-        table, ignorable = _match_key_prefix(model.hf_param_map(), set(CheckpointFiles(directory).keys()),
-                                             cls.base_prefix)
-        load_hf_weights(model, directory, table, parallel, ignorable=cls.ignorable_keys + ignorable)
+        file_keys = set(CheckpointFiles(directory).keys())
+        cls.check_checkpoint_keys(directory, file_keys, config)
+        table, ignorable = _match_key_prefix(model.hf_param_map(), file_keys, cls.base_prefix)
+        missing = load_hf_weights(model, directory, table, parallel, ignorable=cls.ignorable_keys + ignorable,
+                                  ignorable_prefixes=cls.ignorable_prefixes,
+                                  may_be_missing=cls.new_param_prefixes)
+        if missing:
+            model.init_new_params(missing, new_params_seed if new_params_seed is not None else 0)
+            logger.warning("%s: %s not in %s; newly initialised (seed %s) - train this model before using it.",
+                           cls.__name__, ", ".join(sorted(missing)), directory, new_params_seed or 0)
         model.tokenizer_dir = Path(directory) if any(
             (Path(directory) / name).is_file() for name in ("vocab.json", "vocab.txt", "tokenizer.json")) \
             else cls.default_tokenizer_dir
         if dtype is not None:
             model.to(dtype)
         return model
+
+    @classmethod
+    def check_checkpoint_keys(cls, directory, file_keys: set[str], config) -> None:
+        """Refuse a checkpoint whose tensors contradict its config.json (a model family hook)."""
 
     def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None,
                         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:

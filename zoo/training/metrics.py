@@ -56,6 +56,12 @@ class MetricsLogger:
             self._wandb.log({k: v for k, v in event.items() if isinstance(v, (int, float))},
                             step=event.get("iteration"))
 
+    def summary(self, values: dict[str, Any]) -> None:
+        """Final values of the run (W&B's run summary, e.g. the best score); no-op without W&B."""
+        if self._wandb is not None:
+            for key, value in values.items():
+                self._wandb.summary[key] = value
+
     def close(self) -> None:
         if self._wandb is not None:
             self._wandb.finish()

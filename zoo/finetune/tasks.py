@@ -1,0 +1,164 @@
+"""The four finetuning tasks as data: which reader, encoder, model head and metrics each one uses.
+
+A :class:`Task` turns a data directory into a :class:`TaskData`: the encoded training tensors and
+the evaluation sets. An :class:`EvalSet` holds the model inputs and a ``score`` function that maps
+the model's outputs to (metrics, predictions file contents). The runner (:mod:`zoo.finetune.runner`)
+knows nothing task-specific beyond this.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from zoo.finetune import glue, race, squad
+from zoo.finetune.squad_metrics import squad_scores
+
+
+@dataclass
+class EvalSet:
+    """One evaluation split: model inputs (N, ...) and how to score the model's outputs on them."""
+
+    name: str
+    inputs: dict[str, torch.Tensor]
+    score: Callable[[dict[str, np.ndarray]], tuple[dict[str, float], dict[str, str]]]
+
+    def __len__(self) -> int:
+        return next(iter(self.inputs.values())).shape[0]
+
+
+@dataclass
+class TaskData:
+    train: dict[str, torch.Tensor] | None
+    eval_sets: list[EvalSet] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Task:
+    """``main_metric`` (e.g. "dev_matched/accuracy") picks the best epoch; ``outputs`` are the names of
+    the model output tensors the scores read."""
+
+    name: str
+    model_class_name: str
+    labels: tuple[str, ...] | None
+    main_metric: str
+    outputs: tuple[str, ...]
+    load: Callable[..., TaskData]
+
+    @property
+    def model_class(self):
+        from zoo.models import bert_heads
+
+        return getattr(bert_heads, self.model_class_name)
+
+
+LABEL_KEYS = ("labels", "start_positions", "end_positions")
+
+
+def _without_labels(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v for k, v in tensors.items() if k not in LABEL_KEYS}
+
+
+def _json_file(entries: list[dict[str, Any]]) -> dict[str, str]:
+    return {"jsonl": "".join(json.dumps(e) + "\n" for e in entries)}
+
+
+# --------------------------------------------------------------------------- GLUE
+def _pair_eval_set(task: str, split: str, examples, tokenizer, max_seq_length: int, labels) -> EvalSet:
+    encoded = glue.encode_pairs(examples, tokenizer, max_seq_length)
+    gold = encoded["labels"].numpy()
+
+    def score(outputs):
+        predicted = outputs["logits"].argmax(-1)
+        metrics = glue.classification_metrics(task, predicted, gold)
+        rows = [{"guid": e.guid, "prediction": labels[p], "label": labels[e.label]}
+                for e, p in zip(examples, predicted)]
+        return metrics, _json_file(rows)
+
+    return EvalSet(split, _without_labels(encoded), score)
+
+
+def _load_pairs(task: str, reader, labels, train_split: str, eval_splits: tuple[str, ...]):
+    def load(data_dir, tokenizer, max_seq_length, **_) -> TaskData:
+        splits = reader(data_dir)
+        train = splits.get(train_split)
+        return TaskData(
+            train=glue.encode_pairs(train, tokenizer, max_seq_length) if train else None,
+            eval_sets=[_pair_eval_set(task, name, splits[name], tokenizer, max_seq_length, labels)
+                       for name in eval_splits if splits.get(name)])
+    return load
+
+
+# --------------------------------------------------------------------------- RACE
+def _race_eval_set(split: str, examples, tokenizer, max_seq_length: int) -> EvalSet:
+    encoded = race.encode_race(examples, tokenizer, max_seq_length)
+
+    def score(outputs):
+        predicted = outputs["logits"].argmax(-1)
+        metrics = race.race_accuracy(predicted, examples)
+        rows = [{"guid": e.guid, "level": e.level, "prediction": "ABCD"[p], "answer": "ABCD"[e.label]}
+                for e, p in zip(examples, predicted)]
+        return metrics, _json_file(rows)
+
+    return EvalSet(split, _without_labels(encoded), score)
+
+
+def _load_race(data_dir, tokenizer, max_seq_length, **_) -> TaskData:
+    splits = race.read_race(data_dir)
+    train = splits.get("train")
+    return TaskData(train=race.encode_race(train, tokenizer, max_seq_length) if train else None,
+                    eval_sets=[_race_eval_set(name, splits[name], tokenizer, max_seq_length)
+                               for name in ("dev", "test") if splits.get(name)])
+
+
+# --------------------------------------------------------------------------- SQuAD
+def _squad_eval_set(split: str, examples, tokenizer, max_seq_length: int, doc_stride: int,
+                    max_query_length: int, version_2: bool) -> EvalSet:
+    features = squad.featurize_squad(examples, tokenizer, max_seq_length, doc_stride, max_query_length)
+
+    def score(outputs):
+        predictions, na_probs = squad.decode_predictions(
+            examples, features, outputs["start_logits"], outputs["end_logits"],
+            version_2_with_negative=version_2)
+        metrics = squad_scores(examples, predictions, na_probs if version_2 else None)
+        files = {"json": json.dumps(predictions, indent=2) + "\n"}
+        if version_2:
+            files["na_prob.json"] = json.dumps(na_probs, indent=2) + "\n"
+        return metrics, files
+
+    return EvalSet(split, _without_labels(features.tensors), score)
+
+
+def _load_squad(data_dir, tokenizer, max_seq_length, doc_stride=128, max_query_length=64, version=None,
+                **_) -> TaskData:
+    splits = squad.read_squad_dir(data_dir, version)
+    version_2 = any(e.is_impossible for examples in splits.values() for e in examples) or version == "2.0"
+    train = splits.get("train")
+    train_tensors = None
+    if train:
+        train_tensors = squad.featurize_squad(train, tokenizer, max_seq_length, doc_stride,
+                                              max_query_length).tensors
+    return TaskData(train=train_tensors,
+                    eval_sets=[_squad_eval_set(name, splits[name], tokenizer, max_seq_length, doc_stride,
+                                               max_query_length, version_2)
+                               for name in ("dev",) if splits.get(name)])
+
+
+TASKS = {
+    "mnli": Task("mnli", "BertForSequenceClassification", glue.MNLI_LABELS, "dev_matched/accuracy", ("logits",),
+                 _load_pairs("mnli", glue.read_mnli, glue.MNLI_LABELS, "train", ("dev_matched", "dev_mismatched"))),
+    "qqp": Task("qqp", "BertForSequenceClassification", glue.QQP_LABELS, "dev/accuracy", ("logits",),
+                _load_pairs("qqp", glue.read_qqp, glue.QQP_LABELS, "train", ("dev", "test"))),
+    "race": Task("race", "BertForMultipleChoice", None, "dev/all", ("logits",), _load_race),
+    "squad": Task("squad", "BertForQuestionAnswering", None, "dev/f1", ("start_logits", "end_logits"), _load_squad),
+}
+
+
+def get_task(name: str) -> Task:
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}.")
+    return TASKS[name]
