@@ -131,7 +131,8 @@ def reloaded_engine(model, ps, run_dir):
     path, client = engine.load_checkpoint(f"{run_dir}/checkpoints", load_optimizer_states=False,
                                           load_lr_scheduler_states=False)
     assert path is not None and client["iteration"] == 2
-    return engine.eval()
+    engine.eval()
+    return engine
 
 
 @pytest.fixture(scope="module")
