@@ -159,10 +159,33 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
     os.replace(tmp, path)
 
 
+def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> int:
+    """Run a finetune script's ``main`` in this process (one world-of-one process group for the whole
+    sweep, no per-run interpreter and DeepSpeed start-up); returns its exit code."""
+    import contextlib
+
+    from zoo.finetune.runner import main as finetune_main
+
+    saved = dict(os.environ)
+    os.environ.update(env)
+    try:
+        with log_path.open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
+            finetune_main(Path(command[0]).stem, command[1:])
+        return 0
+    except SystemExit as exit_:
+        return int(exit_.code or 0)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
+
+
 def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, count: int | None = None,
               dry_run: bool = False, launcher: str | None = None, project: str = "zoo-finetune",
-              extra_env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run (or, with ``dry_run``, print) the grid; returns the per-run rows and the summary."""
+              extra_env: dict[str, str] | None = None, in_process: bool = False) -> dict[str, Any]:
+    """Run (or, with ``dry_run``, print) the grid; returns the per-run rows and the summary.
+
+    ``in_process`` runs every point in this process, one after the other (no launcher; tp = 1 unless
+    this process already belongs to a larger torch.distributed world)."""
     from tqdm import tqdm
 
     spec = load_sweep(path)
@@ -180,14 +203,17 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     for setting in tqdm(settings, desc=f"sweep {spec.name}", unit="run", file=sys.stdout):
         save = out_dir / run_name(setting, spec)
         command = command_for(setting, spec, save, launcher)
-        with (out_dir / f"{save.name}.log").open("w") as log:
-            finished = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT)
+        if in_process:
+            returncode = _run_in_process(command_for(setting, spec, save, ""), env, out_dir / f"{save.name}.log")
+        else:
+            with (out_dir / f"{save.name}.log").open("w") as log:
+                returncode = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
         score = None
-        if finished.returncode == 0 and (save / "results.json").is_file():
+        if returncode == 0 and (save / "results.json").is_file():
             score = metric_of(json.loads((save / "results.json").read_text()), spec.metric)
         else:
-            print(f"run {save.name} failed (exit {finished.returncode}); see {out_dir / (save.name + '.log')}")
-        rows.append({**{k: setting[k] for k in spec.grid}, "run": save.name, "exit_code": finished.returncode,
+            print(f"run {save.name} failed (exit {returncode}); see {out_dir / (save.name + '.log')}")
+        rows.append({**{k: setting[k] for k in spec.grid}, "run": save.name, "exit_code": returncode,
                      "score": score})
     summary = summarize(rows, spec)
     table = format_table(summary, spec)
@@ -212,9 +238,12 @@ def main(argv=None) -> None:
     parser.add_argument("--launcher", default=None,
                         help="command prefix, e.g. 'deepspeed --num_gpus 8' (default: this python)")
     parser.add_argument("--project", default="zoo-finetune", help="W&B project of the runs")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every point in this process (tp = 1; saves the start-up of each run)")
     args = parser.parse_args(argv)
     try:
-        run_sweep(args.sweep, args.out, args.count, args.dry_run, args.launcher, args.project)
+        run_sweep(args.sweep, args.out, args.count, args.dry_run, args.launcher, args.project,
+                  in_process=args.in_process)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

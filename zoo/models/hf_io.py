@@ -153,6 +153,8 @@ def read_local_shard(files: CheckpointFiles, spec: HFParam, param: torch.Tensor,
         local = files.read(spec.key, file_dim, [(start, end)]) if end > start else None
         pad_shape = list(param.shape)
         pad_shape[dim] = per_rank - max(end - start, 0)
+        if local is not None and pad_shape[dim] == 0:
+            return local                                 # no padding on this rank: no concatenated copy
         padding = torch.zeros(pad_shape, dtype=local.dtype if local is not None else param.dtype)
         return padding if local is None else torch.cat([local, padding], dim=dim)
     stride = 1 if spec.fused else getattr(param, "partition_stride", 1)
