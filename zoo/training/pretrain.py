@@ -170,24 +170,20 @@ def _means_over_dp(sums: dict[str, torch.Tensor], count: int, ps) -> dict[str, f
     return dict(zip(sums, stacked.tolist()))
 
 
-def _mean_over_dp(value: torch.Tensor, ps) -> float:
-    value = value.detach().float().clone()
-    if ps.dp_size > 1:
-        dist.all_reduce(value, group=ps.dp_group)
-        value /= ps.dp_size
-    return value.item()
-
-
-def evaluate(engine, data: PretrainingData, config: RunConfig, ps) -> float:
+def evaluate(engine, data: PretrainingData, config: RunConfig, ps) -> dict[str, float]:
+    """Validation means over ``eval_iters`` micro-batches and the DP ranks: "loss", plus BERT's
+    "mlm_loss", "sop_loss" and "sop_acc"."""
     engine.eval()
     per_step = data.micro_batch * ps.dp_size
-    total = torch.zeros(())
+    sums: dict[str, torch.Tensor] = {}
     with torch.no_grad():
         for step in range(config.eval_iters):
             batch = data.micro_batch_at(data.valid, step * per_step)
-            total += engine(**model_forward_kwargs(batch, engine.device)).loss.float().cpu()
+            output = engine(**model_forward_kwargs(batch, engine.device))
+            for key, value in {"loss": output.loss.detach().float(), **extra_metrics(output, batch)}.items():
+                sums[key] = sums.get(key, 0.0) + value.cpu()
     engine.train()
-    return _mean_over_dp(total / config.eval_iters, ps)
+    return _means_over_dp(sums, config.eval_iters, ps)
 
 
 def pretrain(config: RunConfig) -> dict[str, Any]:
@@ -295,12 +291,15 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
             window, window_steps, window_time = {}, 0, 0.0
 
         if config.eval_interval and (iteration % config.eval_interval == 0 or iteration == config.train_iters):
-            val_loss = evaluate(engine, data, config, ps)
+            validation = evaluate(engine, data, config, ps)
+            val_loss = validation["loss"]
+            extras = {f"val_{key}": value for key, value in validation.items() if key != "loss"}
             logger.log({"iteration": iteration, "split": "valid", "val_loss": val_loss,
-                        "val_ppl": perplexity(val_loss)})
+                        "val_ppl": perplexity(val_loss), **extras})
             if is_writer:
+                shown = "".join(f", {key} {value:.4f}" for key, value in extras.items())
                 progress.write(f"iteration {iteration}: validation loss {val_loss:.4f}, "
-                               f"perplexity {perplexity(val_loss):.2f}")
+                               f"perplexity {perplexity(val_loss):.2f}{shown}")
 
         if run_dir and ((config.save_interval and iteration % config.save_interval == 0)
                         or iteration == config.train_iters):
