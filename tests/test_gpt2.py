@@ -101,12 +101,24 @@ def _both_masks_worker(rank, world_size, directory):
     return {padded: _parity_worker(rank, world_size, directory, padded) for padded in (False, True)}
 
 
+def _tp4_worker(rank, world_size, directory):
+    """Everything checked at tp = 4, in one 4-process spawn: parity, then the merged initial weights."""
+    return _both_masks_worker(rank, world_size, directory), _init_worker(rank, world_size)
+
+
+@pytest.fixture(scope="module")
+def tp4_run(hf_gpt2_dir):
+    return spawn(_tp4_worker, 4, hf_gpt2_dir)
+
+
 @pytest.mark.parametrize("tp", [1, 2, 4])
-def test_gpt2_equals_transformers(hf_gpt2_dir, tp):
+def test_gpt2_equals_transformers(hf_gpt2_dir, tp, request):
     """Without and with a (right-)padding attention mask, one spawn per tp."""
     from zoo.parallel import pad_vocab_size
 
-    for by_mask in spawn(_both_masks_worker, tp, hf_gpt2_dir):
+    per_rank = ([parity for parity, _ in request.getfixturevalue("tp4_run")] if tp == 4
+                else spawn(_both_masks_worker, tp, hf_gpt2_dir))
+    for by_mask in per_rank:
         for padded, errors in by_mask.items():
             shape = errors.pop("local_logits_shape")
             assert shape == (BATCH, SEQ, pad_vocab_size(VOCAB, tp) // tp)
@@ -164,14 +176,14 @@ def _init_worker(rank, world_size):
     return merged if rank == 0 else None
 
 
-def test_init_is_tp_invariant_at_tp4():
+def test_init_is_tp_invariant_at_tp4(tp4_run):
     from zoo.models import GPT2LMHeadModel
     from zoo.models.hf_io import hf_state_dict
 
     torch.manual_seed(42)
     model = GPT2LMHeadModel(tiny_zoo_config())
     reference = hf_state_dict(model, model.hf_param_map(), None)
-    merged = spawn(_init_worker, 4)[0]
+    merged = tp4_run[0][1]
     for key in reference:
         assert torch.equal(merged[key], reference[key]), f"init of {key} differs between tp=1 and tp=4"
     # N(0, 0.02) weights, residual output projections scaled by 1/sqrt(2 * n_layer).
@@ -181,24 +193,31 @@ def test_init_is_tp_invariant_at_tp4():
     assert abs(scaled - 0.02 / 2.0) < 0.002  # n_layer = 2 -> 1/sqrt(4)
 
 
-def _collective_worker(rank, world_size, n_layer):
+def _collective_worker(rank, world_size, n_layers):
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState
 
     ps = ParallelState.initialize(world_size)
-    torch.manual_seed(0)
-    model = GPT2LMHeadModel(tiny_zoo_config(n_layer), parallel=ps)
-    ids, _, labels = batch(seed=3)
+    recorded = {}
+    for n_layer in n_layers:
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(tiny_zoo_config(n_layer), parallel=ps)
+        ids, _, labels = batch(seed=3)
+        with record_collectives() as calls:
+            model(ids, labels=labels).loss.backward()
+        recorded[n_layer] = calls
+    return recorded
 
-    with record_collectives() as calls:
-        model(ids, labels=labels).loss.backward()
-    return calls
+
+@pytest.fixture(scope="module")
+def collectives_by_depth():
+    return spawn(_collective_worker, 2, (1, 3))[0]
 
 
 @pytest.mark.parametrize("n_layer", [1, 3])
-def test_training_step_collectives(n_layer):
+def test_training_step_collectives(n_layer, collectives_by_depth):
     b, s, h, vocab = BATCH, SEQ, 64, VOCAB
-    calls = spawn(_collective_worker, 2, n_layer)[0]
+    calls = collectives_by_depth[n_layer]
     activation = [c for c in calls if c[1] == b * s * h]
     # 2 forward (g after attention and MLP) + 2 backward (f before them) per layer,
     # + embedding g (forward) + tied LM head f (backward).
