@@ -15,12 +15,12 @@ setup-test: $(VENV)/.zoo-test-installed
 
 $(VENV)/.zoo-installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e .
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "torch==2.13.0"
+	$(PY) -m pip install -q --no-compile -e .
 	touch $@
 
 $(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
-	$(PY) -m pip install -q -e ".[test]"
+	$(PY) -m pip install -q --no-compile -e ".[test]"
 	touch $@
 
 # One node on CPU: gloo talks over loopback (left to itself it probes interfaces, ~45 s here).

@@ -295,7 +295,8 @@ def test_decode_predictions_across_window_boundary(windows):
     start_logits, end_logits = torch.zeros(len(features), L), torch.zeros(len(features), L)
     example_windows = [f for f, i in enumerate(features.example_index) if i == 2]  # "1987", near the end
     positions = features.tensors["start_positions"]
-    target_window = next(f for f in example_windows[1:] if positions[f] > 0)
+    target_window = next(f for f in example_windows[1:]
+                         if positions[f] > 0 and features.max_context[f][int(positions[f])])
     assert positions[example_windows[0]] == 0  # not in the first window
     target = int(positions[target_window])
     # decoys: a valid but lower-scoring span in the first window, and a larger start logit on a
@@ -316,6 +317,32 @@ def test_decode_predictions_across_window_boundary(windows):
     assert predictions["m4"] == "four thousand and twelve"
     predictions, _ = decode_predictions(examples, features, start_logits, end_logits, max_answer_length=2)
     assert predictions["m4"] != "four thousand and twelve"  # 4 tokens do not fit in 2
+
+
+def test_each_context_token_has_one_max_context_window(windows):
+    """BERT's rule: a token in several windows is decoded only from the one where it has the most
+    context on both sides; a start logit elsewhere is ignored."""
+    examples, features = windows
+    for i in range(len(examples)):
+        rows = [f for f, e in enumerate(features.example_index) if e == i]
+        owners = {}
+        for f in rows:
+            for t, offset in enumerate(features.offsets[f]):
+                if offset is not None and features.max_context[f][t]:
+                    assert offset not in owners, f"token {offset} of example {i} has two max-context windows"
+                    owners[offset] = f
+        every = {o for f in rows for o in features.offsets[f] if o is not None}
+        assert set(owners) == every
+    L = features.tensors["input_ids"].shape[1]
+    f = next(f for f in range(len(features)) if not all(
+        features.max_context[f][t] for t, o in enumerate(features.offsets[f]) if o is not None))
+    t = next(t for t, o in enumerate(features.offsets[f]) if o is not None and not features.max_context[f][t])
+    start_logits, end_logits = torch.zeros(len(features), L), torch.zeros(len(features), L)
+    start_logits[f, t], end_logits[f, t] = 9.0, 9.0
+    predictions, _ = decode_predictions(examples, features, start_logits, end_logits)
+    offset = features.offsets[f][t]
+    context = examples[features.example_index[f]].context
+    assert predictions[examples[features.example_index[f]].qid] != context[offset[0]:offset[1]]
 
 
 def test_decode_predictions_v2_null_answer(tokenizer):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,10 +103,11 @@ def parse_args(task: str, argv=None) -> FinetuneConfig:
         task=task, pretrained=args.pretrained, data_dir=args.data_dir, ds_config=ds_config,
         ds_config_path=args.deepspeed_config,
         lr=args.lr if args.lr is not None else zoo_block.get("lr", 2e-5),
-        batch_size=args.batch_size or ds_config.get("train_batch_size", 32),
+        batch_size=args.batch_size if args.batch_size is not None else ds_config.get("train_batch_size", 32),
         epochs=args.epochs, seed=args.seed, max_seq_length=args.max_seq_length,
         save=args.save or zoo_block.get("save") or f"runs/finetune-{task}",
-        tensor_parallel_size=args.tensor_parallel_size or zoo_block.get("tensor_parallel_size"),
+        tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
+                              else zoo_block.get("tensor_parallel_size")),
         warmup=args.warmup, weight_decay=args.weight_decay, eval_batch_size=args.eval_batch_size,
         log_interval=args.log_interval, doc_stride=args.doc_stride, max_query_length=args.max_query_length,
         squad_version=args.squad_version, dropout=args.dropout, wandb_project=args.wandb_project)
@@ -118,11 +120,13 @@ def validate(config: FinetuneConfig) -> FinetuneConfig:
         config.max_seq_length = DEFAULT_MAX_SEQ_LENGTH[config.task]
     checks = [
         (config.lr > 0, f"--lr {config.lr} must be positive; pass e.g. --lr 2e-5."),
-        (config.batch_size > 0, f"--batch-size {config.batch_size} must be positive."),
+        (config.batch_size > 0, f"--batch-size {config.batch_size} must be positive; pass e.g. --batch-size 32."),
+        (config.tensor_parallel_size is None or config.tensor_parallel_size > 0,
+         f"--tensor-parallel-size {config.tensor_parallel_size} must be positive; pass e.g. 1."),
         (config.epochs >= 0, f"--epochs {config.epochs} must be 0 (evaluate only) or more."),
         (0 <= config.warmup < 1, f"--warmup {config.warmup} is a fraction of the steps; pass a value in [0, 1)."),
-        (config.eval_batch_size > 0, f"--eval-batch-size {config.eval_batch_size} must be positive."),
-        (config.log_interval > 0, f"--log-interval {config.log_interval} must be positive."),
+        (config.eval_batch_size > 0, f"--eval-batch-size {config.eval_batch_size} must be positive; pass e.g. 32."),
+        (config.log_interval > 0, f"--log-interval {config.log_interval} must be positive; pass e.g. 10."),
     ]
     for ok, message in checks:
         if not ok:
@@ -139,8 +143,7 @@ def deepspeed_dict(config: FinetuneConfig, dp_size: int, total_steps: int) -> di
         raise ValueError(f"--batch-size {config.batch_size} is not divisible by the data-parallel size {dp_size}; "
                          f"pass a multiple of {dp_size}.")
     per_rank = config.batch_size // dp_size
-    if not micro or per_rank % micro:
-        micro = per_rank
+    micro = math.gcd(per_rank, micro) if micro else per_rank   # never above the ds_config's micro-batch
     ds.update(train_batch_size=config.batch_size, train_micro_batch_size_per_gpu=micro)
     ds.pop("gradient_accumulation_steps", None)
     optimizer = ds.setdefault("optimizer", {"type": "AdamW", "params": {}})

@@ -105,7 +105,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.training.engine import param_groups, refresh_fp32_master_weights
     from zoo.training.metrics import MetricsLogger, plot_loss
-    from zoo.training.pretrain import share_cpu_threads
+    from zoo.training.pretrain import means_over_dp, share_cpu_threads
 
     task = get_task(config.task)
     # Everything a user can get wrong in files and flags is checked before any process group starts.
@@ -118,9 +118,11 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     if config.epochs > 0 and data.train is None:
         raise FileNotFoundError(f"no training split found in {config.data_dir} for {config.task}; add it, or pass "
                                 "--epochs 0 to evaluate only.")
-    if not data.eval_sets:
-        raise FileNotFoundError(f"no dev split found in {config.data_dir} for {config.task}; add it (the "
-                                "layouts are listed in zoo/finetune/tasks.py and the README).")
+    main_split = task.main_metric.split("/")[0]
+    if main_split not in {eval_set.name for eval_set in data.eval_sets}:
+        raise FileNotFoundError(f"no {main_split} split found in {config.data_dir} for {config.task}, and it gives "
+                                f"the metric the best model is chosen by ({task.main_metric}); add it (the layouts "
+                                "are listed in zoo/finetune/tasks.py and the README).")
 
     deepspeed.init_distributed()
     share_cpu_threads()
@@ -135,7 +137,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
 
     overrides = {}
     if config.dropout is not None:
-        overrides = dict(hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.dropout)
+        overrides = dict(hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.dropout,
+                         extra={**model_config.extra, "classifier_dropout": config.dropout})
     model = task.model_class.from_pretrained(config.pretrained, parallel=ps, head_seed=config.seed,
                                              **({"labels": list(task.labels)} if task.labels else {}), **overrides)
     num_train = 0 if data.train is None else next(iter(data.train.values())).shape[0]
@@ -148,7 +151,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     ds_config = deepspeed_dict(config, ps.dp_size, total_steps)
     engine, _, _, _ = deepspeed.initialize(
         model=model, model_parameters=param_groups(model, config.weight_decay), config=ds_config, mpu=ps)
-    refresh_fp32_master_weights(engine)
+    refresh_fp32_master_weights(engine)   # a guard: the weights were loaded before initialize, so masters match
     micro = engine.train_micro_batch_size_per_gpu()
 
     run_dir = Path(config.save)
@@ -171,9 +174,6 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
             print(f"epoch {epoch:g} (step {step}): {shown}", flush=True)
         score = metrics.get(task.main_metric)
-        if score is None:
-            raise ValueError(f"the {config.task} eval sets in {config.data_dir} do not give {task.main_metric}; "
-                             "add the dev split it needs.")
         if not best or score > best["score"]:
             best.update(score=score, epoch=epoch, step=step, metrics=metrics)
             if is_writer:
@@ -198,12 +198,9 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                 engine.backward(output.loss)
                 engine.step()
                 losses.append(output.loss.detach().float().cpu())
-            loss = torch.stack(losses).mean()
-            if ps.dp_size > 1:
-                dist.all_reduce(loss, group=ps.dp_group)
-                loss /= ps.dp_size
+            loss = means_over_dp({"loss": torch.stack(losses).sum()}, len(losses), ps, engine.device)["loss"]
             step += 1
-            window.append(loss.item())
+            window.append(loss)
             window_time += time.perf_counter() - start
             progress.update(1)
             if step % config.log_interval == 0 or step == total_steps:

@@ -61,12 +61,15 @@ class SquadFeatures:
     window (0, the ``[CLS]`` token, when the example is impossible or the answer is not wholly in
     this window). ``example_index[f]`` is the example of window ``f``; ``offsets[f][t]`` is the
     context character span ``(start, end)`` of token ``t``, None for question, special and pad
-    tokens.
+    tokens. ``max_context[f][t]``: window ``f`` is the one where context token ``t`` has the most
+    context on both sides (BERT's rule: the largest min(left, right) + 0.01 * window length), so a
+    span starting there is decoded from this window only, as BERT's and Megatron's SQuAD code do.
     """
 
     tensors: dict[str, torch.Tensor]
     example_index: list[int] = field(default_factory=list)
     offsets: list[list[Offset]] = field(default_factory=list)
+    max_context: list[list[bool]] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.example_index)
@@ -233,14 +236,18 @@ def featurize_squad(
         contexts = tokenizer([e.context for e in examples], add_special_tokens=False, return_offsets_mapping=True)
     cls_id, sep_id, pad_id = tokenizer.cls_token_id, tokenizer.sep_token_id, tokenizer.pad_token_id
     rows: dict[str, list[list[int] | int]] = defaultdict(list)
-    example_index, all_offsets = [], []
+    example_index, all_offsets, all_max_context = [], [], []
     for i, example in enumerate(examples):
         question = questions[i][:max_query_length]
         doc_ids = contexts["input_ids"][i]
         doc_offsets = [tuple(o) for o in contexts["offset_mapping"][i]]
         answer_span = _answer_token_span(example, doc_offsets)
         prefix = len(question) + 2  # [CLS] question [SEP]
-        for start, length in _windows(len(doc_ids), max_seq_length - prefix - 1, doc_stride):
+        windows = _windows(len(doc_ids), max_seq_length - prefix - 1, doc_stride)
+        best_window = _best_context_windows(len(doc_ids), windows)
+        for w, (start, length) in enumerate(windows):
+            all_max_context.append([False] * prefix + [best_window[p] == w for p in range(start, start + length)]
+                                   + [False] * (max_seq_length - prefix - length))
             ids = [cls_id, *question, sep_id, *doc_ids[start : start + length], sep_id]
             padding = max_seq_length - len(ids)
             rows["input_ids"].append(ids + [pad_id] * padding)
@@ -259,7 +266,19 @@ def featurize_squad(
         tensors[key] = torch.tensor(rows[key], dtype=torch.long).reshape(-1, max_seq_length)
     for key in ("start_positions", "end_positions"):
         tensors[key] = torch.tensor(rows[key], dtype=torch.long)
-    return SquadFeatures(tensors=tensors, example_index=example_index, offsets=all_offsets)
+    return SquadFeatures(tensors=tensors, example_index=example_index, offsets=all_offsets,
+                         max_context=all_max_context)
+
+
+def _best_context_windows(num_tokens: int, windows: Sequence[tuple[int, int]]) -> list[int]:
+    """For each context token, the window where it has the most context (ties: the first)."""
+    best, best_score = [0] * num_tokens, [-math.inf] * num_tokens
+    for w, (start, length) in enumerate(windows):
+        for p in range(start, start + length):
+            score = min(p - start, start + length - 1 - p) + 0.01 * length
+            if score > best_score[p]:
+                best[p], best_score[p] = w, score
+    return best
 
 
 def _as_numpy(logits) -> np.ndarray:
@@ -282,7 +301,8 @@ def decode_predictions(
     """Answer text and no-answer score of each example from window logits (F, L).
 
     Over every window of an example, the ``n_best_size`` highest start and end logits are paired
-    (end >= start, at most ``max_answer_length`` tokens, both tokens in the context) and the pair
+    (end >= start, at most ``max_answer_length`` tokens, both tokens in the context, the start token
+    in its max-context window) and the pair
     with the highest start + end logit is the best span; its text is the context between the
     characters of the two tokens. The null score is the lowest ``start[0] + end[0]`` ([CLS]) over
     the windows. With ``version_2_with_negative``, the answer is "" when null - best >
@@ -311,8 +331,9 @@ def decode_predictions(
             null_score = min(null_score, float(start[0] + end[0]))
             top_starts = np.argsort(-start, kind="stable")[:n_best_size]
             top_ends = np.argsort(-end, kind="stable")[:n_best_size]
+            max_context = features.max_context[f] if features.max_context else None
             for s in top_starts:
-                if offsets[s] is None:
+                if offsets[s] is None or (max_context is not None and not max_context[s]):
                     continue
                 for e in top_ends:
                     if offsets[e] is None or e < s or e - s + 1 > max_answer_length:

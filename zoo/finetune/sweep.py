@@ -174,6 +174,12 @@ def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> 
         return 0
     except SystemExit as exit_:
         return int(exit_.code or 0)
+    except Exception:  # noqa: BLE001 - one failed point must not end the sweep
+        import traceback
+
+        with log_path.open("a") as log:
+            log.write(traceback.format_exc())
+        return 1
     finally:
         os.environ.clear()
         os.environ.update(saved)
@@ -219,7 +225,9 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     table = format_table(summary, spec)
     _write_csv(out_dir / "runs.csv", rows)
     _write_csv(out_dir / "summary.csv", summary)
-    (out_dir / "summary.md").write_text(f"# sweep {spec.name} ({spec.metric}, median over seeds)\n\n{table}\n")
+    summary_md = out_dir / "summary.md"
+    summary_md.with_name(".summary.md.tmp").write_text(f"# sweep {spec.name} ({spec.metric}, median over seeds)\n\n{table}\n")
+    os.replace(summary_md.with_name(".summary.md.tmp"), summary_md)
     plot_sweep(rows, summary, spec, out_dir / "sweep.png")
     print(table)
     print(f"{len(rows)} runs; table in {out_dir / 'summary.md'}, plot in {out_dir / 'sweep.png'}, "

@@ -62,7 +62,8 @@ class _BertTaskModel(_BertCheckpoints, nn.Module):
         self.config = config
         self.parallel = parallel
         self.bert = BertModel(config, parallel, add_pooling_layer=self.add_pooling_layer)
-        self.dropout = nn.Dropout(config.extra.get("classifier_dropout") or config.hidden_dropout_prob)
+        classifier_dropout = config.extra.get("classifier_dropout")
+        self.dropout = nn.Dropout(config.hidden_dropout_prob if classifier_dropout is None else classifier_dropout)
         setattr(self, self.head_name, nn.Linear(config.hidden_size, self.head_outputs(config)))
         if not getattr(self, self.head_name).weight.is_meta:
             self.init_new_params([f"{self.head_name}.weight", f"{self.head_name}.bias"], seed=0)

@@ -113,12 +113,16 @@ def checkpoint_to_load(load: str | os.PathLike, ps) -> tuple[Path, str]:
     if dist.get_rank() == 0:
         try:
             ensure_resharded(tag_dir, ps.tp_size, target)
-        except (ValueError, FileNotFoundError) as err:
+        except Exception as err:  # noqa: BLE001 - every rank must leave the broadcast, whatever happened
             failure = [(type(err).__name__, str(err))]
+            dist.broadcast_object_list(failure, src=0)
+            raise
     dist.broadcast_object_list(failure, src=0)
     if failure[0] is not None:
         kind, message = failure[0]
-        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
+        if kind in ("FileNotFoundError", "ValueError"):
+            raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
+        raise RuntimeError(f"resharding the checkpoint failed on rank 0 ({kind}: {message}).")
     return target.parent, target.name
 
 
@@ -161,10 +165,12 @@ class PretrainingData:
         return self._stack(dataset, range(start, start + self.micro_batch))
 
 
-def _means_over_dp(sums: dict[str, torch.Tensor], count: int, ps) -> dict[str, float]:
-    """Per-key means over ``count`` micro-batches and the DP ranks, in one all-reduce."""
+def means_over_dp(sums: dict[str, torch.Tensor], count: int, ps, device=None) -> dict[str, float]:
+    """Per-key means over ``count`` micro-batches and the DP ranks, in one all-reduce on ``device``
+    (the engine's: NCCL reduces only accelerator tensors)."""
     stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in sums.values()]) / count
     if ps.dp_size > 1:
+        stacked = stacked.to(device) if device is not None else stacked
         dist.all_reduce(stacked, group=ps.dp_group)
         stacked /= ps.dp_size
     return dict(zip(sums, stacked.tolist()))
@@ -183,7 +189,7 @@ def evaluate(engine, data: PretrainingData, config: RunConfig, ps) -> dict[str, 
             for key, value in {"loss": output.loss.detach().float(), **extra_metrics(output, batch)}.items():
                 sums[key] = sums.get(key, 0.0) + value.cpu()
     engine.train()
-    return _means_over_dp(sums, config.eval_iters, ps)
+    return means_over_dp(sums, config.eval_iters, ps, engine.device)
 
 
 def pretrain(config: RunConfig) -> dict[str, Any]:
@@ -262,7 +268,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
                 step_sums[key] = step_sums.get(key, 0.0) + value.cpu()
         iteration += 1
         consumed += global_batch
-        for key, value in _means_over_dp(step_sums, gas, ps).items():
+        for key, value in means_over_dp(step_sums, gas, ps, engine.device).items():
             window[key] = window.get(key, 0.0) + value
         window_steps += 1
         window_time += time.perf_counter() - start
