@@ -13,14 +13,19 @@ setup: $(VENV)/.zoo-installed
 
 setup-test: $(VENV)/.zoo-test-installed
 
+# --no-compile: pip would byte-compile every installed file (a minute here); the demo imports few.
 $(VENV)/.zoo-installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "torch==2.13.0"
 	$(PY) -m pip install -q --no-compile -e .
 	touch $@
 
+# The tests start many processes, each importing torch, transformers and DeepSpeed: compile their
+# bytecode once here (where PYTHONDONTWRITEBYTECODE=1 is set, nothing else would, and every import
+# would re-parse the sources). Files that do not compile (templates) only lack a cache: ignored.
 $(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
 	$(PY) -m pip install -q --no-compile -e ".[test]"
+	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	touch $@
 
 # One node on CPU: gloo talks over loopback (left to itself it probes interfaces, ~45 s here).
