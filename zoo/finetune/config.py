@@ -10,14 +10,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import math
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 from typing import Any
 
 # The paper's Table 6 grid uses these defaults' neighbourhood; a single run gets sensible ones.
 DEFAULT_MAX_SEQ_LENGTH = {"mnli": 128, "qqp": 128, "race": 512, "squad": 384}
+FINETUNE_ZOO_KEYS = {"tensor_parallel_size", "lr", "save"}   # what a finetune ds_config's zoo block may set
 
 
 @dataclass
@@ -82,23 +81,16 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     return parser
 
 
-def _read_ds_config(path: str | None) -> dict[str, Any]:
-    if path is None:
-        raise ValueError("no ds_config given; pass --deepspeed_config ds_configs/finetune_cpu.json (or a GPU one).")
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"ds_config {path} does not exist; pass an existing file such as "
-                                "ds_configs/finetune_cpu.json.")
-    try:
-        return json.loads(file.read_text())
-    except json.JSONDecodeError as err:
-        raise ValueError(f"ds_config {path} is not valid JSON ({err}); fix the file.") from None
-
-
 def parse_args(task: str, argv=None) -> FinetuneConfig:
     args = build_parser(task).parse_args(argv)
-    ds_config = _read_ds_config(args.deepspeed_config)
+    from zoo.training.run_config import read_ds_config
+
+    ds_config = read_ds_config(args.deepspeed_config)
     zoo_block = ds_config.get("zoo", {})
+    unknown = sorted(set(zoo_block) - FINETUNE_ZOO_KEYS)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} in the zoo block of {args.deepspeed_config}; the finetune "
+                         f"scripts read {sorted(FINETUNE_ZOO_KEYS)}.")
     config = FinetuneConfig(
         task=task, pretrained=args.pretrained, data_dir=args.data_dir, ds_config=ds_config,
         ds_config_path=args.deepspeed_config,

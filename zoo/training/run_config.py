@@ -91,17 +91,22 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     return deepspeed.add_config_arguments(parser)
 
 
-def load_run_config(args: argparse.Namespace) -> RunConfig:
-    """ds_config file (``--deepspeed_config``) + its zoo block, then CLI flags on top; validated."""
-    path = getattr(args, "deepspeed_config", None)
+def read_ds_config(path: str | None) -> dict[str, Any]:
+    """The JSON of ``--deepspeed_config``, with one-sentence errors (shared by pretraining and finetuning)."""
     if path is None:
         raise ValueError("no DeepSpeed config given; pass --deepspeed_config ds_configs/<name>.json.")
     if not Path(path).is_file():
         raise FileNotFoundError(f"DeepSpeed config {path} does not exist; pass one of the files in ds_configs/.")
     try:
-        ds_config = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
     except json.JSONDecodeError as err:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON ({err}); fix the file.") from None
+
+
+def load_run_config(args: argparse.Namespace) -> RunConfig:
+    """ds_config file (``--deepspeed_config``) + its zoo block, then CLI flags on top; validated."""
+    path = getattr(args, "deepspeed_config", None)
+    ds_config = read_ds_config(path)
     block = dict(ds_config.get("zoo", {}))
     known = {f.name for f in fields(RunConfig)} - {"ds_config", "ds_config_path"}
     unknown = sorted(set(block) - known)
