@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench_pretrain import print_table  # benchmarks/ is on sys.path when run as a script
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
 
@@ -128,14 +130,6 @@ def read_events(run_dir: Path) -> tuple[list[dict], list[dict]]:
 
 def fmt(value) -> str:
     return "nan" if value is None or not math.isfinite(value) else f"{value:.4f}"
-
-
-def print_table(title, headers, rows) -> None:
-    widths = [max(len(str(x)) for x in column) for column in zip(headers, *rows)]
-    print(f"\n{title}")
-    print("  ".join(h.ljust(w) for h, w in zip(headers, widths)))
-    for row in rows:
-        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)))
 
 
 def plot(curves: dict, args: argparse.Namespace, path: Path) -> None:
