@@ -176,3 +176,65 @@ def test_real_minilm_weights(tp):
     for errors in spawn(_minilm_worker, tp, _minilm_dir()):
         worst = max(errors, key=errors.get)
         assert errors[worst] <= REAL_WEIGHTS_TOL, f"{worst}: {errors[worst]:.3e} at tp={tp}"
+
+
+def _bare_encoder_worker(rank, world_size, bare_dirs):
+    import transformers
+
+    from zoo.models import BertForPreTraining
+    from zoo.parallel import ParallelState
+
+    ids, token_types, mask, labels, sop = bert_batch()
+    ps = ParallelState.initialize(world_size)
+    results = {}
+    for kind, directory in bare_dirs.items():
+        ref = transformers.AutoModel.from_pretrained(directory).eval()(ids, attention_mask=mask,
+                                                                       token_type_ids=token_types)
+        torch.manual_seed(rank)  # a different global RNG per rank: the fresh heads must not depend on it
+        model = BertForPreTraining.from_pretrained(directory, parallel=ps).eval()
+        encoded = model.bert(ids, mask, token_types)
+        out = model(ids, token_types, mask, labels=labels, next_sentence_label=sop)
+        params = dict(model.named_parameters())
+        results[kind] = {
+            "encoder": rel_err(encoded.last_hidden_state, ref.last_hidden_state),
+            "pooler": rel_err(encoded.pooler_output, ref.pooler_output),
+            "loss_finite": bool(torch.isfinite(out.loss)),
+            "ln_ones": bool((params["transform_ln.weight"] == 1).all()),
+            "biases_zero": all(bool((params[n] == 0).all()) for n in ("transform.bias", "lm_bias",
+                                                                        "seq_relationship.bias")),
+            "transform_std": params["transform.weight"].std().item(),
+            "sop_weight": params["seq_relationship.weight"].detach().clone(),
+        }
+    return results
+
+
+def test_bert_pretraining_from_bare_encoder(hf_bert_dirs, tmp_path):
+    """Continued pretraining from an encoder-only directory (BertModel / MegatronBertModel, like
+    MiniLM): the encoder loads exactly, the MLM and SOP heads start fresh (weights N(0, 0.02),
+    LayerNorm 1, biases 0), identical on every TP rank; a partial head set is refused."""
+    import transformers
+
+    bare = {}
+    for kind, directory in hf_bert_dirs.items():
+        bare[kind] = str(tmp_path / f"bare-{kind}")
+        transformers.AutoModel.from_pretrained(directory).save_pretrained(bare[kind])
+    ranks = spawn(_bare_encoder_worker, 2, bare)
+    for kind in bare:
+        first, second = ranks[0][kind], ranks[1][kind]
+        assert first["encoder"] <= REL_TOL and first["pooler"] <= REL_TOL, (kind, first)
+        assert first["loss_finite"] and first["ln_ones"] and first["biases_zero"], (kind, first)
+        assert 0.015 < first["transform_std"] < 0.025, (kind, first["transform_std"])
+        assert torch.equal(first["sop_weight"], second["sop_weight"]), kind
+
+    # A file with some cls.* tensors but not all: damaged, not a bare encoder.
+    from safetensors.torch import load_file, save_file
+
+    from zoo.models import BertForPreTraining
+
+    damaged = tmp_path / "damaged"
+    transformers.AutoModelForPreTraining.from_pretrained(hf_bert_dirs["post-norm"]).save_pretrained(damaged)
+    tensors = load_file(damaged / "model.safetensors")
+    del tensors["cls.seq_relationship.weight"]
+    save_file(tensors, damaged / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="cls.seq_relationship.weight"):
+        BertForPreTraining.from_pretrained(damaged)

@@ -180,8 +180,10 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
     vocab-parallel cross-entropy. ``.prediction_logits`` is this rank's vocab shard unless
     ``gather_output``; ``next_sentence_label`` is the sentence-order label (1 = swapped)."""
 
-    base_prefix = ""
+    base_prefix = "bert."  # a bare encoder directory (BertModel, MegatronBertModel) stores its keys without it
     hf_architecture = "ForPreTraining"
+    # A bare encoder (e.g. MiniLM) has no pretraining heads: they start fresh (continued pretraining).
+    new_param_prefixes = ("transform.", "transform_ln.", "lm_bias", "seq_relationship.")
 
     def __init__(self, config: BertConfig, parallel: ParallelState | None = None):
         super().__init__()
@@ -219,15 +221,48 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
             logits = gather_from_tp_region(local_logits, self.parallel)[..., :self.config.vocab_size]
         return BertForPreTrainingOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=sop_logits)
 
-    def hf_param_map(self) -> dict[str, HFParam]:
-        table = {f"bert.{k}": v for k, v in self.bert.hf_param_map(prefix="bert.").items()}
-        table.update({
+    @classmethod
+    def check_checkpoint_keys(cls, directory, file_keys: set[str], config: BertConfig) -> None:
+        """Besides the layout check: the pretraining heads are all there (a pretraining checkpoint) or
+        all absent (a bare encoder, whose heads start fresh); a partial set means a damaged file."""
+        super().check_checkpoint_keys(directory, file_keys, config)
+        head_keys = sorted(spec.key for spec in cls._head_params(config).values())
+        absent = [key for key in head_keys if key not in file_keys]
+        if absent and len(absent) < len(head_keys):
+            raise ValueError(f"checkpoint {directory} has some BERT pretraining head tensors but not {absent[0]!r}; "
+                             "re-export it, or remove all cls.* tensors to load it as a bare encoder.")
+
+    @staticmethod
+    def _head_params(config: BertConfig) -> dict[str, HFParam]:
+        return {
             "transform.weight": HFParam("cls.predictions.transform.dense.weight"),
             "transform.bias": HFParam("cls.predictions.transform.dense.bias"),
             "transform_ln.weight": HFParam("cls.predictions.transform.LayerNorm.weight"),
             "transform_ln.bias": HFParam("cls.predictions.transform.LayerNorm.bias"),
-            "lm_bias": HFParam("cls.predictions.bias", vocab_rows=self.config.vocab_size),
+            "lm_bias": HFParam("cls.predictions.bias", vocab_rows=config.vocab_size),
             "seq_relationship.weight": HFParam("cls.seq_relationship.weight"),
             "seq_relationship.bias": HFParam("cls.seq_relationship.bias"),
-        })
+        }
+
+    @torch.no_grad()
+    def init_new_params(self, names: list[str], seed: int) -> None:
+        """Heads absent from a bare-encoder checkpoint, drawn as at random init (linear weights
+        N(0, initializer_range), LayerNorm weight 1, biases 0) from a generator seeded with ``seed``,
+        so the replicated heads are identical on every TP rank whatever the global RNG state."""
+        generator = torch.Generator().manual_seed(seed)
+        params = dict(self.named_parameters())
+        for name in sorted(names):
+            param = params[name]
+            if name.endswith("bias"):
+                param.zero_()
+            elif name.startswith("transform_ln."):
+                param.fill_(1.0)
+            else:
+                values = torch.empty(param.shape, dtype=torch.float32).normal_(
+                    0.0, self.config.initializer_range, generator=generator)
+                param.copy_(values.to(device=param.device, dtype=param.dtype))
+
+    def hf_param_map(self) -> dict[str, HFParam]:
+        table = {f"bert.{k}": v for k, v in self.bert.hf_param_map(prefix="bert.").items()}
+        table.update(self._head_params(self.config))
         return table
