@@ -437,3 +437,27 @@ def test_pretrained_of_another_family_is_one_sentence(tmp_path):
                                          r"preset 'gpt2-tiny' builds 'gpt2'; pass a --model preset") as err:
         pretrained_model(str(tmp_path / "bert"), gpt2_config("gpt2-tiny"), "gpt2-tiny", {}, None)
     assert "\n" not in str(err.value)
+
+
+def test_pretrained_bert_takes_its_layer_order_from_the_directory(tmp_path):
+    """A post-norm bare encoder (model_type "bert", no pretraining heads, like MiniLM) starts a run
+    whose preset is pre-norm bert-tiny: the directory decides the layer order and the heads start
+    fresh; asking for pre_norm=True on it is refused in one sentence."""
+    import transformers
+
+    from zoo.models.presets import bert_config
+    from zoo.training.families import pretrained_model
+
+    torch.manual_seed(0)
+    encoder = transformers.BertModel(transformers.BertConfig(
+        vocab_size=30522, hidden_size=64, num_hidden_layers=1, num_attention_heads=4, intermediate_size=128,
+        max_position_embeddings=64))
+    encoder.save_pretrained(tmp_path / "encoder")
+    model = pretrained_model(str(tmp_path / "encoder"), bert_config("bert-tiny"), "bert-tiny",
+                             {"hidden_dropout_prob": 0.0}, None)
+    assert not model.config.pre_norm and model.config.hidden_size == 64
+    assert torch.equal(model.bert.embeddings.word_embeddings.weight[:30522],
+                       encoder.embeddings.word_embeddings.weight)
+    with pytest.raises(ValueError, match=r"holds post-norm .* but pre_norm=True was requested") as err:
+        pretrained_model(str(tmp_path / "encoder"), bert_config("bert-tiny"), "bert-tiny", {"pre_norm": True}, None)
+    assert "\n" not in str(err.value)

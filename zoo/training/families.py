@@ -36,6 +36,7 @@ def build_model(config: GPT2Config | BertConfig, parallel) -> torch.nn.Module:
 
 
 ZOO_ONLY_FIELDS = ("activation_checkpointing", "make_vocab_size_divisible_by")
+FAMILY_OF_MODEL_TYPE = {"gpt2": "gpt2", "bert": "bert", "megatron-bert": "bert"}
 
 
 def model_type_of(config: GPT2Config | BertConfig) -> str:
@@ -47,28 +48,31 @@ def pretrained_model(directory: str, run_config: GPT2Config | BertConfig, preset
     """The family's training model with the weights of a transformers-layout directory (``--pretrained``),
     this rank's slices only, at the run's tp.
 
-    The directory decides the shapes; the run's preset only names the family, which must match the
-    directory's ``model_type``. Overrides may change dropout and zoo's own fields; any other override
-    must agree with the directory's config.json.
+    The directory decides the shapes and, for BERT, the layer order ("bert" post-norm, "megatron-bert"
+    pre-norm); the run's preset only names the family (GPT-2 or BERT), which must match the directory's
+    ``model_type``. Overrides may change dropout and zoo's own fields; any other override must agree
+    with the directory's config.json. A bare BERT encoder (no pretraining heads, e.g. MiniLM) gets
+    fresh MLM and SOP heads.
     """
     from zoo.models import BertForPreTraining, GPT2LMHeadModel
     from zoo.models.hf_io import read_config_json
 
     values = read_config_json(directory)
     stored, wanted = values.get("model_type"), model_type_of(run_config)
-    if stored != wanted:
+    if FAMILY_OF_MODEL_TYPE.get(stored) != FAMILY_OF_MODEL_TYPE[wanted]:
         raise ValueError(f"--pretrained {directory} holds a model_type {stored!r} model but the run's preset "
-                         f"{preset!r} builds {wanted!r}; pass a --model preset of the directory's family (or "
-                         "pre_norm matching it) or another directory.")
+                         f"{preset!r} builds {wanted!r}; pass a --model preset of the directory's family or another "
+                         "directory.")
     for key, value in overrides.items():
-        if "drop" in key or key in ZOO_ONLY_FIELDS or key not in values or values[key] == value:
+        if "drop" in key or key in ZOO_ONLY_FIELDS or key == "pre_norm" or key not in values or values[key] == value:
             continue
         raise ValueError(f"model_overrides {key}={value!r} disagrees with {directory}/config.json ({key}="
                          f"{values[key]!r}); drop the override, since --pretrained takes the model's shape from the "
                          "directory.")
-    kept = {k: v for k, v in overrides.items() if "drop" in k or k in ZOO_ONLY_FIELDS}
+    # The layer order of a BERT comes from the directory too ("bert" post-norm, "megatron-bert" pre-norm);
+    # an explicit pre_norm override is kept so that a contradicting one is refused by the loader.
+    kept = {k: v for k, v in overrides.items() if "drop" in k or k in ZOO_ONLY_FIELDS or k == "pre_norm"}
     kept["activation_checkpointing"] = run_config.activation_checkpointing
-    kept.pop("pre_norm", None)
     cls = BertForPreTraining if isinstance(run_config, BertConfig) else GPT2LMHeadModel
     return cls.from_pretrained(directory, parallel=parallel, **kept)
 
