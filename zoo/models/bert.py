@@ -25,6 +25,25 @@ def _normal_linear(in_features: int, out_features: int, std: float) -> nn.Linear
     return layer
 
 
+@torch.no_grad()
+def init_head_params(model: nn.Module, names: list[str], seed: int, std: float,
+                     layer_norms: tuple[str, ...] = ()) -> None:
+    """Draw the named parameters of a head as BERT's init does (weights N(0, std), LayerNorm weights
+    1, biases 0) from a generator seeded with ``seed``: the same values on every rank, whatever the
+    global RNG state. ``layer_norms`` are the name prefixes of LayerNorm modules."""
+    generator = torch.Generator().manual_seed(seed)
+    params = dict(model.named_parameters())
+    for name in sorted(names):
+        param = params[name]
+        if name.endswith("bias"):
+            param.zero_()
+        elif layer_norms and name.startswith(layer_norms):
+            param.fill_(1.0)
+        else:
+            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            param.copy_(values.to(device=param.device, dtype=param.dtype))
+
+
 class BertEmbeddings(nn.Module):
     """word (vocab-parallel) + position + token type; LayerNorm only in the post-norm layout."""
 
@@ -244,23 +263,10 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
             "seq_relationship.bias": HFParam("cls.seq_relationship.bias"),
         }
 
-    @torch.no_grad()
     def init_new_params(self, names: list[str], seed: int) -> None:
-        """Heads absent from a bare-encoder checkpoint, drawn as at random init (linear weights
-        N(0, initializer_range), LayerNorm weight 1, biases 0) from a generator seeded with ``seed``,
-        so the replicated heads are identical on every TP rank whatever the global RNG state."""
-        generator = torch.Generator().manual_seed(seed)
-        params = dict(self.named_parameters())
-        for name in sorted(names):
-            param = params[name]
-            if name.endswith("bias"):
-                param.zero_()
-            elif name.startswith("transform_ln."):
-                param.fill_(1.0)
-            else:
-                values = torch.empty(param.shape, dtype=torch.float32).normal_(
-                    0.0, self.config.initializer_range, generator=generator)
-                param.copy_(values.to(device=param.device, dtype=param.dtype))
+        """Heads absent from a bare-encoder checkpoint, drawn as at random init (see
+        :func:`init_head_params`), identical on every TP rank."""
+        init_head_params(self, names, seed, self.config.initializer_range, layer_norms=("transform_ln.",))
 
     def hf_param_map(self) -> dict[str, HFParam]:
         table = {f"bert.{k}": v for k, v in self.bert.hf_param_map(prefix="bert.").items()}

@@ -18,7 +18,7 @@ from torch import nn
 from transformers.modeling_outputs import (MultipleChoiceModelOutput, QuestionAnsweringModelOutput,
                                            SequenceClassifierOutput)
 
-from zoo.models.bert import BertModel, _BertCheckpoints
+from zoo.models.bert import BertModel, _BertCheckpoints, init_head_params
 from zoo.models.config import BertConfig
 from zoo.models.hf_io import HFParam, read_config_json
 from zoo.parallel.state import ParallelState
@@ -72,20 +72,9 @@ class _BertTaskModel(_BertCheckpoints, nn.Module):
     def head_outputs(cls, config: BertConfig) -> int:
         raise NotImplementedError
 
-    @torch.no_grad()
     def init_new_params(self, names: list[str], seed: int) -> None:
-        """Draw the named head parameters as BERT does (weights N(0, initializer_range), biases 0) from a
-        generator seeded with ``seed``: the same values on every rank, whatever the global RNG state."""
-        generator = torch.Generator().manual_seed(seed)
-        params = dict(self.named_parameters())
-        for name in sorted(names):
-            param = params[name]
-            if name.endswith("bias"):
-                param.zero_()
-            else:
-                values = torch.empty(param.shape, dtype=torch.float32).normal_(
-                    0.0, self.config.initializer_range, generator=generator)
-                param.copy_(values.to(device=param.device, dtype=param.dtype))
+        """Draw the named head parameters as BERT does (see :func:`init_head_params`), the same on every rank."""
+        init_head_params(self, names, seed, self.config.initializer_range)
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, parallel=None, dtype: torch.dtype | None = None,
