@@ -85,7 +85,8 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def plot_loss(run_dir: str | os.PathLike) -> Path:
-    """loss.png: training loss and validation loss against iteration (written atomically)."""
+    """loss.png: training loss and validation loss against iteration (written atomically). A BERT
+    run gets a second panel: sentence-order accuracy, train and validation, against chance."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -94,7 +95,13 @@ def plot_loss(run_dir: str | os.PathLike) -> Path:
     events = read_metrics(run_dir)
     train = [(e["iteration"], e["loss"]) for e in events if "loss" in e and "split" not in e]
     valid = [(e["iteration"], e["val_loss"]) for e in events if e.get("split") == "valid"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    train_sop = [(e["iteration"], e["sop_acc"]) for e in events if "sop_acc" in e and "split" not in e]
+    valid_sop = [(e["iteration"], e["val_sop_acc"]) for e in events if "val_sop_acc" in e]
+    if train_sop or valid_sop:
+        fig, (ax, sop_ax) = plt.subplots(1, 2, figsize=(12, 4.2))
+    else:
+        fig, ax = plt.subplots(figsize=(7, 4.2))
+        sop_ax = None
     if train:
         ax.plot(*zip(*train), label="train loss", color="tab:blue")
     if valid:
@@ -104,6 +111,17 @@ def plot_loss(run_dir: str | os.PathLike) -> Path:
     ax.set_title(f"{Path(run_dir).name}: loss")
     ax.grid(alpha=0.3)
     ax.legend()
+    if sop_ax is not None:
+        if train_sop:
+            sop_ax.plot(*zip(*train_sop), label="train (log window)", color="tab:blue")
+        if valid_sop:
+            sop_ax.plot(*zip(*valid_sop), "o-", label="validation", color="tab:orange")
+        sop_ax.axhline(0.5, color="gray", linestyle="--", label="chance")
+        sop_ax.set_xlabel("iteration")
+        sop_ax.set_ylabel("accuracy")
+        sop_ax.set_title("sentence-order prediction")
+        sop_ax.grid(alpha=0.3)
+        sop_ax.legend()
     target = Path(run_dir) / "loss.png"
     handle, tmp = tempfile.mkstemp(prefix=".loss-", suffix=".png", dir=str(run_dir))
     os.close(handle)
