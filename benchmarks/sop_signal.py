@@ -53,7 +53,7 @@ def feature_matrix(dataset, count: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     rows, cols, labels = [], [], []
     for i in tqdm(range(count), desc=f"features ({dataset.which})", leave=False):
-        a, b, swapped = dataset.segments(i, dataset_rng(dataset, i))
+        a, b, swapped = dataset.segments(i, dataset.sample_rng(i))
         features = sorted(pair_features(a, b))
         rows += [i] * len(features)
         cols += features
@@ -64,13 +64,6 @@ def feature_matrix(dataset, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         matrix = torch.sparse_coo_tensor(indices, torch.ones(len(cols)), (count, FEATURE_BUCKETS)).coalesce()
         matrix = matrix.to_sparse_csr()
     return matrix, torch.tensor(labels, dtype=torch.float32)
-
-
-def dataset_rng(dataset, i: int) -> np.random.Generator:
-    """The per-sample generator BertDataset.__getitem__ uses, so segments() gives the training pairs."""
-    from zoo.data.bert_dataset import _SAMPLE_STREAM
-
-    return np.random.default_rng((dataset.seed, dataset._split_id, _SAMPLE_STREAM, i))
 
 
 def fit_logistic(x: torch.Tensor, y: torch.Tensor, l2: float, epochs: int = 300) -> tuple[torch.Tensor, torch.Tensor]:

@@ -410,9 +410,13 @@ class BertDataset(torch.utils.data.Dataset):
         a, b = truncate_pair(a, b, target, rng)
         return a, b, swapped
 
+    def sample_rng(self, i: int) -> np.random.Generator:
+        """The generator of sample ``i``'s draws (split point, swap, truncation, masking), in that order."""
+        return np.random.default_rng((self.seed, self._split_id, _SAMPLE_STREAM, int(i)))
+
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         i = int(i)
-        rng = np.random.default_rng((self.seed, self._split_id, _SAMPLE_STREAM, i))
+        rng = self.sample_rng(i)
         a, b, swapped = self.segments(i, rng)
         v, n = self.vocab, self.max_seq_length
         length = len(a) + len(b) + 3
