@@ -1,0 +1,143 @@
+"""Atomic writes: a file or a directory appears complete under its final name, or not at all.
+
+Everything zoo writes for users (exports, resharded checkpoints, metrics, plots, predictions,
+sweep summaries, the ``latest`` pointer) goes through these helpers: write to a temporary name
+beside the target, then ``os.replace``. The temporary names come from :mod:`tempfile`, which
+creates files 0600 and directories 0700; the helpers give the result the permissions a plain
+``open``/``mkdir`` would have had under the process umask (0644/0755 under the usual 022), so
+the directories can be shared as transformers' own are.
+
+This module imports nothing from zoo: every layer may use it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+
+def process_umask() -> int:
+    """The process umask (read without changing it where /proc allows)."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def default_file_mode() -> int:
+    return 0o666 & ~process_umask()
+
+
+def default_dir_mode() -> int:
+    return 0o777 & ~process_umask()
+
+
+@contextmanager
+def atomic_file(path: str | os.PathLike, fsync: bool = False) -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on a clean exit it replaces ``path``.
+
+    On an exception the temporary file is removed and ``path`` is untouched.
+    """
+    target = Path(path)
+    handle, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=str(target.parent))
+    os.close(handle)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.chmod(tmp, default_file_mode())
+        if fsync:
+            with open(tmp, "rb") as reader:
+                os.fsync(reader.fileno())
+        os.replace(tmp, target)
+    finally:
+        if tmp.exists():
+            tmp.unlink()
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, fsync: bool = False) -> None:
+    """``Path(path).write_text(text)``, atomically."""
+    with atomic_file(path, fsync=fsync) as tmp:
+        tmp.write_text(text)
+
+
+@contextmanager
+def staged_directory(target: str | os.PathLike, may_replace: Callable[[Path], bool] | None = None,
+                     what: str = "directory") -> Iterator[Path]:
+    """Yield an empty staging directory beside ``target``; on a clean exit it becomes ``target``.
+
+    An existing ``target`` is replaced only when ``may_replace(target)`` says it is the kind of
+    directory this command writes; anything else (a file, a directory of other things) is refused
+    with a ``ValueError`` *before* anything is written, so a command never deletes what it did not
+    create. ``what`` names the kind in that sentence ("Hugging Face export", ...).
+    """
+    target = Path(target)
+    check_replaceable(target, may_replace, what)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
+    try:
+        yield staging
+        os.chmod(staging, default_dir_mode())
+        check_replaceable(target, may_replace, what)
+        replace_directory(staging, target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def check_replaceable(target: Path, may_replace: Callable[[Path], bool] | None, what: str) -> None:
+    """Raise ``ValueError`` unless ``target`` is absent or a directory ``may_replace`` accepts."""
+    if not target.exists() and not target.is_symlink():
+        return
+    if not target.is_dir():
+        raise ValueError(f"{target} exists and is not a directory; choose another output path for the {what}.")
+    if not any(target.iterdir()):
+        return
+    if may_replace is not None and not may_replace(target):
+        raise ValueError(f"{target} exists and is not a {what} this command wrote (it would be deleted); "
+                         f"choose a new or empty output path.")
+
+
+def replace_directory(staging: Path, target: Path) -> None:
+    """Rename ``staging`` to ``target``, replacing an existing ``target`` without a moment where
+    neither a complete old nor a complete new directory is there."""
+    if target.exists():
+        backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
+        os.replace(target, backup / target.name)
+        os.replace(staging, target)
+        shutil.rmtree(backup, ignore_errors=True)
+    else:
+        os.replace(staging, target)
+
+
+def check_writable_directory(directory: str | os.PathLike, flag: str) -> Path:
+    """Create ``directory`` if needed and prove a file can be written there; otherwise one sentence.
+
+    ``flag`` names the option that chose it (``--save``), so the message says what to change.
+    """
+    path = Path(directory)
+    probe_parent = path
+    if path.exists() and not path.is_dir():
+        raise ValueError(f"{flag} {path} is a file, not a directory; pass a directory path.")
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        handle, name = tempfile.mkstemp(prefix=".zoo-write-check-", dir=str(probe_parent))
+        os.close(handle)
+        os.unlink(name)
+    except (NotADirectoryError, FileExistsError):
+        raise ValueError(f"{flag} {path} lies under a file, not a directory; pass a directory path.") from None
+    except PermissionError:
+        raise ValueError(f"{flag} {path} cannot be written (permission denied); pass a directory you can "
+                         "write to.") from None
+    except OSError as err:
+        raise ValueError(f"{flag} {path} cannot be written ({err.strerror}); pass a directory you can "
+                         "write to.") from None
+    return path
