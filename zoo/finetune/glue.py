@@ -9,8 +9,9 @@ Layouts read by :func:`read_mnli` and :func:`read_qqp` (``data_dir`` is one task
   (0/1) and ``id``. Fields are tab-separated and never quoted (GLUE's own reading: MNLI
   sentences contain bare double quotes), so rows are read with :mod:`csv` and ``QUOTE_NONE``; that
   keeps the row-by-row checking below exact.
-- When no TSV is there: the Hugging Face hub layout of glue/mnli or glue/qqp already on disk
-  (see :mod:`zoo.finetune.hub_layouts`).
+- When no TSV is there: the Hugging Face hub layout of glue/mnli or glue/qqp already on disk;
+  or, for ``data_dir`` ``hub:glue/mnli`` / ``hub:glue/qqp``, the hub dataset itself, through
+  ``datasets.load_dataset`` (see :mod:`zoo.finetune.hub_layouts`).
 
 Labels: ``MNLI_LABELS`` gives the ids 0, 1, 2 (GLUE's processor order); QQP's label is
 ``is_duplicate`` itself.
@@ -33,6 +34,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from zoo.finetune.hub_names import TASK_EXAMPLES, is_hub_name
 from zoo.finetune.skips import SkippedExamples
 
 MNLI_LABELS = ("contradiction", "entailment", "neutral")  # label ids 0, 1, 2
@@ -130,10 +132,15 @@ def _read_task_dir(
     labels: Sequence[str],
     unlabelled_ok: Sequence[str] = (),
 ) -> dict[str, list[PairExample]]:
+    if is_hub_name(data_dir):
+        from zoo.finetune import hub_layouts  # imports `datasets`, which is slow: only when needed
+
+        return hub_layouts.read_glue_hub(data_dir, task)
     directory = Path(data_dir)
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"{task} data directory '{directory}' does not exist; pass --data-dir with the GLUE {task} files."
+            f"{task} data directory '{directory}' does not exist; pass --data-dir with the GLUE {task} files "
+            f"or the hub dataset's name, {TASK_EXAMPLES[task]}."
         )
     splits = {}
     for split, name in split_files.items():
@@ -157,12 +164,14 @@ def _read_task_dir(
 
 
 def read_mnli(data_dir: str | os.PathLike) -> dict[str, list[PairExample]]:
-    """MNLI splits present in ``data_dir``: some of "train", "dev_matched", "dev_mismatched"."""
+    """MNLI splits present in ``data_dir`` (or ``hub:glue/mnli``): some of "train", "dev_matched",
+    "dev_mismatched"."""
     return _read_task_dir(data_dir, "mnli", MNLI_SPLIT_FILES, MNLI_COLUMNS, MNLI_LABELS)
 
 
 def read_qqp(data_dir: str | os.PathLike) -> dict[str, list[PairExample]]:
-    """QQP splits present in ``data_dir``: some of "train", "dev" and, when labelled, "test"."""
+    """QQP splits present in ``data_dir`` (or ``hub:glue/qqp``): some of "train", "dev" and, when
+    labelled, "test"."""
     return _read_task_dir(data_dir, "qqp", QQP_SPLIT_FILES, QQP_COLUMNS, QQP_LABELS, unlabelled_ok=("test",))
 
 

@@ -1,6 +1,9 @@
-"""Hugging Face hub layouts already on disk, read into the finetune example dataclasses.
+"""Hugging Face hub datasets, by name or already on disk, read into the finetune example dataclasses.
 
-Two layouts of one dataset configuration are recognised in a directory:
+``--data-dir hub:NAME[/CONFIG]`` (see :mod:`zoo.finetune.hub_names`) loads the dataset with
+``datasets.load_dataset(NAME, CONFIG)``: from the local cache, from the hub when online, or from a
+local dataset repository in the hub's layout (split files and the dataset card's ``configs:``).
+Two layouts of one dataset configuration are also recognised in a plain directory:
 
 - a ``datasets`` ``save_to_disk`` directory of a ``DatasetDict`` (it holds ``dataset_dict.json``);
 - parquet files, as the hub stores them: ``<split>-00000-of-00001.parquet`` (also under
@@ -32,6 +35,7 @@ from pathlib import Path
 import datasets
 
 from zoo.finetune.glue import PairExample
+from zoo.finetune.hub_names import TASK_EXAMPLES, is_hub_name, split_hub_name
 from zoo.finetune.race import RaceExample, make_race_example
 from zoo.finetune.skips import SkippedExamples
 from zoo.finetune.squad import SquadExample, make_squad_example
@@ -85,9 +89,12 @@ def is_hub_layout(directory: str | os.PathLike) -> bool:
     return (directory / "dataset_dict.json").is_file() or bool(_parquet_files(directory))
 
 
-def load_hub_splits(directory: str | os.PathLike) -> dict[str, datasets.Dataset]:
-    """The hub splits (by their hub names) of a save_to_disk directory or of parquet files."""
-    directory = Path(directory)
+def load_hub_splits(source: str | os.PathLike, task: str) -> dict[str, datasets.Dataset]:
+    """The hub splits (by their hub names) of ``hub:NAME[/CONFIG]``, of a save_to_disk directory or
+    of parquet files; ``task`` tells which configurations a ``hub:`` name may end with."""
+    if is_hub_name(source):
+        return load_hub_dataset(str(source), task)
+    directory = Path(source)
     if (directory / "dataset_dict.json").is_file():
         return dict(datasets.load_from_disk(str(directory)))
     files = _parquet_files(directory)
@@ -99,37 +106,88 @@ def load_hub_splits(directory: str | os.PathLike) -> dict[str, datasets.Dataset]
     return {split: datasets.Dataset.from_parquet(paths, keep_in_memory=True) for split, paths in files.items()}
 
 
-def _require_columns(dataset: datasets.Dataset, columns, directory: Path, split: str) -> None:
+def _fetch_command(name: str, config: str | None) -> str:
+    arguments = repr(name) + (f", {config!r}" if config else "")
+    return f'python -c "import datasets; datasets.load_dataset({arguments})"'
+
+
+def load_hub_dataset(data_dir: str, task: str) -> dict[str, datasets.Dataset]:
+    """``datasets.load_dataset(NAME, CONFIG)`` of ``hub:NAME[/CONFIG]`` as {hub split: Dataset}.
+
+    Offline (``HF_DATASETS_OFFLINE``/``HF_HUB_OFFLINE``) it reads the local cache; a dataset that
+    is not there, a name the hub does not know and a configuration the dataset lacks are each one
+    sentence naming the dataset and the fix.
+    """
+    name, config = split_hub_name(data_dir, task)
+    shown = f"{name}/{config}" if config else name
+    try:
+        loaded = datasets.load_dataset(name, config)
+    except ConnectionError:
+        if datasets.config.HF_HUB_OFFLINE:
+            raise FileNotFoundError(
+                f"hub dataset {shown} is not in the local Hugging Face cache and offline mode is on "
+                "(HF_DATASETS_OFFLINE or HF_HUB_OFFLINE); fetch it once where the hub can be reached, with "
+                f"HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0 {_fetch_command(name, config)}, then rerun."
+            ) from None
+        raise FileNotFoundError(
+            f"the Hugging Face hub cannot be reached to fetch dataset {shown}; run where it can be reached "
+            f"({_fetch_command(name, config)} fills the cache), then rerun with HF_DATASETS_OFFLINE=1."
+        ) from None
+    except FileNotFoundError:
+        raise FileNotFoundError(
+            f"hub dataset {name!r} does not exist or cannot be accessed; pass hub:NAME[/CONFIG] of a dataset "
+            f"on the hub or a local dataset repository, e.g. --data-dir {TASK_EXAMPLES[task]}."
+        ) from None
+    except ValueError as err:
+        if "config" not in str(err).lower():
+            raise
+        raise ValueError(
+            f"hub dataset {name} has no configuration {config or '(default)'!r} ({str(err).splitlines()[0]}); "
+            f"pass hub:{name}/CONFIG with one of its configurations, e.g. --data-dir {TASK_EXAMPLES[task]}."
+        ) from None
+    if not isinstance(loaded, datasets.DatasetDict):
+        raise ValueError(f"hub dataset {shown} did not load as a dictionary of splits; pass a dataset with "
+                         "train/validation splits.")
+    return dict(loaded)
+
+
+def _label(source: str | os.PathLike) -> str | Path:
+    """How messages and warnings name the source: the ``hub:`` text as typed, else the directory."""
+    return source if is_hub_name(source) else Path(source)
+
+
+def _require_columns(dataset: datasets.Dataset, columns, where: str | Path, split: str) -> None:
     for column in columns:
         if column not in dataset.column_names:
             raise ValueError(
-                f"split '{split}' of '{directory}' has no '{column}' column "
+                f"split '{split}' of '{where}' has no '{column}' column "
                 f"(it has {', '.join(dataset.column_names)}); "
                 "pass the matching Hugging Face dataset configuration."
             )
 
 
-def read_glue_hub(directory: str | os.PathLike, task: str) -> dict[str, list[PairExample]]:
-    """glue/mnli or glue/qqp on disk as :class:`PairExample` splits (see the module docstring)."""
-    directory = Path(directory)
+def read_glue_hub(source: str | os.PathLike, task: str) -> dict[str, list[PairExample]]:
+    """glue/mnli or glue/qqp (a ``hub:`` name or a directory) as :class:`PairExample` splits (see
+    the module docstring)."""
+    where = _label(source)
     split_names, (column_a, column_b), hub_names, our_ids = _GLUE[task]
     splits = {}
-    for hub_split, dataset in load_hub_splits(directory).items():
+    for hub_split, dataset in load_hub_splits(source, task).items():
         if hub_split not in split_names:
             continue
-        _require_columns(dataset, (column_a, column_b, "label"), directory, hub_split)
+        _require_columns(dataset, (column_a, column_b, "label"), where, hub_split)
         label_feature = dataset.features["label"]
         names = tuple(label_feature.names) if isinstance(label_feature, datasets.ClassLabel) else hub_names
         if any(name not in our_ids for name in names):
             raise ValueError(
-                f"the label names {', '.join(names)} of '{directory}' are not those of glue/{task}; "
+                f"the label names {', '.join(names)} of '{where}' are not those of glue/{task}; "
                 f"pass the glue/{task} dataset."
             )
         rows = dataset.to_dict()
         if all(label == -1 for label in rows["label"]):
             continue  # the hub's unlabelled test split
         split = split_names[hub_split]
-        skipped = SkippedExamples(f"{directory} [{hub_split}]")
+        skipped = SkippedExamples(f"{where} [{hub_split}]")
         ids = rows.get("idx", range(len(rows["label"])))
         examples = []
         for row_id, text_a, text_b, label in zip(ids, rows[column_a], rows[column_b], rows["label"]):
@@ -141,19 +199,19 @@ def read_glue_hub(directory: str | os.PathLike, task: str) -> dict[str, list[Pai
         skipped.warn()
         splits[split] = examples
     if not splits:
-        raise ValueError(f"'{directory}' has no labelled {', '.join(split_names)} split; pass a glue/{task} dataset.")
+        raise ValueError(f"'{where}' has no labelled {', '.join(split_names)} split; pass a glue/{task} dataset.")
     return splits
 
 
-def read_squad_hub(directory: str | os.PathLike) -> dict[str, list[SquadExample]]:
-    """squad or squad_v2 on disk as "train"/"dev" :class:`SquadExample` lists."""
-    directory = Path(directory)
+def read_squad_hub(source: str | os.PathLike) -> dict[str, list[SquadExample]]:
+    """squad or squad_v2 (a ``hub:`` name or a directory) as "train"/"dev" :class:`SquadExample` lists."""
+    where = _label(source)
     splits = {}
-    for hub_split, dataset in load_hub_splits(directory).items():
+    for hub_split, dataset in load_hub_splits(source, "squad").items():
         if hub_split not in ("train", "validation"):
             continue
-        _require_columns(dataset, ("id", "context", "question", "answers"), directory, hub_split)
-        skipped, seen_ids, examples = SkippedExamples(f"{directory} [{hub_split}]"), set(), []
+        _require_columns(dataset, ("id", "context", "question", "answers"), where, hub_split)
+        skipped, seen_ids, examples = SkippedExamples(f"{where} [{hub_split}]"), set(), []
         rows = dataset.to_dict()
         for qid, context, question, answers in zip(rows["id"], rows["context"], rows["question"], rows["answers"]):
             pairs = list(zip(answers["text"], answers["answer_start"]))
@@ -163,20 +221,21 @@ def read_squad_hub(directory: str | os.PathLike) -> dict[str, list[SquadExample]
         skipped.warn()
         splits[_EVAL_SPLITS[hub_split]] = examples
     if not splits:
-        raise ValueError(f"'{directory}' has no train or validation split; pass a squad or squad_v2 dataset.")
+        raise ValueError(f"'{where}' has no train or validation split; pass a squad or squad_v2 dataset.")
     return splits
 
 
-def read_race_hub(directory: str | os.PathLike) -> dict[str, list[RaceExample]]:
-    """race/all (or middle, high) on disk as "train"/"dev"/"test" :class:`RaceExample` lists."""
-    directory = Path(directory)
+def read_race_hub(source: str | os.PathLike) -> dict[str, list[RaceExample]]:
+    """race/all (or middle, high; a ``hub:`` name or a directory) as "train"/"dev"/"test"
+    :class:`RaceExample` lists."""
+    where = _label(source)
     splits = {}
-    for hub_split, dataset in load_hub_splits(directory).items():
+    for hub_split, dataset in load_hub_splits(source, "race").items():
         if hub_split not in _EVAL_SPLITS:
             continue
-        _require_columns(dataset, ("example_id", "article", "question", "options", "answer"), directory, hub_split)
+        _require_columns(dataset, ("example_id", "article", "question", "options", "answer"), where, hub_split)
         split = _EVAL_SPLITS[hub_split]
-        skipped, examples, questions_seen = SkippedExamples(f"{directory} [{hub_split}]"), [], defaultdict(int)
+        skipped, examples, questions_seen = SkippedExamples(f"{where} [{hub_split}]"), [], defaultdict(int)
         rows = dataset.to_dict()
         for example_id, article, question, options, answer in zip(
             rows["example_id"], rows["article"], rows["question"], rows["options"], rows["answer"]
@@ -194,5 +253,5 @@ def read_race_hub(directory: str | os.PathLike) -> dict[str, list[RaceExample]]:
         skipped.warn()
         splits[split] = examples
     if not splits:
-        raise ValueError(f"'{directory}' has no train, validation or test split; pass a race dataset.")
+        raise ValueError(f"'{where}' has no train, validation or test split; pass a race dataset.")
     return splits

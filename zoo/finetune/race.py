@@ -3,7 +3,8 @@
 Layout read by :func:`read_race`: ``data_dir/{train,dev,test}/{middle,high}/*.txt``, each file one
 JSON object ``{"id", "article", "questions": [...], "options": [[4 strings], ...], "answers":
 ["A".."D", ...]}``; the level comes from the directory. When no such tree is there: the Hugging
-Face race/all (or race/middle, race/high) layout on disk, see :mod:`zoo.finetune.hub_layouts`.
+Face race/all (or race/middle, race/high) layout on disk; for ``data_dir`` ``hub:race/all``, the hub
+dataset itself through ``datasets.load_dataset``; see :mod:`zoo.finetune.hub_layouts`.
 
 Input (as Megatron-LM builds it): for each of the four options, ``[CLS] q_with_option [SEP] article
 [SEP]``, where ``q_with_option`` is the question with every ``_`` replaced by the option, or the
@@ -29,6 +30,7 @@ import numpy as np
 import torch
 
 from zoo.finetune.glue import as_class_ids
+from zoo.finetune.hub_names import is_hub_name
 from zoo.finetune.skips import SkippedExamples
 
 RACE_SPLITS = ("train", "dev", "test")
@@ -93,11 +95,17 @@ def read_race_file(path: str | os.PathLike, split: str, level: str, skipped: Ski
 
 
 def read_race(data_dir: str | os.PathLike) -> dict[str, list[RaceExample]]:
-    """RACE splits present in ``data_dir``: some of "train", "dev", "test"; one example per question."""
+    """RACE splits present in ``data_dir`` (or ``hub:race/all``): some of "train", "dev", "test"; one
+    example per question."""
+    if is_hub_name(data_dir):
+        from zoo.finetune import hub_layouts  # imports `datasets`, which is slow: only when needed
+
+        return hub_layouts.read_race_hub(data_dir)
     directory = Path(data_dir)
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"RACE data directory '{directory}' does not exist; pass --data-dir with the RACE train/dev/test tree."
+            f"RACE data directory '{directory}' does not exist; pass --data-dir with the RACE train/dev/test tree "
+            "or the hub dataset's name, hub:race/all."
         )
     splits = {}
     for split in RACE_SPLITS:

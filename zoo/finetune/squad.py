@@ -2,7 +2,8 @@
 
 Layout read by :func:`read_squad`: the official JSON (``data -> paragraphs -> qas``; v2.0 adds
 ``is_impossible`` and ``plausible_answers``), read with :mod:`json` since it is one nested object;
-or, for a directory, the Hugging Face squad / squad_v2 layout on disk (see
+or, for a directory, the Hugging Face squad / squad_v2 layout on disk, or for ``hub:squad`` /
+``hub:squad_v2`` the hub dataset itself through ``datasets.load_dataset`` (see
 :mod:`zoo.finetune.hub_layouts`; a question without answers is impossible there).
 
 Input (as BERT's run_squad builds it): ``[CLS] question [SEP] context window [SEP]``. The question
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from zoo.finetune.hub_names import is_hub_name
 from zoo.finetune.skips import SkippedExamples
 
 if TYPE_CHECKING:
@@ -168,12 +170,18 @@ def read_squad_dir(data_dir: str | os.PathLike, version: str | None = None) -> d
     """The "train" and/or "dev" examples of ``data_dir``.
 
     They come from the official files of ``version`` ("1.1" or "2.0"; None takes whichever is
-    there) or, without them, from a Hugging Face squad/squad_v2 layout.
+    there) or, without them, from a Hugging Face squad/squad_v2 layout; ``hub:squad`` or
+    ``hub:squad_v2`` loads the hub dataset.
     """
+    if is_hub_name(data_dir):
+        from zoo.finetune import hub_layouts  # imports `datasets`, which is slow: only when needed
+
+        return hub_layouts.read_squad_hub(data_dir)
     directory = Path(data_dir)
     if not directory.is_dir():
         raise FileNotFoundError(
-            f"SQuAD data directory '{directory}' does not exist; pass --data-dir with the SQuAD JSON files."
+            f"SQuAD data directory '{directory}' does not exist; pass --data-dir with the SQuAD JSON files "
+            "or the hub dataset's name, hub:squad or hub:squad_v2."
         )
     if version is not None and version not in SQUAD_FILES:
         raise ValueError(f"unknown SQuAD version '{version}'; use '1.1' or '2.0'.")
