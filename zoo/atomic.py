@@ -80,17 +80,51 @@ def staged_directory(target: str | os.PathLike, may_replace: Callable[[Path], bo
     create. ``what`` names the kind in that sentence ("Hugging Face export", ...).
     """
     target = Path(target)
-    check_replaceable(target, may_replace, what)
+    check_output_directory(target, may_replace, what)
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
     try:
         yield staging
-        os.chmod(staging, default_dir_mode())
+        give_default_modes(staging)
         check_replaceable(target, may_replace, what)
         replace_directory(staging, target)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def give_default_modes(directory: Path) -> None:
+    """Give ``directory`` and everything in it the modes a plain ``mkdir``/``open`` would have had under the
+    umask: writers that stage through their own temporary files (safetensors writes 0600) must not
+    decide who can read the result. Executable files stay executable."""
+    dir_mode, file_mode = default_dir_mode(), default_file_mode()
+    os.chmod(directory, dir_mode)
+    for root, dirs, files in os.walk(directory):
+        for name in dirs:
+            os.chmod(os.path.join(root, name), dir_mode)
+        for name in files:
+            path = os.path.join(root, name)
+            if not os.path.islink(path):
+                executable = os.stat(path).st_mode & 0o100
+                os.chmod(path, dir_mode if executable else file_mode)
+
+
+def check_output_directory(target: str | os.PathLike, may_replace: Callable[[Path], bool] | None = None,
+                           what: str = "directory") -> None:
+    """Everything :func:`staged_directory` will need, checked without writing anything: ``target``
+    does not lie under a file, its nearest existing ancestor can be written, and an existing
+    ``target`` is one ``may_replace`` accepts. Call it first, before any expensive work."""
+    target = Path(target)
+    ancestor = target.parent
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        raise ValueError(f"{target} lies under the file {ancestor}, not a directory; choose another output path "
+                         f"for the {what}.")
+    if not os.access(ancestor, os.W_OK | os.X_OK):
+        raise ValueError(f"{target} cannot be created ({ancestor} is not writable); choose an output path for the "
+                         f"{what} in a directory you can write to.")
+    check_replaceable(target, may_replace, what)
 
 
 def check_replaceable(target: Path, may_replace: Callable[[Path], bool] | None, what: str) -> None:
@@ -103,7 +137,7 @@ def check_replaceable(target: Path, may_replace: Callable[[Path], bool] | None, 
         return
     if may_replace is not None and not may_replace(target):
         raise ValueError(f"{target} exists and is not a {what} this command wrote (it would be deleted); "
-                         f"choose a new or empty output path.")
+                         f"move it away or choose a new or empty output path.")
 
 
 def replace_directory(staging: Path, target: Path) -> None:

@@ -12,7 +12,8 @@ One process does it, whatever number of processes trained the model. The exporte
 3. merges the shards with :func:`zoo.parallel.utils.merge_shards`, cuts the vocab padding, transposes
    GPT-2's Conv1D weights and splits BERT's fused QKV (:func:`zoo.models.hf_io.to_hf_layout`),
 4. writes config.json, safetensors (sharded above ``max_shard_size``) and the family's bundled
-   tokenizer files with the same atomic writer as ``save_pretrained``.
+   tokenizer files with the same atomic writer as ``save_pretrained``, which replaces only a previous
+   export (never the run directory or any other folder) and honours the umask.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from zoo.checkpoint.files import (CHECKPOINT_SUBDIR, LATEST_FILE, check_rank_fil
                                   model_states_path, read_model_states, tag_directory, tags_in, tp_size_of_states)
 from zoo.checkpoint.layout import (check_layout, checked_layout_model, embedding_key, layout_model,
                                    layout_only_state, recover_config)
-from zoo.models.hf_io import DEFAULT_MAX_SHARD_SIZE, HFParam, to_hf_layout, write_pretrained
+from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, check_pretrained_target, to_hf_layout,
+                              write_pretrained)
 from zoo.models.pretrained import tokenizer_files, with_dtype
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.utils import merge_shards
@@ -90,8 +92,10 @@ def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> ExportResult:
     """Write the transformers directory ``out`` from the zoo DeepSpeed checkpoint under ``load``.
 
-    ``dtype`` defaults to the dtype of the checkpoint's module weights (fp32, fp16 or bf16).
+    ``dtype`` defaults to the dtype of the checkpoint's module weights (fp32, fp16 or bf16). ``out`` must be
+    new, empty or a previous export: anything else (the run directory itself, a file) is refused first.
     """
+    check_pretrained_target(out)
     tag_dir = tag_directory(load, tag)
     first_path = model_states_path(tag_dir, 0)
     if not first_path.is_file():
@@ -128,7 +132,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "degree) to a transformers directory, in one process.")
     parser.add_argument("--load", required=True, help="run directory written with --save, or its checkpoints/")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
-    parser.add_argument("--out", required=True, help="output directory (replaced atomically)")
+    parser.add_argument("--out", required=True, help="output directory: new, empty, or a previous export (replaced atomically)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="dtype of the written weights (default: the checkpoint's)")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,

@@ -2,7 +2,8 @@
 
 A checkpoint written at tp = p holds one ``mp_rank_XX_model_states.pt`` per TP rank. Resuming it at
 tp = q needs the same files laid out for q. :func:`reshard_checkpoint` writes them in one process
-(``<checkpoints>/resharded/<tag>-tp<q>/``, atomically); ``pretrain`` does it on rank 0 when the
+(``<checkpoints>/resharded/<tag>-tp<q>/``, atomically, with the umask's permissions; an existing
+directory there is replaced only if it is such a copy); ``pretrain`` does it on rank 0 when the
 checkpoint's tp differs from the run's and then lets DeepSpeed's ``load_checkpoint`` read the copy,
 so the user passes the usual ``--load`` and nothing else.
 
@@ -33,22 +34,21 @@ ZeRO and BF16_Optimizer checkpoints partition the optimizer state over data para
 from __future__ import annotations
 
 import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zoo.checkpoint.files import (MODEL_STATES, OPTIMIZER_PARTITION_GLOB, check_rank_files, model_states_path,
-                                  read_model_states, tp_size_of_states)
+from zoo.atomic import check_output_directory, staged_directory
+from zoo.checkpoint.files import (MODEL_STATES, MODEL_STATES_RE, OPTIMIZER_PARTITION_GLOB, check_rank_files,
+                                  model_states_path, read_model_states, tp_size_of_states)
 from zoo.checkpoint.layout import check_layout, checked_layout_model, recover_config
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.utils import merge_shards, shard_tensor
 
 RESHARDED_SUBDIR = "resharded"
 SOURCE_RECORD = "resharded_from.json"
+RESHARDED_KIND = "resharded checkpoint copy"
 
 
 def resharded_directory(checkpoints: Path, tag: str, tp_size: int) -> Path:
@@ -258,6 +258,7 @@ def reshard_checkpoint(tag_dir: str | Path, new_tp: int, out: str | Path) -> Pat
     rank's state plus one master tensor at a time: the old files are memory-mapped.
     """
     tag_dir, out = Path(tag_dir), Path(out)
+    check_output_directory(out, is_resharded_copy, RESHARDED_KIND)
     first_path = model_states_path(tag_dir, 0)
     first = read_model_states(first_path)
     old_tp = tp_size_of_states(first, first_path)
@@ -277,18 +278,12 @@ def reshard_checkpoint(tag_dir: str | Path, new_tp: int, out: str | Path) -> Pat
         check_layout(tensors.old, states["module"], path)
     optimizers = OptimizerResharder(tensors) if isinstance(first.get("optimizer"), dict) else None
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with staged_directory(out, is_resharded_copy, RESHARDED_KIND) as staging:
         for rank in range(new_tp):
             states = new_rank_states(sources, paths, tensors, optimizers, rank, tag_dir)
             torch.save(states, staging / MODEL_STATES.format(rank))
             del states
         (staging / SOURCE_RECORD).write_text(json.dumps(source_record(tag_dir, old_tp, new_tp), indent=2) + "\n")
-        replace_directory(staging, out)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
     return out
 
 
@@ -317,6 +312,20 @@ def source_record(tag_dir: Path, old_tp: int, new_tp: int) -> dict[str, Any]:
     return {"source": str(tag_dir.resolve()), "from_tp": old_tp, "to_tp": new_tp, "files": files}
 
 
+def is_resharded_copy(directory: Path) -> bool:
+    """``directory`` is a copy :func:`reshard_checkpoint` wrote: its :data:`SOURCE_RECORD` and model-states
+    files, nothing else. Only such a directory may be replaced by a new copy."""
+    record = Path(directory) / SOURCE_RECORD
+    try:
+        saved = json.loads(record.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return False
+    if not isinstance(saved, dict) or not {"source", "from_tp", "to_tp"} <= saved.keys():
+        return False
+    others = [entry for entry in Path(directory).iterdir() if entry.name != SOURCE_RECORD]
+    return all(entry.is_file() and MODEL_STATES_RE.fullmatch(entry.name) for entry in others)
+
+
 def is_current(out: Path, tag_dir: Path, new_tp: int) -> bool:
     """``out`` is a finished resharded copy of the present files of ``tag_dir`` at ``new_tp``."""
     record = out / SOURCE_RECORD
@@ -336,15 +345,3 @@ def ensure_resharded(tag_dir: str | Path, new_tp: int, out: str | Path) -> Path:
     if is_current(out, tag_dir, new_tp):
         return out
     return reshard_checkpoint(tag_dir, new_tp, out)
-
-
-def replace_directory(staging: Path, target: Path) -> None:
-    """Rename ``staging`` to ``target``, replacing an existing ``target`` without a moment where
-    neither a complete old nor a complete new directory is there."""
-    if target.exists():
-        backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-        os.replace(target, backup / target.name)
-        os.replace(staging, target)
-        shutil.rmtree(backup, ignore_errors=True)
-    else:
-        os.replace(staging, target)

@@ -8,7 +8,8 @@ Under the ``deepspeed`` launcher or ``torchrun`` (RANK and WORLD_SIZE set) it jo
 group and evaluates on the tp x dp grid; started as a plain process it runs alone
 (``ParallelState.single()``). ``--load`` is a Hugging Face-style directory (config.json +
 safetensors), as zoo's or transformers' ``save_pretrained`` writes it. Rank 0 shows a progress
-bar, prints the results and writes them as JSON (``--out``, atomically) and, optionally, to W&B.
+bar, prints the results and writes them as JSON (``--out``, atomically; every rank checks before
+evaluating that it can be written) and, optionally, to W&B.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -23,6 +25,7 @@ from typing import Any
 
 import torch
 
+from zoo.atomic import check_writable_directory, write_text_atomic
 from zoo.eval.wikitext import DEFAULT_OVERLAP
 
 TASKS = ("wikitext", "lambada")
@@ -93,10 +96,9 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
 def transformers_directory(load: str) -> str:
     """``load`` itself when it holds a transformers-layout model (config.json); for a zoo DeepSpeed
     training checkpoint (a run directory or its checkpoints/), the tag in ``latest`` exported once
-    to a cache directory by local rank 0 of each node, the other ranks waiting (collective)."""
+    to this user's private cache directory by local rank 0 of each node, the other ranks waiting
+    (collective; an export error reaches every rank as the same sentence)."""
     import hashlib
-
-    import torch.distributed as dist
 
     from zoo.checkpoint.deepspeed_export import checkpoints_root, export_checkpoint
 
@@ -106,13 +108,70 @@ def transformers_directory(load: str) -> str:
     tag = (root / "latest").read_text().strip() if (root / "latest").is_file() else "newest"
     key = hashlib.sha1(f"{root.resolve()}:{tag}:{(root / tag).stat().st_mtime_ns if (root / tag).exists() else 0}"
                        .encode()).hexdigest()[:16]
-    target = Path(tempfile.gettempdir()) / f"zoo-eval-export-{key}"
-    distributed = dist.is_available() and dist.is_initialized()
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0 and not (target / "config.json").is_file():
-        export_checkpoint(load, target)
-    if distributed:
-        dist.barrier()
+    target = export_cache_path() / key
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        try:
+            make_private_directory(target.parent)
+            if not (target / "config.json").is_file():
+                export_checkpoint(load, target)
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it, whatever happened
+            first_failure((type(err).__name__, str(err)))
+            raise
+    raise_failure(first_failure(None), "exporting the checkpoint")
     return str(target)
+
+
+def export_cache_path() -> Path:
+    """``$TMPDIR/zoo-eval-exports-<uid>``: node-local, one per user."""
+    return Path(tempfile.gettempdir()) / f"zoo-eval-exports-{os.getuid()}"
+
+
+def make_private_directory(cache: Path) -> None:
+    """Create ``cache`` (or take it over) as a directory only this user can enter (mode 0700), so the exports
+    in it (written with the umask's permissions) are neither readable nor plantable by other users."""
+    try:
+        cache.mkdir(mode=0o700, exist_ok=True)
+        info = cache.lstat()
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid():
+            os.chmod(cache, 0o700)
+            return
+    except OSError as err:
+        raise ValueError(f"the export cache {cache} cannot be created ({err.strerror}); set TMPDIR to a "
+                         "directory you can write to.") from None
+    raise ValueError(f"the export cache {cache} is not a directory owned by this user; remove it or set TMPDIR "
+                     "to another directory.")
+
+
+def first_failure(failure: tuple[str, str] | None) -> tuple[str, str] | None:
+    """Collective when distributed (every rank calls it once): the first rank's ``(exception name,
+    message)`` among those that failed, or None when none did."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return failure
+    failures = [None] * dist.get_world_size()
+    dist.all_gather_object(failures, failure)
+    return next((f for f in failures if f is not None), None)
+
+
+def raise_failure(failure: tuple[str, str] | None, what: str) -> None:
+    """Raise another rank's failure here: a user error as the same one-sentence ``ValueError`` or
+    ``FileNotFoundError``, anything else as a ``RuntimeError`` naming it."""
+    if failure is None:
+        return
+    kind, message = failure
+    if kind in ("FileNotFoundError", "ValueError"):
+        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
+    raise RuntimeError(f"{what} failed on another rank ({kind}: {message}).")
+
+
+def check_output_file(path: str | os.PathLike) -> Path:
+    """Prove, before evaluating, that the results can be written to ``path`` (a file, not a directory)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"--out {path} is a directory; pass a file path such as {path / 'results.json'}.")
+    check_writable_directory(path.parent, "--out's directory")
+    return path
 
 
 def _join_process_group(local_rank: int) -> str:
@@ -146,21 +205,6 @@ def format_results(results: dict[str, Any]) -> str:
             f"{results['multi_token_targets']} multi-token targets, {results['truncated']} truncated)")
 
 
-def write_json_atomic(path: str | os.PathLike, payload: dict[str, Any]) -> None:
-    """Write to a temporary file in the same directory, then rename: never a half-written file."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(handle, "w") as out:
-            json.dump(payload, out, indent=2)
-            out.write("\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def log_to_wandb(project: str, results: dict[str, Any]) -> bool:
     """Log the results as one W&B run; any failure is reported and swallowed (it never stops the eval)."""
     try:
@@ -182,12 +226,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import torch.distributed as dist
 
     try:
+        if args.out:
+            check_output_file(args.out)   # on every rank, before any work: no collective to agree on
         results = evaluate(args)
         is_writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
         if is_writer:
             print(format_results(results))
             if args.out:
-                write_json_atomic(args.out, results)
+                write_text_atomic(args.out, json.dumps(results, indent=2) + "\n")
             if args.wandb_project:
                 log_to_wandb(args.wandb_project, results)
         return results

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -21,6 +21,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
+from zoo.atomic import check_output_directory, staged_directory
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
 from zoo.parallel.utils import merge_shards, shard_index
@@ -29,6 +30,10 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_PATTERN = "model{suffix}.safetensors"   # huggingface_hub fills in "-00001-of-00003" when sharded
 DEFAULT_MAX_SHARD_SIZE = "5GB"                # the hub's default (transformers 5 uses 50GB)
+SHARD_FILE_RE = re.compile(r"model-\d+-of-\d+\.safetensors")
+TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
+                        "special_tokens_map.json", "added_tokens.json")
+EXPORT_KIND = "Hugging Face export"
 
 
 @dataclass(frozen=True)
@@ -257,32 +262,41 @@ def hf_state_dict(model: torch.nn.Module, param_map: dict[str, HFParam], paralle
     return out
 
 
+def is_hf_export(directory: Path) -> bool:
+    """``directory`` holds a transformers model and nothing else: config.json, the weights (model.safetensors,
+    or shards with their index) and tokenizer files. Only such a directory may be replaced by a new export,
+    so an ``--out`` that names a run directory (checkpoints, metrics) or any other folder is never deleted."""
+    entries = list(Path(directory).iterdir())
+    if not all(entry.is_file() for entry in entries):   # a sub-directory is never part of an export
+        return False
+    names = {entry.name for entry in entries}
+    shards = {name for name in names if SHARD_FILE_RE.fullmatch(name)}
+    known = {"config.json", "generation_config.json", SINGLE_FILE, INDEX_FILE, *TOKENIZER_FILE_NAMES} | shards
+    has_weights = SINGLE_FILE in names or (INDEX_FILE in names and bool(shards))
+    return "config.json" in names and has_weights and names <= known
+
+
+def check_pretrained_target(directory: str | os.PathLike) -> None:
+    """Refuse, before any work, an output directory :func:`write_pretrained` could not create or would have
+    to delete (a file, a directory under a file, a directory that is not a Hugging Face export)."""
+    check_output_directory(directory, is_hf_export, EXPORT_KIND)
+
+
 def write_pretrained(directory: str | os.PathLike, config_dict: dict, state: dict[str, torch.Tensor],
                      tokenizer_files: Iterable[Path], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
-    """Write config.json, the weights and the tokenizer files atomically (temp dir, then rename).
+    """Write config.json, the weights and the tokenizer files atomically (temp dir, then rename), with the
+    permissions the umask gives. An existing ``directory`` is replaced only if it is itself a Hugging Face
+    export (:func:`is_hf_export`); anything else is refused with a ``ValueError`` before anything is written.
 
     Weights up to ``max_shard_size`` (bytes, or a string such as "5GB") go to model.safetensors;
     larger ones to transformers' shards ``model-0000k-of-0000n.safetensors`` plus
     model.safetensors.index.json ({"metadata": {"total_size": bytes}, "weight_map": {key: file}}).
     """
-    target = Path(directory)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent))
-    try:
+    with staged_directory(directory, is_hf_export, EXPORT_KIND) as staging:
         (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
         write_safetensors(staging, state, max_shard_size)
         for path in tokenizer_files:
-            shutil.copy2(path, staging / Path(path).name)
-        if target.exists():
-            backup = Path(tempfile.mkdtemp(prefix=f".{target.name}.old-", dir=target.parent))
-            os.replace(target, backup / target.name)
-            os.replace(staging, target)
-            shutil.rmtree(backup)
-        else:
-            os.replace(staging, target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+            shutil.copyfile(path, staging / Path(path).name)   # copyfile, not copy2: the umask sets the mode
 
 
 def write_safetensors(directory: Path, state: dict[str, torch.Tensor],

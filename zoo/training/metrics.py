@@ -6,9 +6,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
+
+from zoo.atomic import atomic_file
 
 
 def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
@@ -123,11 +124,11 @@ def plot_loss(run_dir: str | os.PathLike) -> Path:
         sop_ax.grid(alpha=0.3)
         sop_ax.legend()
     target = Path(run_dir) / "loss.png"
-    handle, tmp = tempfile.mkstemp(prefix=".loss-", suffix=".png", dir=str(run_dir))
-    os.close(handle)
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, target)
+    try:
+        with atomic_file(target) as tmp:
+            fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
+    finally:
+        plt.close(fig)
     return target
 
 
