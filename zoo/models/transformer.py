@@ -140,22 +140,33 @@ class TransformerLayer(nn.Module):
 
 def attention_bias(attention_mask: torch.Tensor | None, seq_len: int, causal: bool,
                    dtype: torch.dtype, past_length: int = 0) -> torch.Tensor | None:
-    """Additive attention bias (b, 1, s, s) from a (b, s) keep-mask, or None when nothing is masked
-    beyond causality (SDPA's ``is_causal`` then does it). Masked entries get dtype's minimum, not
-    -inf, so a fully masked row gives a uniform distribution rather than NaN (as transformers does).
+    """Additive attention bias from a (b, P + s) keep-mask, or None when nothing is masked beyond
+    causality (SDPA's ``is_causal`` then does it). Masked entries get dtype's minimum.
 
-    With ``past_length`` P > 0 (decoding after a key/value cache) the keep-mask covers past and new
-    tokens, (b, P + s), and the bias is (b, 1, s, P + s): new query i (absolute position P + i) may
-    see key j iff j <= P + i, i.e. the causal triangle shifted right by P.
+    Causal: (b, 1, s, P + s). With ``past_length`` P > 0 (decoding after a key/value cache) the
+    keep-mask covers past and new tokens, and new query i (absolute position P + i) may see key j
+    iff j <= P + i, i.e. the causal triangle shifted right by P. Not causal (BERT): (b, 1, 1, s).
+
+    No query row is left without a key. A row with none (the pad positions of a left-padded prompt,
+    or every row of an all-pad sample) would make SDPA's softmax run over nothing but masked
+    entries, and CUDA's memory-efficient kernel can return NaN there (pytorch#110213), which then
+    reaches real rows through the pad keys and values (0 * NaN = NaN). Such a causal row keeps its
+    own position; an all-pad sample of a non-causal bias (one row shared by every query) keeps all
+    its keys. Only rows that had no key change, so the outputs at real positions are unchanged.
     """
     if attention_mask is None:
         return None
+    device = attention_mask.device
     keep = attention_mask.to(torch.bool)[:, None, None, :]                  # (b, 1, 1, P + s)
+    fallback: torch.Tensor | bool = True                                    # all keys (non-causal)
     if causal:
-        tril = torch.ones(seq_len, past_length + seq_len, dtype=torch.bool,
-                          device=attention_mask.device).tril(diagonal=past_length)
-        keep = keep & tril                                                  # (b, 1, s, P + s)
-    bias = torch.zeros(keep.shape, dtype=dtype, device=attention_mask.device)
+        key_pos = torch.arange(past_length + seq_len, device=device)        # (P + s,)
+        query_pos = key_pos[past_length:, None]                             # (s, 1)
+        keep = keep & (key_pos <= query_pos)                                # (b, 1, s, P + s)
+        fallback = key_pos == query_pos                                     # (s, P + s): own position
+    keyless = ~keep.any(dim=-1, keepdim=True)                               # (b, 1, s or 1, 1)
+    keep = keep | (keyless & fallback)
+    bias = torch.zeros(keep.shape, dtype=dtype, device=device)
     return bias.masked_fill(~keep, torch.finfo(dtype).min)
 
 

@@ -24,8 +24,19 @@ import torch.distributed as dist
 from zoo.parallel.state import ParallelState
 
 
-def _all_reduce(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
-    tensor = tensor.contiguous()
+def _all_reduce_copy(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    """The TP-group sum of ``tensor`` in a new contiguous buffer; ``tensor`` itself is left as it was.
+
+    The copy is needed: ``dist.all_reduce`` overwrites its argument, and neither mapping owns the
+    tensor it is handed. In g's forward that is the caller's activation, which the caller may still
+    read, or autograd may have saved for backward (then backward would fail the version check); in f's
+    backward it is the incoming gradient, which autograd may share with other consumers (an add
+    hands the same gradient tensor to both operands, e.g. the residual and the branch), and a custom
+    backward must not modify it. One copy is made, straight into contiguous memory (``clone``
+    followed by ``contiguous`` would copy a strided input twice). Dropping it would take an
+    in-place g that marks its input dirty, legal only for callers that own a throwaway buffer.
+    """
+    tensor = tensor.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(tensor, group=parallel.tp_group)
     return tensor
 
@@ -54,13 +65,13 @@ class _CopyToTensorParallelRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _all_reduce(grad.clone(), ctx.parallel), None
+        return _all_reduce_copy(grad, ctx.parallel), None
 
 
 class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, parallel):
-        return _all_reduce(x.clone(), parallel)
+        return _all_reduce_copy(x, parallel)
 
     @staticmethod
     def backward(ctx, grad):
