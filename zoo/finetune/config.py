@@ -57,7 +57,9 @@ def build_parser(task: str) -> argparse.ArgumentParser:
         prog=f"finetune/{task}.py",
         description=f"Finetune a (pre- or post-norm) BERT on {task.upper()} through DeepSpeed at any tp degree.")
     parser.add_argument("--pretrained", required=True, help="HF-style BERT directory (zoo or transformers)")
-    parser.add_argument("--data-dir", required=True, help="the task's data in its original layout (or HF hub)")
+    parser.add_argument("--data-dir", required=True,
+                        help="the task's data: a directory (original or HF hub layout) or hub:NAME[/CONFIG], "
+                             "e.g. hub:glue/mnli, hub:squad_v2, hub:race/all")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-5)")
     parser.add_argument("--batch-size", type=int, default=None, help="global train batch (default: ds_config's)")
     parser.add_argument("--epochs", type=float, default=3, help="training epochs; 0 evaluates only")

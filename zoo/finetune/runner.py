@@ -27,15 +27,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from zoo.atomic import write_text_atomic
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict, parse_args
 from zoo.finetune.tasks import EvalSet, Task, get_task
 
 
 def _atomic_write(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
+    write_text_atomic(path, text)
 
 
 def global_batches(num_examples: int, batch_size: int, epoch: int, seed: int) -> list[torch.Tensor]:

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zoo.atomic import atomic_file, write_text_atomic
+
 SEED_KEY = "seed"
 
 
@@ -59,20 +61,45 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     if spec.get("method", "grid") != "grid":
         raise ValueError(f"sweep file {path} uses method {spec.get('method')!r}; the local runner walks grids only, "
                          "so set method: grid (wandb agent can still run other methods).")
-    fixed, grid = {}, {}
-    for name, entry in spec["parameters"].items():
-        if isinstance(entry, dict) and "values" in entry:
-            grid[name] = list(entry["values"])
-        elif isinstance(entry, dict) and "value" in entry:
-            fixed[name] = entry["value"]
-        else:
-            raise ValueError(f"sweep parameter {name!r} in {path} needs 'value' or 'values'; the grid runner "
-                             "cannot expand distributions.")
+    fixed, grid = read_parameters(spec["parameters"], path)
     metric = spec["metric"]
     if not isinstance(metric, dict) or "name" not in metric:
         raise ValueError(f"sweep file {path} needs metric: {{name: ..., goal: maximize}}.")
     return SweepSpec(name=spec.get("name") or file.stem, program=spec["program"], metric=metric["name"],
                      goal=metric.get("goal", "maximize"), fixed=fixed, grid=grid)
+
+
+def read_parameters(parameters: Any, path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, list[Any]]]:
+    """The fixed values (``value:``) and the grid (``values:``, each a non-empty list) of a sweep."""
+    if not isinstance(parameters, dict) or not parameters:
+        raise ValueError(f"sweep file {path} needs 'parameters' to map each flag to {{value: ...}} or "
+                         "{values: [...]}; write it in W&B's sweep format.")
+    fixed, grid = {}, {}
+    for name, entry in parameters.items():
+        if isinstance(entry, dict) and "values" in entry:
+            values = entry["values"]
+            if not isinstance(values, list):
+                raise ValueError(f"sweep parameter {name!r} in {path} has values: {values!r}, not a list; write "
+                                 f"values: [{values!r}] (or value: for a fixed one).")
+            if not values:
+                raise ValueError(f"sweep parameter {name!r} in {path} has an empty values list, which makes a grid "
+                                 "of 0 runs; give it at least one value (or use value: for a fixed one).")
+            grid[name] = list(values)
+        elif isinstance(entry, dict) and "value" in entry:
+            fixed[name] = entry["value"]
+        else:
+            raise ValueError(f"sweep parameter {name!r} in {path} needs 'value' or 'values'; the grid runner "
+                             "cannot expand distributions.")
+    return fixed, grid
+
+
+def describe_grid(spec: SweepSpec) -> str:
+    """One line: the sweep's settings and how many runs they make (what ``--dry-run`` heads with)."""
+    settings = ", ".join(f"{name} {'/'.join(str(v) for v in values)}" for name, values in spec.grid.items()
+                         if name != SEED_KEY)
+    seeds = spec.grid.get(SEED_KEY)
+    over = f" x {len(seeds)} seeds ({', '.join(str(s) for s in seeds)})" if seeds else ""
+    return f"sweep {spec.name}: {settings or 'one setting'}{over}; {len(spec.settings())} runs, {spec.metric}"
 
 
 def run_name(setting: dict[str, Any], spec: SweepSpec) -> str:
@@ -144,19 +171,18 @@ def plot_sweep(rows: list[dict[str, Any]], summary: list[dict[str, Any]], spec: 
     ax.set_title(f"sweep {spec.name}: {spec.metric} per setting")
     ax.legend()
     ax.grid(alpha=0.3, axis="y")
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    os.replace(tmp, path)
+    try:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=110, bbox_inches="tight", format="png")
+    finally:
+        plt.close(fig)
 
 
 def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as handle:
+    with atomic_file(path) as tmp, tmp.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]) if rows else [])
         writer.writeheader()
         writer.writerows(rows)
-    os.replace(tmp, path)
 
 
 def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> int:
@@ -195,6 +221,9 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     from tqdm import tqdm
 
     spec = load_sweep(path)
+    if count is not None and count < 1:
+        raise ValueError(f"--count {count} must be 1 or more (the number of grid points to run); leave it out to "
+                         "run them all.")
     out_dir = Path(out or Path("runs") / "sweeps" / spec.name)
     settings = spec.settings()[: count or None]
     launcher = launcher or shlex.quote(sys.executable)
@@ -202,6 +231,7 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
            "WANDB_PROJECT": os.environ.get("WANDB_PROJECT", project), **(extra_env or {})}
     rows = []
     if dry_run:
+        print(f"# {describe_grid(spec)}")
         for setting in settings:
             print(shlex.join(command_for(setting, spec, out_dir / run_name(setting, spec), launcher)))
         return {"rows": [], "summary": [], "spec": spec}
@@ -225,9 +255,7 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     table = format_table(summary, spec)
     _write_csv(out_dir / "runs.csv", rows)
     _write_csv(out_dir / "summary.csv", summary)
-    summary_md = out_dir / "summary.md"
-    summary_md.with_name(".summary.md.tmp").write_text(f"# sweep {spec.name} ({spec.metric}, median over seeds)\n\n{table}\n")
-    os.replace(summary_md.with_name(".summary.md.tmp"), summary_md)
+    write_text_atomic(out_dir / "summary.md", f"# sweep {spec.name} ({spec.metric}, median over seeds)\n\n{table}\n")
     plot_sweep(rows, summary, spec, out_dir / "sweep.png")
     print(table)
     print(f"{len(rows)} runs; table in {out_dir / 'summary.md'}, plot in {out_dir / 'sweep.png'}, "
