@@ -43,19 +43,27 @@ def tags_in(root: Path) -> list[str]:
     return sorted(d.name for d in root.iterdir() if d.is_dir() and any(d.glob("mp_rank_*_model_states.pt")))
 
 
-def tag_directory(load: str | Path, tag: str | None = None) -> Path:
-    """The directory of checkpoint ``tag``, by default the one named in ``latest``."""
+TAG_FLAG_FIX = "pass --tag with one of {tags}"
+
+
+def tag_directory(load: str | Path, tag: str | None = None, fix: str = TAG_FLAG_FIX) -> Path:
+    """The directory of checkpoint ``tag``, by default the one named in ``latest``.
+
+    ``fix`` is the caller's way to pick another checkpoint, said when the tag is missing: a template
+    with ``{tags}`` (the complete tags present) and ``{latest}`` (the path of the ``latest`` file);
+    by default the ``--tag`` flag of export and evaluation.
+    """
     root = checkpoints_root(load)
+    latest = root / LATEST_FILE
     if tag is None:
-        latest = root / LATEST_FILE
         if not latest.is_file():
-            raise FileNotFoundError(f"{root} has no '{LATEST_FILE}' file naming the checkpoint to read; pass "
-                                    f"--tag with one of {tags_in(root)}.")
+            raise FileNotFoundError(f"{root} has no '{LATEST_FILE}' file naming the checkpoint to read; "
+                                    f"{fix.format(tags=tags_in(root), latest=latest)}.")
         tag = latest.read_text().strip()
     directory = root / tag
-    if not directory.is_dir():
-        raise FileNotFoundError(f"checkpoint tag {tag!r} is not a directory under {root}; pass --tag with one of "
-                                f"{tags_in(root)}.")
+    if not tag or not directory.is_dir():
+        raise FileNotFoundError(f"checkpoint tag {tag!r} is not a directory under {root}; "
+                                f"{fix.format(tags=tags_in(root), latest=latest)}.")
     return directory
 
 

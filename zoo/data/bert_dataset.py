@@ -43,7 +43,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from zoo.data.gpt_dataset import SPLIT_NAMES, split_document_ranges
+from zoo.data.gpt_dataset import SPLIT_NAMES, check_token_ids, split_document_ranges
 from zoo.data.indexed_dataset import IndexedDataset
 
 IGNORE_INDEX = -100
@@ -422,12 +422,7 @@ class BertDataset(torch.utils.data.Dataset):
         length = len(a) + len(b) + 3
         tokens = np.full(n, v.pad_id, dtype=np.int64)
         tokens[:length] = np.concatenate([[v.cls_id], a, [v.sep_id], b, [v.sep_id]])
-        top = int(tokens[:length].max())
-        if top >= v.size:
-            raise ValueError(
-                f"sample {i} holds token id {top}, outside the tokenizer's {v.size} ids; the data was "
-                "tokenized with another vocabulary, so preprocess it with this tokenizer."
-            )
+        check_token_ids(tokens[:length], v.size, self.indexed, f"sample {i} of the {self.which} split")
         token_types = np.zeros(n, dtype=np.int64)
         token_types[len(a) + 2 : length] = 1
         maskable = np.zeros(n, dtype=bool)

@@ -58,7 +58,10 @@ class GPTDataset(torch.utils.data.Dataset):
 
     ``indexed`` is an :class:`IndexedDataset` or its prefix. ``len(ds)`` is ``num_samples``
     (default: one epoch, ``num_windows``). ``ds[i]`` costs O(1): two index-array lookups and a
-    read of only that window's tokens through the mmap.
+    read of only that window's tokens through the mmap. With ``vocab_size`` (the model's unpadded
+    vocabulary) every sample's ids are checked to lie in ``[0, vocab_size)``: data tokenized with
+    another vocabulary is refused, naming the file and the sample, instead of training on ids the
+    vocab-parallel embedding would silently map to zero vectors.
     """
 
     def __init__(
@@ -69,6 +72,7 @@ class GPTDataset(torch.utils.data.Dataset):
         split: str | Sequence[float] = "969,30,1",
         which: str = "train",
         num_samples: int | None = None,
+        vocab_size: int | None = None,
     ):
         if not isinstance(indexed, IndexedDataset):
             indexed = IndexedDataset(indexed)
@@ -77,6 +81,7 @@ class GPTDataset(torch.utils.data.Dataset):
         if int(seq_length) < 1:
             raise ValueError(f"seq_length={seq_length} is invalid; it must be a positive number of tokens.")
         self.indexed = indexed
+        self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.seq_length = int(seq_length)
         self.seed = int(seed)
         self.which = which
@@ -140,8 +145,27 @@ class GPTDataset(torch.utils.data.Dataset):
         return out
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        tokens = torch.from_numpy(self.window(self.window_index(int(i))))
+        window = self.window(self.window_index(int(i)))
+        if self.vocab_size is not None:
+            check_token_ids(window, self.vocab_size, self.indexed, f"sample {int(i)} of the {self.which} split")
+        tokens = torch.from_numpy(window)
         return {"input_ids": tokens, "labels": tokens.clone()}
+
+
+def check_token_ids(tokens: np.ndarray, vocab_size: int, indexed: IndexedDataset, where: str) -> None:
+    """Refuse ids outside ``[0, vocab_size)`` (one min and one max over the sample), naming the data file
+    and ``where`` ("sample 12 of the train split")."""
+    if tokens.size == 0:
+        return
+    low, high = int(tokens.min()), int(tokens.max())
+    if low >= 0 and high < vocab_size:
+        return
+    bad = high if high >= vocab_size else low
+    raise ValueError(
+        f"{indexed.prefix}.bin holds token id {bad} in {where}, outside the model's vocabulary of {vocab_size} "
+        "ids; the data was tokenized with another vocabulary (or is not token data), so preprocess it with the "
+        "model's tokenizer or pass the --model it was built for."
+    )
 
 
 def build_gpt_datasets(

@@ -131,12 +131,7 @@ class IndexedDataset:
         self._doc_idx = idx[o_docs:o_end].view(np.int64)
 
         bin_bytes = os.path.getsize(bin_path)
-        needed = int(self._pointers[-1]) + int(self._sizes[-1]) * self._dtype.itemsize if n_seq else 0
-        if bin_bytes < needed:
-            raise ValueError(
-                f"data file '{bin_path}' is truncated: {bin_bytes} bytes but the index needs {needed}; "
-                "rebuild the dataset."
-            )
+        check_index(idx_path, bin_path, bin_bytes, self._sizes, self._pointers, self._doc_idx, self._dtype.itemsize)
         count = bin_bytes // self._dtype.itemsize
         if count:
             self._bin = np.memmap(bin_path, dtype=self._dtype, mode="r", shape=(count,))
@@ -220,6 +215,42 @@ class IndexedDataset:
         if last - first == 1:
             return self.get(first)
         return np.concatenate([self.get(s) for s in range(first, last)]) if last > first else self._bin[:0]
+
+
+def check_index(idx_path: str, bin_path: str, bin_bytes: int, sizes: np.ndarray, pointers: np.ndarray,
+                doc_idx: np.ndarray, itemsize: int) -> None:
+    """The index describes sequences that lie inside ``.bin`` and documents made of them, or one sentence
+    naming the file: sizes >= 0, pointers aligned to the dtype and in bounds, and a document index that
+    starts at 0, never decreases and stays within the N sequences (one vectorised pass, no Python loop)."""
+    n_seq = len(sizes)
+    rebuild = "rebuild it with launch/preprocess.py"
+    if n_seq:
+        if int(sizes.min()) < 0:
+            first = int(np.argmax(sizes < 0))
+            raise ValueError(f"index file '{idx_path}' is corrupt: sequence {first} has a negative size "
+                             f"{int(sizes[first])}; {rebuild}.")
+        misplaced = (pointers < 0) | (pointers % itemsize != 0)
+        if misplaced.any():
+            first = int(np.argmax(misplaced))
+            raise ValueError(f"index file '{idx_path}' is corrupt: sequence {first} starts at byte {int(pointers[first])}, "
+                             f"not a non-negative multiple of the {itemsize}-byte token size; {rebuild}.")
+        ends = pointers + sizes.astype(np.int64) * itemsize
+        if int(ends.max()) > bin_bytes:
+            first = int(np.argmax(ends > bin_bytes))
+            raise ValueError(f"data file '{bin_path}' is truncated: {bin_bytes} bytes but sequence {first} of the "
+                             f"index ends at byte {int(ends[first])}; rebuild the dataset.")
+    if int(doc_idx[0]) != 0:
+        raise ValueError(f"index file '{idx_path}' is corrupt: its document index starts at sequence "
+                         f"{int(doc_idx[0])}, not 0; {rebuild}.")
+    if int(doc_idx.max()) > n_seq:
+        first = int(np.argmax(doc_idx > n_seq))
+        raise ValueError(f"index file '{idx_path}' is corrupt: its document index names sequence "
+                         f"{int(doc_idx[first])}, past the {n_seq} sequences it holds; {rebuild}.")
+    steps = np.diff(doc_idx)
+    if steps.size and int(steps.min()) < 0:
+        first = int(np.argmax(steps < 0))
+        raise ValueError(f"index file '{idx_path}' is corrupt: document {first} ends at sequence "
+                         f"{int(doc_idx[first + 1])}, before it starts at {int(doc_idx[first])}; {rebuild}.")
 
 
 class IndexedDatasetBuilder:

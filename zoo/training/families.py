@@ -98,7 +98,8 @@ def build_dataset(config: GPT2Config | BertConfig, indexed, seq_length: int, see
                            max_position_embeddings=config.max_position_embeddings)
     from zoo.data import GPTDataset
 
-    return GPTDataset(indexed, seq_length, seed, split=split, which=which, num_samples=num_samples)
+    return GPTDataset(indexed, seq_length, seed, split=split, which=which, num_samples=num_samples,
+                      vocab_size=config.vocab_size)
 
 
 def extra_metrics(output, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

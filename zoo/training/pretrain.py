@@ -15,13 +15,16 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from zoo.atomic import check_writable_directory, write_text_atomic
+from zoo.training.agreement import raise_on_any_rank
 from zoo.training.engine import param_groups, refresh_fp32_master_weights
 from zoo.training.families import (build_dataset, build_model, default_corpus, extra_metrics, model_forward_kwargs,
                                    pretrained_model, shape_of)
 from zoo.training.grad_norm import current_loss_scale, global_grad_norm
 from zoo.training.metrics import MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss
-from zoo.training.run_config import (RunConfig, build_parser, deepspeed_dict, load_run_config,
-                                     validate_for_world)
+from zoo.training.resume import checkpoint_dir, checkpoint_to_load
+from zoo.training.run_config import (RunConfig, build_parser, clipped_warmup_warning, deepspeed_dict, load_run_config,
+                                     lr_schedule, schedule_change_warning, validate_for_world)
 
 CHECKPOINT_SUBDIR = "checkpoints"
 
@@ -37,18 +40,7 @@ def share_cpu_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
-__all__ = ["pretrain", "main", "param_groups", "checkpoint_to_load", "reseed_tp_rng"]
-
-
-def checkpoint_dir(path: str | os.PathLike) -> Path:
-    """Accept either a run directory (holding checkpoints/) or the checkpoints directory itself."""
-    path = Path(path)
-    if (path / CHECKPOINT_SUBDIR).is_dir():
-        return path / CHECKPOINT_SUBDIR
-    if (path / "latest").is_file():
-        return path
-    raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}; pass a run directory written with --save "
-                            "(it holds checkpoints/latest).")
+__all__ = ["pretrain", "main", "param_groups", "checkpoint_dir", "checkpoint_to_load", "reseed_tp_rng"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -94,38 +86,6 @@ def reseed_tp_rng(seed: int, iteration: int, ps) -> None:
     tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + ps.tp_rank + 7919 * (iteration + 1) * ps.tp_size)
 
 
-def checkpoint_to_load(load: str | os.PathLike, ps) -> tuple[Path, str]:
-    """The (DeepSpeed load directory, tag) to resume from at this run's tp degree.
-
-    When the checkpoint named by ``latest`` was written at another tp, rank 0 writes (or reuses) a copy
-    resharded for this tp under ``<checkpoints>/resharded/<tag>-tp<N>/`` and every rank reads that; a
-    user error on rank 0 is raised on every rank with the same sentence.
-    """
-    from zoo.checkpoint.files import rank_files_tp, tag_directory
-    from zoo.checkpoint.reshard import ensure_resharded, resharded_directory
-
-    root = checkpoint_dir(load)
-    tag_dir = tag_directory(root)
-    if rank_files_tp(tag_dir) == ps.tp_size:
-        return root, tag_dir.name
-    target = resharded_directory(root, tag_dir.name, ps.tp_size)
-    failure = [None]
-    if dist.get_rank() == 0:
-        try:
-            ensure_resharded(tag_dir, ps.tp_size, target)
-        except Exception as err:  # noqa: BLE001 - every rank must leave the broadcast, whatever happened
-            failure = [(type(err).__name__, str(err))]
-            dist.broadcast_object_list(failure, src=0)
-            raise
-    dist.broadcast_object_list(failure, src=0)
-    if failure[0] is not None:
-        kind, message = failure[0]
-        if kind in ("FileNotFoundError", "ValueError"):
-            raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
-        raise RuntimeError(f"resharding the checkpoint failed on rank 0 ({kind}: {message}).")
-    return target.parent, target.name
-
-
 class PretrainingData:
     """Train/valid datasets of the model's family and the rank's micro-batches at a given consumed-samples position.
 
@@ -135,26 +95,27 @@ class PretrainingData:
     """
 
     def __init__(self, config: RunConfig, model_config, ps, micro_batch: int, global_batch: int):
-        from zoo.data import IndexedDataset
-
         prefix = config.data_path
-        if prefix is None:  # bundled corpus: preprocess once on rank 0, the others wait
-            if dist.get_rank() == 0:
-                default_corpus(model_config, progress=True)
-            dist.barrier()
+        if prefix is None:  # bundled corpus: preprocess once on rank 0, the others wait for its outcome
+            raise_on_any_rank(lambda: default_corpus(model_config, progress=True) if dist.get_rank() == 0 else None)
             prefix = default_corpus(model_config, progress=False)
-        indexed = IndexedDataset(prefix)
-        self.indexed = indexed
         self.is_bundled_corpus = config.data_path is None
-        eval_samples = config.eval_iters * micro_batch * ps.dp_size
-        self.train = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split, "train",
-                                   config.train_iters * global_batch)
-        self.valid = None
-        if config.eval_interval:
-            self.valid = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split,
-                                       "valid", eval_samples)
         self.ps = ps
         self.micro_batch = micro_batch
+        self.indexed, self.train, self.valid = raise_on_any_rank(
+            lambda: self._datasets(config, model_config, prefix, global_batch))
+
+    def _datasets(self, config: RunConfig, model_config, prefix: str, global_batch: int):
+        from zoo.data import IndexedDataset
+
+        indexed = IndexedDataset(prefix)
+        train = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split, "train",
+                              config.train_iters * global_batch)
+        valid = None
+        if config.eval_interval:
+            valid = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split, "valid",
+                                  config.eval_iters * self.micro_batch * self.ps.dp_size)
+        return indexed, train, valid
 
     def _stack(self, dataset, indices) -> dict[str, torch.Tensor]:
         samples = [dataset[i % len(dataset)] for i in indices]
@@ -163,6 +124,14 @@ class PretrainingData:
     def micro_batch_at(self, dataset, first_global_sample: int) -> dict[str, torch.Tensor]:
         start = first_global_sample + self.ps.dp_rank * self.micro_batch
         return self._stack(dataset, range(start, start + self.micro_batch))
+
+    def micro_batches(self, dataset, first_global_sample: int, count: int) -> list[dict[str, torch.Tensor]]:
+        """The ``count`` consecutive micro-batches of this rank from ``first_global_sample`` on, read on
+        every rank before any of them is used: a bad sample (e.g. a token id outside the vocabulary) on
+        one DP rank stops every rank with the same sentence instead of hanging the others' all-reduce."""
+        per_step = self.micro_batch * self.ps.dp_size
+        return raise_on_any_rank(lambda: [self.micro_batch_at(dataset, first_global_sample + k * per_step)
+                                          for k in range(count)])
 
 
 def means_over_dp(sums: dict[str, torch.Tensor], count: int, ps, device=None) -> dict[str, float]:
@@ -180,11 +149,10 @@ def evaluate(engine, data: PretrainingData, config: RunConfig, ps) -> dict[str, 
     """Validation means over ``eval_iters`` micro-batches and the DP ranks: "loss", plus BERT's
     "mlm_loss", "sop_loss" and "sop_acc"."""
     engine.eval()
-    per_step = data.micro_batch * ps.dp_size
     sums: dict[str, torch.Tensor] = {}
+    batches = data.micro_batches(data.valid, 0, config.eval_iters)
     with torch.no_grad():
-        for step in range(config.eval_iters):
-            batch = data.micro_batch_at(data.valid, step * per_step)
+        for batch in batches:
             output = engine(**model_forward_kwargs(batch, engine.device))
             for key, value in {"loss": output.loss.detach().float(), **extra_metrics(output, batch)}.items():
                 sums[key] = sums.get(key, 0.0) + value.cpu()
@@ -217,6 +185,9 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     if not config.pretrained:
         model = build_model(model_config, ps)
     ds_config = deepspeed_dict(config, gas)
+    is_writer = dist.get_rank() == 0
+    if is_writer and clipped_warmup_warning(config):
+        print(f"warning: {clipped_warmup_warning(config)}", file=sys.stderr)
     if config.checkpoint_activations:
         deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
     weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.01)
@@ -228,19 +199,19 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
 
     iteration, consumed = 0, 0
     if config.load:
-        load_dir, tag = checkpoint_to_load(config.load, ps)
-        _, client = engine.load_checkpoint(str(load_dir), tag=tag)
-        if client is None:
-            raise FileNotFoundError(f"the checkpoint under {config.load} could not be loaded; check its "
-                                    "'latest' tag file and its mp_rank_XX_model_states.pt files.")
+        client = load_checkpoint(engine, config.load, ps, model.hf_config_dict())
         iteration, consumed = client["iteration"], client["consumed_samples"]
         set_rng_state(client["rng"])
         if "resharded_from" in client:
             reseed_tp_rng(client.get("seed", config.seed), iteration, ps)
+        change = schedule_change_warning(client.get("lr_schedule"), lr_schedule(ds_config), iteration)
+        if is_writer and "lr_schedule" in client and change:
+            print(f"warning: {change}", file=sys.stderr)
 
     data = PretrainingData(config, model_config, ps, micro, global_batch)
     run_dir = Path(config.save) if config.save else None
-    is_writer = dist.get_rank() == 0
+    if run_dir is not None:  # every rank writes checkpoint files there: prove it can, before training
+        raise_on_any_rank(lambda: check_writable_directory(run_dir, "--save"))
     logger = MetricsLogger(run_dir, is_writer and run_dir is not None, config.wandb_project,
                            wandb_config={"zoo": {k: v for k, v in vars(config).items() if k != "ds_config"},
                                          "deepspeed": ds_config},
@@ -257,8 +228,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     while iteration < config.train_iters:
         start = time.perf_counter()
         step_sums: dict[str, torch.Tensor] = {}
-        for micro_step in range(gas):
-            batch = data.micro_batch_at(data.train, consumed + micro_step * micro * ps.dp_size)
+        for micro_step, batch in enumerate(data.micro_batches(data.train, consumed, gas)):
             output = engine(**model_forward_kwargs(batch, engine.device))
             engine.backward(output.loss)
             if micro_step == gas - 1 and not config_uses_mixed_precision(ds_config):
@@ -313,7 +283,8 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
                             {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
                              "zoo_model": config.model, "model_config": model.hf_config_dict(),
                              "tensor_parallel_size": ps.tp_size,
-                             "seed": config.seed, "split": config.split, "seq_length": config.seq_length})
+                             "seed": config.seed, "split": config.split, "seq_length": config.seq_length,
+                             "lr_schedule": lr_schedule(ds_config)})
     progress.close()
     if logger.is_writer:
         plot_loss(run_dir)
@@ -333,6 +304,21 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
               f"checkpoints in {run_dir / CHECKPOINT_SUBDIR}")
     logger.close()
     return {**last, "val_loss": val_loss}
+
+
+def load_checkpoint(engine, load: str, ps, model_config: dict[str, Any]) -> dict[str, Any]:
+    """Resume ``engine`` from ``--load``: the checkpoint is located and checked on every rank (readable,
+    same model), then loaded; the client state is returned. A failure on any rank is raised on all."""
+    load_dir, tag = checkpoint_to_load(load, ps, model_config)
+
+    def load_here() -> dict[str, Any]:
+        _, client = engine.load_checkpoint(str(load_dir), tag=tag)
+        if client is None:
+            raise FileNotFoundError(f"the checkpoint under {load} could not be loaded; check its 'latest' tag "
+                                    "file and its mp_rank_XX_model_states.pt files.")
+        return client
+
+    return raise_on_any_rank(load_here)
 
 
 def config_uses_mixed_precision(ds_config: dict[str, Any]) -> bool:
@@ -355,11 +341,7 @@ def save_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, A
     engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
     dist.barrier()
     if dist.get_rank() == 0:
-        tmp = directory / ".latest.tmp"
-        tmp.write_text(tag)
-        with tmp.open() as handle:
-            os.fsync(handle.fileno())
-        os.replace(tmp, directory / "latest")
+        write_text_atomic(directory / "latest", tag, fsync=True)
     dist.barrier()
 
 
@@ -371,9 +353,7 @@ def _truncate_metrics_after(path: Path, iteration: int) -> None:
         return
     kept = [line for line in path.read_text().splitlines()
             if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text("".join(line + "\n" for line in kept))
-    os.replace(tmp, path)
+    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def main(argv=None) -> None:

@@ -21,6 +21,8 @@ import argparse
 import copy
 import json
 import os
+import types
+import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -107,7 +109,11 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     """ds_config file (``--deepspeed_config``) + its zoo block, then CLI flags on top; validated."""
     path = getattr(args, "deepspeed_config", None)
     ds_config = read_ds_config(path)
-    block = dict(ds_config.get("zoo", {}))
+    block = ds_config.get("zoo", {})
+    if not isinstance(block, dict):
+        raise ValueError(f"the zoo block of {path} is {block!r}, not a JSON object; write it as "
+                         "\"zoo\": {\"tensor_parallel_size\": 1, \"model\": \"gpt2-tiny\", ...}.")
+    block = dict(block)
     known = {f.name for f in fields(RunConfig)} - {"ds_config", "ds_config_path"}
     unknown = sorted(set(block) - known)
     if unknown:
@@ -122,6 +128,7 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
 
 def validate_static(config: RunConfig) -> RunConfig:
     """Checks that need no process group."""
+    check_field_types(config)
     family_config = model_config(config.model)  # raises on an unknown preset
     allowed = {f.name for f in fields(family_config)} - {"extra"}
     bad = sorted(set(config.model_overrides) - allowed)
@@ -131,6 +138,10 @@ def validate_static(config: RunConfig) -> RunConfig:
     for name in ("train_iters", "seq_length", "tensor_parallel_size", "log_interval", "eval_iters"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} = {getattr(config, name)} must be at least 1; fix the zoo block or the flag.")
+    for name in ("eval_interval", "save_interval"):
+        if getattr(config, name) < 0:
+            raise ValueError(f"{name} = {getattr(config, name)} must be 0 (never) or positive; fix the zoo block "
+                             "or the flag.")
     if config.pretrained is not None and not Path(config.pretrained).is_dir():
         raise FileNotFoundError(f"--pretrained directory {config.pretrained} does not exist; pass a directory written "
                                 "by save_pretrained or launch/export.py.")
@@ -139,6 +150,55 @@ def validate_static(config: RunConfig) -> RunConfig:
             raise ValueError(f"DeepSpeed config {config.ds_config_path} lacks {key!r}; zoo fixes the global "
                              "batch in the config, add both train_batch_size and train_micro_batch_size_per_gpu.")
     return config
+
+
+TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object"}
+TYPE_EXAMPLES = {int: "6", str: '"text"', bool: "true", dict: "{}"}
+
+
+def check_field_types(config: RunConfig) -> None:
+    """Every zoo setting has its field's type (CLI flags are typed by argparse, so a wrong type comes
+    from the zoo block of the ds_config): one sentence naming the key, its value and the expected type."""
+    hints = typing.get_type_hints(RunConfig)
+    for f in fields(RunConfig):
+        if f.name in ("ds_config", "ds_config_path"):
+            continue
+        value = getattr(config, f.name)
+        allowed = _allowed_types(hints[f.name])
+        if _has_type(value, allowed):
+            continue
+        kind = allowed[0]
+        nullable = " or null" if type(None) in allowed else ""
+        raise ValueError(f"zoo setting {f.name!r} in {config.ds_config_path} is {_shown(value)} "
+                         f"({_json_kind(value)}) but must be {TYPE_NAMES[kind]}{nullable}; write it as e.g. "
+                         f"\"{f.name}\": {TYPE_EXAMPLES[kind]}.")
+
+
+def _allowed_types(hint) -> tuple[type, ...]:
+    """``int`` -> (int,); ``str | None`` -> (str, NoneType); ``dict[str, Any]`` -> (dict,)."""
+    if typing.get_origin(hint) in (typing.Union, types.UnionType):
+        return tuple(t for arg in typing.get_args(hint) for t in _allowed_types(arg))
+    return (typing.get_origin(hint) or hint,)
+
+
+def _has_type(value, allowed: tuple[type, ...]) -> bool:
+    if isinstance(value, bool):   # bool is an int subclass: true is not an iteration count
+        return bool in allowed
+    return isinstance(value, allowed)
+
+
+def _shown(value) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _json_kind(value) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
+            dict: "a JSON object"}.get(type(value), type(value).__name__)
 
 
 def validate_for_world(config: RunConfig, world_size: int) -> int:
@@ -162,14 +222,64 @@ def validate_for_world(config: RunConfig, world_size: int) -> int:
     return gas
 
 
+SCHEDULES_OVER_TRAIN_ITERS = ("WarmupCosineLR", "WarmupDecayLR")
+
+
 def deepspeed_dict(config: RunConfig, gas: int) -> dict[str, Any]:
-    """The dict handed to deepspeed.initialize: the file's config, schedule length tied to train_iters."""
+    """The dict handed to deepspeed.initialize: the file's config, schedule length tied to train_iters
+    (a warm-up longer than the run is cut to it; :func:`clipped_warmup_warning` says so)."""
     ds = copy.deepcopy(config.ds_config)
     ds.pop("zoo", None)
     ds["gradient_accumulation_steps"] = gas
     scheduler = ds.get("scheduler")
-    if scheduler and scheduler.get("type") in ("WarmupCosineLR", "WarmupDecayLR"):
+    if scheduler and scheduler.get("type") in SCHEDULES_OVER_TRAIN_ITERS:
         params = scheduler.setdefault("params", {})
         params["total_num_steps"] = config.train_iters
         params["warmup_num_steps"] = max(1, min(params.get("warmup_num_steps", 1), config.train_iters))
     return ds
+
+
+def clipped_warmup_warning(config: RunConfig) -> str | None:
+    """The warning to print (one sentence) when the ds_config's warm-up is longer than the run and is cut to it."""
+    scheduler = config.ds_config.get("scheduler") or {}
+    warmup = (scheduler.get("params") or {}).get("warmup_num_steps", 1)
+    if scheduler.get("type") not in SCHEDULES_OVER_TRAIN_ITERS or warmup <= config.train_iters:
+        return None
+    return (f"the {scheduler['type']} warm-up of {warmup} steps in {config.ds_config_path} is longer than "
+            f"train_iters {config.train_iters}, so it is cut to {config.train_iters} steps and the learning rate "
+            f"never decays; pass --train-iters above {warmup} or lower warmup_num_steps.")
+
+
+def lr_schedule(ds: dict[str, Any]) -> dict[str, Any] | None:
+    """The LR schedule of a :func:`deepspeed_dict` result, as recorded in checkpoints: type and params."""
+    scheduler = ds.get("scheduler")
+    if not scheduler:
+        return None
+    return {"type": scheduler.get("type"), **dict(scheduler.get("params") or {})}
+
+
+def schedule_change_warning(old: dict[str, Any] | None, new: dict[str, Any] | None, iteration: int) -> str | None:
+    """The warning to print (one sentence) when a resumed run's LR schedule differs from the checkpoint's.
+
+    Megatron's rule stays: this run's flags govern and the step count continues, so from ``iteration``
+    on the learning rate follows the new schedule; the warning names both.
+    """
+    if old == new:
+        return None
+    return (f"the checkpoint at iteration {iteration} was trained with the LR schedule "
+            f"{describe_schedule(old, new)} and this run continues with {describe_schedule(new, old)}, so the "
+            f"learning rate follows the new schedule from iteration {iteration}; resume with the old --train-iters "
+            "and scheduler settings to keep the old one.")
+
+
+def describe_schedule(schedule: dict[str, Any] | None, other: dict[str, Any] | None) -> str:
+    """``WarmupCosineLR(total_num_steps=3, warmup_num_steps=3)``: the type and the params that differ
+    from ``other`` (all of them when the types differ)."""
+    if schedule is None:
+        return "none (a constant learning rate)"
+    other = other or {}
+    same_type = other.get("type") == schedule.get("type")
+    shown = {k: v for k, v in schedule.items() if k != "type" and not (same_type and other.get(k) == v)}
+    if same_type:
+        shown.update({k: None for k in other if k not in schedule})
+    return f"{schedule.get('type')}(" + ", ".join(f"{k}={v}" for k, v in sorted(shown.items())) + ")"
