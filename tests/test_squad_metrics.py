@@ -61,10 +61,7 @@ def test_v1_scores_take_the_max_over_gold_answers():
     scores = squad_scores(FIXTURES / "squad1" / "dev-v1.1.json", predictions)
     # d1 vs "first new moon of spring": P = 1, R = 3/5 -> 0.75 (the 6-token gold gives 2/3)
     # d2: exact; d3 vs "old granary": P = 1, R = 1/2 -> 2/3
-    assert scores == pytest.approx({
-        "exact": 100 / 3, "f1": 100 * (0.75 + 1 + 2 / 3) / 3, "total": 3,
-        "HasAns_exact": 100 / 3, "HasAns_f1": 100 * (0.75 + 1 + 2 / 3) / 3, "HasAns_total": 3,
-    })
+    assert scores == pytest.approx({"exact_match": 100 / 3, "f1": 100 * (0.75 + 1 + 2 / 3) / 3})
 
 
 def test_v2_scores_with_no_answer_probabilities():
@@ -77,14 +74,16 @@ def test_v2_scores_with_no_answer_probabilities():
     assert thresholded["NoAns_exact"] == 100.0
 
 
-def test_missing_predictions_score_zero_with_one_warning():
-    examples = [SquadExample("a", "q", "c moon", (("moon", 2),)), SquadExample("b", "q", "c", (), True)]
-    expected = r"1 question\(s\) lacked an input \(1 without a prediction, scored 0\).*first is id 'b'"
+def test_v1_missing_predictions_score_zero_with_one_warning():
+    examples = [SquadExample("a", "q", "c moon", (("moon", 2),)), SquadExample("b", "q", "c sun", (("sun", 2),))]
+    expected = r"1 question\(s\) had no prediction \(1 scored 0, as the official v1.1 script does\).*first is id 'b'"
     with pytest.warns(MalformedExampleWarning, match=expected):
         scores = squad_scores(examples, {"a": "moon"})
-    assert scores["exact"] == 50.0 and scores["NoAns_exact"] == 0.0
-    with pytest.raises(ValueError, match="predictions must be a JSON object mapping question id to answer text"):
-        squad_scores(examples, {"a": 3})
+    assert scores == {"exact_match": 50.0, "f1": 50.0}  # b counts in the total, with 0
+    with pytest.raises(ValueError, match="the prediction of question 'a' is 3, not a string"):
+        squad_scores(examples, {"a": 3, "b": "sun"})
+    with pytest.raises(ValueError, match="predictions must be a JSON object"):
+        squad_scores(examples, ["moon"])
 
 
 def test_best_threshold_counts_any_non_empty_no_answer_prediction_as_wrong():
@@ -140,4 +139,12 @@ def test_squad_eval_cli_user_errors_exit_2(tmp_path, capsys):
     assert "no-data.json' does not exist" in capsys.readouterr().err
     out = tmp_path / "scores.json"
     assert cli.main([dataset, str(tmp_path / "ok.json"), "--out-file", str(out)]) == 0
-    assert json.loads(out.read_text())["exact"] == 50.0 and "best_f1" not in json.loads(capsys.readouterr().out)
+    written = json.loads(out.read_text())
+    assert written["exact"] == 50.0 and "best_f1" not in written
+    assert capsys.readouterr().out == ""  # the official v2.0 script writes the file instead of printing
+    assert cli.main([dataset, str(tmp_path / "ok.json"), "--out-file", str(tmp_path / "absent" / "s.json")]) == 2
+    assert "is not an existing directory" in capsys.readouterr().err
+    assert cli.main([dataset, str(tmp_path / "ok.json"), "--out-file", str(tmp_path)]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert cli.main([dataset, str(tmp_path / "ok.json"), "--version", "1.1", "--na-prob-file", str(out)]) == 2
+    assert "no-answer probabilities are a SQuAD v2.0 input" in capsys.readouterr().err
