@@ -158,7 +158,7 @@ def test_every_task_reads_the_hub_repository_as_its_original_layout(hub_root):
 
 def test_hub_errors_are_one_sentence(hub_root, tmp_path, capsys, monkeypatch):
     """Offline and not cached: one sentence naming the dataset and how to fetch it, exit 2; a
-    configuration the dataset lacks names the dataset."""
+    configuration the dataset lacks, or none where it has several, names the dataset."""
     import datasets
     import huggingface_hub
 
@@ -183,3 +183,6 @@ def test_hub_errors_are_one_sentence(hub_root, tmp_path, capsys, monkeypatch):
     assert not (tmp_path / "run").exists()
     with pytest.raises(ValueError, match=f"hub dataset {hub_root}/race has no configuration 'mnli'"):
         read_mnli(f"hub:{hub_root}/race/mnli")
+    with pytest.raises(ValueError, match=f"hub dataset {hub_root}/glue needs a configuration .*; pass "
+                                         f"hub:{hub_root}/glue/CONFIG"):
+        read_mnli(f"hub:{hub_root}/glue")

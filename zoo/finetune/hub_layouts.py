@@ -141,9 +141,10 @@ def load_hub_dataset(data_dir: str, task: str) -> dict[str, datasets.Dataset]:
     except ValueError as err:
         if "config" not in str(err).lower():
             raise
+        problem = f"has no configuration {config!r}" if config else "needs a configuration"
         raise ValueError(
-            f"hub dataset {name} has no configuration {config or '(default)'!r} ({str(err).splitlines()[0]}); "
-            f"pass hub:{name}/CONFIG with one of its configurations, e.g. --data-dir {TASK_EXAMPLES[task]}."
+            f"hub dataset {name} {problem} ({str(err).splitlines()[0]}); pass hub:{name}/CONFIG with one of its "
+            f"configurations, e.g. --data-dir {TASK_EXAMPLES[task]}."
         ) from None
     if not isinstance(loaded, datasets.DatasetDict):
         raise ValueError(f"hub dataset {shown} did not load as a dictionary of splits; pass a dataset with "

@@ -1,7 +1,8 @@
 """Run a W&B sweep file's grid locally and report the median over seeds (the paper's protocol).
 
-``finetune/sweeps/<task>.yaml`` is in W&B's sweep format (``program``, ``method``, ``metric``,
-``parameters``), so ``wandb sweep`` + ``wandb agent`` run it unchanged on a cluster. This module
+``finetune/sweeps/<task>-<size>.yaml`` (one per task and BERT size: the paper's Table 6 row over 5
+seeds) is in W&B's sweep format (``program``, ``method``, ``metric``, ``parameters``), so ``wandb
+sweep`` + ``wandb agent`` run it unchanged on a cluster. This module
 runs the same grid here, one subprocess per point (``python <program> --key=value ...``, or under a
 ``--launcher`` such as ``deepspeed --num_gpus 2``), each an offline W&B run grouped by the sweep's
 name, then writes ``runs.csv`` (one row per run), ``summary.csv``/``summary.md`` (one row per setting:
@@ -267,7 +268,7 @@ def main(argv=None) -> None:
     import argparse
 
     parser = argparse.ArgumentParser(prog="finetune/sweep.py", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", help="a W&B sweep YAML, e.g. finetune/sweeps/race.yaml")
+    parser.add_argument("sweep", help="a W&B sweep YAML, e.g. finetune/sweeps/race-336m.yaml")
     parser.add_argument("--count", type=int, default=None, help="run only the first N grid points")
     parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     parser.add_argument("--out", default=None, help="output directory (default runs/sweeps/<name>)")
