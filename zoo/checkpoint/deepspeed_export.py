@@ -132,7 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
                                                  "degree) to a transformers directory, in one process.")
     parser.add_argument("--load", required=True, help="run directory written with --save, or its checkpoints/")
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
-    parser.add_argument("--out", required=True, help="output directory: new, empty, or a previous export (replaced atomically)")
+    parser.add_argument("--out", required=True,
+                        help="output directory: new, empty, or a previous export (replaced atomically)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                         help="dtype of the written weights (default: the checkpoint's)")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
