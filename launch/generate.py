@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import sys
-import tempfile
 from pathlib import Path
 
 DTYPES = ("float32", "bfloat16", "float16")
@@ -61,22 +60,27 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
-def run(args: argparse.Namespace, texts: list[str]):
+def generation_config(args: argparse.Namespace):
+    """The decoding settings, validated (zoo.inference) before anything is loaded."""
+    from zoo.inference import GenerationConfig
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} must be a positive integer.")
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=args.use_cache).validate()
+
+
+def run(args: argparse.Namespace, texts: list[str], config):
     """Load, generate (collective), and return every prompt's TextCompletion on every rank."""
     import torch
     import torch.distributed as dist
 
     from zoo.data import load_gpt2_tokenizer
     from zoo.eval.runner import _join_process_group, _single_device, launched_distributed, transformers_directory
-    from zoo.inference import GenerationConfig, generate_text
+    from zoo.inference import generate_text
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState
 
-    config = GenerationConfig(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, seed=args.seed,
-                              use_cache=args.use_cache).validate()
-    if args.batch_size < 1:
-        raise ValueError(f"--batch-size {args.batch_size} must be a positive integer.")
     device = _join_process_group(args.local_rank) if launched_distributed() else _single_device()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     ps = ParallelState.initialize(args.tensor_parallel_size or world)
@@ -86,26 +90,39 @@ def run(args: argparse.Namespace, texts: list[str]):
     return generate_text(model, tokenizer, texts, config, ps, batch_size=args.batch_size)
 
 
+def check_output(output: str | None) -> None:
+    """Refuse an --output that could not be written, before any model is loaded or token generated."""
+    if output is None:
+        return
+    from zoo.atomic import check_writable_directory
+
+    path = Path(output)
+    if path.is_dir():
+        raise ValueError(f"--output {path} is a directory; pass a file path such as {path / 'completions.jsonl'}.")
+    try:
+        check_writable_directory(path.parent, "--output")
+    except ValueError:
+        raise ValueError(f"--output {path} cannot be written (its directory {path.parent} is not a writable "
+                         "directory); pass a path in a directory you can write to.") from None
+
+
 def write_jsonl_atomic(path: str | os.PathLike, rows: list[dict]) -> None:
-    """Write to a temporary file in the same directory, then rename: never a half-written file."""
+    """One JSON object per line, written atomically (zoo.atomic: never half-written, the umask's mode)."""
+    from zoo.atomic import atomic_file
+
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    handle, tmp = tempfile.mkstemp(prefix=f".{path.name}-", suffix=".tmp", dir=str(path.parent))
-    try:
-        with os.fdopen(handle, "w", encoding="utf-8") as out:
-            for row in rows:
-                out.write(json.dumps(row, ensure_ascii=False) + "\n")
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
 
 
 def main(argv: list[str] | None = None):
     args = build_parser().parse_args(argv)
     try:
         texts = read_prompts(args)  # before importing torch: a bad prompt file fails in a fraction of a second
-        results = run(args, texts)
+        config = generation_config(args)
+        check_output(args.output)
+        results = run(args, texts, config)
         import torch.distributed as dist
 
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:

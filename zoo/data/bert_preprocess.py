@@ -6,8 +6,9 @@ indexed sequence and a document is the run of its sentences: document ``d`` is s
 ``[doc_idx[d], doc_idx[d+1])``, the layout Megatron-LM's ``preprocess_data.py --split-sentences``
 writes. Sequences hold WordPiece ids without special tokens ([CLS]/[SEP] are added per sample).
 
-Input formats are those of :func:`zoo.data.preprocess.preprocess` (``.txt`` one document per
-line, ``.jsonl``/``.json`` with the text under ``json_key``, ``.parquet``; optionally compressed).
+Input formats and bad-input handling are those of :func:`zoo.data.preprocess.preprocess` (``.txt``
+one document per line, ``.jsonl``/``.json`` with the text under ``json_key``, ``.parquet``;
+optionally compressed; documents without a string text are skipped and reported in one warning).
 Sentences that tokenize to nothing are dropped, and so are documents left without a sentence.
 
 The sentence splitter (:func:`split_sentences`) is a deliberately simple rule set, no model:
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import os
 import re
-import tempfile
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
@@ -33,7 +33,8 @@ from typing import Sequence
 import numpy as np
 
 from zoo.data.indexed_dataset import IndexedDatasetBuilder
-from zoo.data.preprocess import BUNDLED_CORPUS, PreprocessSummary, cached_corpus_prefix, validated_inputs
+from zoo.data.preprocess import (BUNDLED_CORPUS, PreprocessSummary, cached_corpus_prefix, load_texts,
+                                 scratch_directory, validated_inputs)
 from zoo.data.tokenizers import load_bert_tokenizer
 
 
@@ -98,24 +99,6 @@ def _encode_sentences(batch, tokenizer, key):
     return {"input_ids": out_ids, "sentence_lengths": out_lengths}
 
 
-def _load_texts(paths, loaders, json_key, cache):
-    """The inputs as one ``datasets.Dataset`` with a single "text" column, in file order."""
-    import datasets
-
-    parts = []
-    for path, loader in zip(paths, loaders):
-        ds = datasets.load_dataset(loader, data_files=path, split="train", cache_dir=cache)
-        key = "text" if loader == "text" else json_key
-        if key not in ds.column_names:
-            raise ValueError(
-                f"input '{path}' has no field '{key}' (fields: {', '.join(ds.column_names)}); "
-                "pass --json-key with the name of the text field."
-            )
-        ds = ds.select_columns([key])
-        parts.append(ds.rename_column(key, "text") if key != "text" else ds)
-    return parts[0] if len(parts) == 1 else datasets.concatenate_datasets(parts)
-
-
 def preprocess_bert(
     inputs: Sequence[str | os.PathLike] | str | os.PathLike,
     output_prefix: str | os.PathLike,
@@ -139,15 +122,13 @@ def preprocess_bert(
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_bert_tokenizer(tokenizer)
 
-    out_dir = Path(os.fspath(output_prefix)).resolve().parent
-    out_dir.mkdir(parents=True, exist_ok=True)
     documents = sentences = tokens = 0
     with ExitStack() as stack:
+        cache = stack.enter_context(scratch_directory(output_prefix))
         if not progress and datasets.is_progress_bar_enabled():
             datasets.disable_progress_bars()
             stack.callback(datasets.enable_progress_bars)
-        cache = stack.enter_context(tempfile.TemporaryDirectory(dir=out_dir, prefix=".zoo-preprocess-"))
-        raw = _load_texts(paths, loaders, json_key, cache)
+        raw = load_texts(paths, loaders, json_key, cache)
         num_proc = min(int(workers), max(1, len(raw)))
         encoded = raw.map(
             _encode_sentences,

@@ -12,23 +12,34 @@ GPT2_EOD_TOKEN_ID = 50256  # "<|endoftext|>", appended after every document
 BERT_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "bert-base-uncased"
 
 
-def _load_fast_tokenizer(class_name: str, path, default: Path, needs: str):
+def _load_fast_tokenizer(class_name: str, path, default: Path, needs: tuple[str, ...]):
+    """``transformers.<class_name>.from_pretrained(path)``; a directory that cannot give one is refused
+    with one sentence naming it (missing, a file, without the vocabulary files, or unreadable files)."""
     import transformers
 
     directory = Path(path) if path is not None else default
+    files = " and ".join(needs)
+    fallback = f"or omit it to use the bundled {default.name} tokenizer"
     if not directory.is_dir():
-        raise FileNotFoundError(
-            f"tokenizer directory '{directory}' does not exist; pass a directory holding {needs} "
-            f"(or omit it to use the bundled {default.name} tokenizer)."
-        )
-    return getattr(transformers, class_name).from_pretrained(str(directory))
+        state = "is not a directory" if directory.exists() else "does not exist"
+        raise FileNotFoundError(f"tokenizer directory '{directory}' {state}; pass a directory holding {files} "
+                                f"(or tokenizer.json), {fallback}.")
+    if not (directory / "tokenizer.json").is_file() and not all((directory / name).is_file() for name in needs):
+        raise FileNotFoundError(f"tokenizer directory '{directory}' holds neither {files} nor tokenizer.json; "
+                                f"pass a directory that does, {fallback}.")
+    try:
+        return getattr(transformers, class_name).from_pretrained(str(directory))
+    except Exception as err:  # tokenizers raises bare Exceptions for unreadable vocabularies
+        detail = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(".")
+        raise ValueError(f"tokenizer directory '{directory}' cannot be loaded ({detail}); check that its tokenizer "
+                         f"files are intact UTF-8 text, {fallback}.") from None
 
 
 def load_gpt2_tokenizer(path: str | os.PathLike | None = None):
     """The fast GPT-2 tokenizer from ``path`` (default: the bundled ``zoo/assets/gpt2``)."""
-    return _load_fast_tokenizer("GPT2TokenizerFast", path, GPT2_TOKENIZER_DIR, "vocab.json and merges.txt")
+    return _load_fast_tokenizer("GPT2TokenizerFast", path, GPT2_TOKENIZER_DIR, ("vocab.json", "merges.txt"))
 
 
 def load_bert_tokenizer(path: str | os.PathLike | None = None):
     """The fast WordPiece tokenizer from ``path`` (default: the bundled ``zoo/assets/bert-base-uncased``)."""
-    return _load_fast_tokenizer("BertTokenizerFast", path, BERT_TOKENIZER_DIR, "vocab.txt")
+    return _load_fast_tokenizer("BertTokenizerFast", path, BERT_TOKENIZER_DIR, ("vocab.txt",))

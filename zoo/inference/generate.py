@@ -25,13 +25,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from numbers import Integral
 
 import torch
 import torch.distributed as dist
 
 from zoo.data.tokenizers import GPT2_EOD_TOKEN_ID
 from zoo.eval.collectives import dp_block, vocab_parallel_argmax
-from zoo.inference.sampling import filter_logits, sample
+from zoo.inference.sampling import check_sampling_settings, filter_logits, sample
 from zoo.parallel.state import ParallelState, tp_size_of
 
 FINISH_EOD = "eod"            # produced the end-of-document token
@@ -63,14 +64,16 @@ class GenerationConfig:
 
     def validate(self) -> "GenerationConfig":
         """Refuse impossible settings with one sentence naming the value and the fix."""
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
+        if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, Integral) \
+                or self.max_new_tokens < 1:
             raise ValueError(f"max new tokens {self.max_new_tokens!r} must be a positive integer.")
-        if self.temperature < 0:
-            raise ValueError(f"temperature {self.temperature} must be >= 0 (0 means greedy decoding).")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ValueError(f"top-k {self.top_k!r} must be an integer >= 0 (0 disables it).")
-        if not 0.0 < self.top_p <= 1.0:
-            raise ValueError(f"top-p {self.top_p} must be in (0, 1]; use 1 to disable nucleus sampling.")
+        check_sampling_settings(self.temperature, self.top_k, self.top_p, allow_zero_temperature=True)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, Integral):
+            raise ValueError(f"seed {self.seed!r} must be an integer.")
+        if self.eod_token_id is not None and (isinstance(self.eod_token_id, bool)
+                                              or not isinstance(self.eod_token_id, Integral)):
+            raise ValueError(f"eod token id {self.eod_token_id!r} must be an integer token id, or None to never "
+                             "stop early.")
         return self
 
 
@@ -142,6 +145,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], config: GenerationCo
 
     Collective over the TP group when tp > 1: every TP rank calls it with the same prompts.
     """
+    config.validate()
     n_positions, vocab_size = model.config.n_positions, model.config.vocab_size
     device = next(model.parameters()).device
     indices = list(range(len(prompts))) if indices is None else list(indices)
