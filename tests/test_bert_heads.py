@@ -3,10 +3,8 @@ BertForSequenceClassification, BertForMultipleChoice, BertForQuestionAnswering a
 (MegatronBert|Bert)For{SequenceClassification,MultipleChoice,QuestionAnswering}; heads added to a
 pretraining checkpoint start identical on every TP rank; save_pretrained at tp = 2 loads in transformers.
 
-Tolerances (dropout off; tests/checks.py says why each measure is rounding-proof): float32 outputs and
-loss max|zoo - ref| / max|ref| <= 1e-5, float32 merged gradients max|zoo - ref| <= 1e-5 x the largest
-reference gradient of their layer; float64 outputs, loss and merged gradients <= 1e-9 relative (see
-``_parity``).
+Tolerances (dropout off): float32 outputs and loss max|zoo - ref| / max|ref| <= 1e-5; float64 outputs,
+loss and merged gradients <= 1e-9 relative (see ``_parity`` for why gradients are not compared in float32).
 """
 
 from __future__ import annotations
@@ -14,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.checks import FP64_TOL, float64_grad_errors, layer_scaled_grad_errors, rel_err, tolerance_failures
+from tests.checks import FP64_TOL, float64_grad_errors, rel_err, tolerance_failures
 from tests.spawn import spawn
 from tests.test_bert import BATCH, SEQ, VOCAB, bert_batch
 
@@ -94,36 +92,29 @@ def _zoo_class(head: str):
 
 
 def _parity(ps, directory: str, layout: str, head: str) -> dict[str, float]:
-    """Outputs, loss and merged gradients in float32 and in float64. A loss read from one pooled token
-    leaves some gradients (the last layer's query, the analytically zero ones) thousands of times below
-    the rest, where float32 rounding alone reaches 1e-5 of their own size: in float32 each gradient is
-    measured against the largest gradient of its layer, and its own relative error is checked in float64."""
+    """Outputs and loss in float32 and float64; merged gradients in float64 only. A loss read from one
+    pooled token leaves some gradients (the last layer's query, the analytically zero biases) thousands of
+    times below the rest, and whole layers' gradients far below the terms they cancel from: float32
+    rounding reaches 1e-5 of a tensor's own size, and 4e-6 of the largest gradient of its layer (pre-norm
+    multiple choice, layer 1), so no float32 gradient measure keeps a safe margin. The heads use
+    F.cross_entropy in both dtypes, so the float64 run exercises the same code as a float32 one."""
     from zoo.models.hf_io import hf_state_dict
 
     batch = head_batch(head)
     ref = _hf_class(layout, head).from_pretrained(directory).eval()
     model = _zoo_class(head).from_pretrained(directory, parallel=ps).eval()
     names = ("start_logits", "end_logits") if head == "ForQuestionAnswering" else ("logits",)
-
-    def zoo_grads():  # merged over the TP ranks under transformers' names (a collective)
-        return hf_state_dict(model, model.hf_param_map(), ps, {n: p.grad for n, p in model.named_parameters()})
-
-    def ref_grads():
-        return {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-
     errors = {}
-    for tag, dtype in (("", torch.float32), ("64", torch.float64)):
-        ref.to(dtype).zero_grad(set_to_none=True)
-        model.to(dtype).zero_grad(set_to_none=True)
-        ref_out, out = ref(**batch), model(**batch)
-        errors.update({f"out{tag}:{name}": rel_err(getattr(out, name), getattr(ref_out, name)) for name in names})
-        errors[f"out{tag}:loss"] = rel_err(out.loss, ref_out.loss)
-        ref_out.loss.backward()
-        out.loss.backward()
-        grads, expected = zoo_grads(), ref_grads()
-        assert set(grads) == set(expected), sorted(set(grads) ^ set(expected))
-        errors.update(float64_grad_errors(grads, expected, ANALYTICALLY_ZERO[head]) if tag
-                      else layer_scaled_grad_errors(grads, expected))
+    for tag, dtype in (("out", torch.float32), ("out64", torch.float64)):
+        ref_out, out = ref.to(dtype)(**batch), model.to(dtype)(**batch)
+        errors.update({f"{tag}:{name}": rel_err(getattr(out, name), getattr(ref_out, name)) for name in names})
+        errors[f"{tag}:loss"] = rel_err(out.loss, ref_out.loss)
+    ref_out.loss.backward()
+    out.loss.backward()
+    ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
+    grads = hf_state_dict(model, model.hf_param_map(), ps, {n: p.grad for n, p in model.named_parameters()})
+    assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
+    errors.update(float64_grad_errors(grads, ref_grads, ANALYTICALLY_ZERO[head]))
     return errors
 
 
@@ -171,8 +162,7 @@ def test_head_equals_transformers(parity_results, tp, head):
     for rank, results in enumerate(parity_results[tp]):
         for layout in ("pre-norm", "post-norm"):
             errors = results[layout, head]
-            assert len([k for k in errors if k.startswith("grad32:")]) == len([k for k in errors
-                                                                             if k.startswith("grad64:")]) > 30
+            assert len([k for k in errors if k.startswith("grad64:")]) > 30
             failures = tolerance_failures(errors, REL_TOL, FP64_TOL)
             assert not failures, f"at tp={tp}, {layout}, rank {rank}: {failures}"
 
