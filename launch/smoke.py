@@ -1,9 +1,11 @@
-"""Smoke run: a tp=2 GPT-2 forward/backward on text from the bundled tokenizer.
+"""The acceptance run on the launched devices (see zoo.training.smoke); exits 1 if a check failed.
 
-    deepspeed --num_gpus 2 launch/smoke.py
+    deepspeed --num_gpus N launch/smoke.py [--model gpt2-1.2b] [--seq-length 1024]
 """
+
+import sys
 
 from zoo.training.smoke import main
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

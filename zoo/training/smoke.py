@@ -1,42 +1,413 @@
-"""A tp=2 forward/backward of a tiny GPT-2 on real BPE tokens, checked against transformers."""
+"""The acceptance run: on the launched devices (CUDA/NCCL on GPUs, gloo on CPU) it checks
+
+    parity     tp = N against tp = 1 built from the same seed: logits and loss, fp32, <= 1e-5 relative
+    train      a few fp16 and bf16 DeepSpeed steps on one batch (dropout on): finite losses, the loss
+               without dropout falls, fp16's dynamic loss scale is alive (fp16 and bf16 only where the
+               accelerator supports them, else "skipped")
+    bert       one BertForPreTraining step with its MLM/SOP metrics on the device batch
+    generate   greedy generation of left-padded prompts: the batch equals each prompt alone, every
+               TP rank chose the same tokens
+    checkpoint a DeepSpeed save + load in a temporary directory restores the weights exactly
+    throughput achieved TFLOPs per device of the fp16 and bf16 steps, and MFU where the device's peak
+               is known (else "n/a")
+
+Every check's verdict is agreed over all ranks (the worst wins); rank 0 prints one line per check and
+the process exits 1 if any failed. The device is DeepSpeed's accelerator's, set right after
+``init_distributed``; the models and every tensor live on it.
+
+    deepspeed --num_gpus N launch/smoke.py [--model gpt2-1.2b] [--seq-length 1024]
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
+import os
+import shutil
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
+
+REL_TOL = 1e-5
+PARITY_TEXT = "Megatron-LM splits every transformer layer across GPUs with two all-reduces forward."
+PROMPTS = ("The tensor-parallel transformer", "Attention heads are split", "A")
+# Dense fp16/bf16 tensor-core peaks (TFLOP/s) by device-name fragment, most specific first.
+PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0),
+               ("V100", 125.0))
 
 
-def main(argv=None) -> None:
+@dataclass
+class Smoke:
+    """What every check needs: the parsed flags, the parallel state and the device."""
+
+    args: argparse.Namespace
+    parallel: object
+    device: torch.device
+    is_writer: bool
+    started: float = field(default_factory=time.perf_counter)
+
+    def say(self, line: str) -> None:
+        if self.is_writer:
+            print(f"[{time.perf_counter() - self.started:6.1f}s] {line}", flush=True)
+
+    def agreed(self, ok: bool) -> bool:
+        """True only if the check passed on every rank."""
+        flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+        return bool(flag.item())
+
+    def check(self, name: str, ok: bool, detail: str) -> bool:
+        ok = self.agreed(ok)
+        self.say(f"{'PASS' if ok else 'FAIL'} {name}: {detail}")
+        return ok
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description="zoo's acceptance run on the launched devices.")
+    parser.add_argument("--model", default="gpt2-tiny", help="GPT-2 preset (default gpt2-tiny)")
+    parser.add_argument("--bert-model", default="bert-tiny", help="BERT preset of the BERT step (default bert-tiny)")
+    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: every launched rank")
+    parser.add_argument("--seq-length", type=int, default=32)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10, help="training steps per precision")
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
+    return parser.parse_args(argv)
+
+
+def validate(args: argparse.Namespace) -> None:
+    """The same ValueError on every rank, before any collective."""
+    from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS
+
+    if args.model not in GPT2_PRESETS:
+        raise ValueError(f"--model {args.model!r} is not a GPT-2 preset; choose one of {sorted(GPT2_PRESETS)}.")
+    if args.bert_model not in BERT_PRESETS:
+        raise ValueError(f"--bert-model {args.bert_model!r} is not a BERT preset; choose one of "
+                         f"{sorted(BERT_PRESETS)}.")
+    if args.steps < 2:
+        raise ValueError(f"--steps {args.steps} leaves no loss to compare; pass --steps 2 or more.")
+    n_positions = GPT2_PRESETS[args.model].get("n_positions", 1024)
+    if not 1 <= args.seq_length <= n_positions:
+        raise ValueError(f"--seq-length {args.seq_length} does not fit {args.model}'s {n_positions} positions; pass "
+                         f"a length from 1 to {n_positions}.")
+    if args.micro_batch_size < 1:
+        raise ValueError(f"--micro-batch-size {args.micro_batch_size} must be a positive integer.")
+
+
+def setup(args: argparse.Namespace) -> Smoke:
+    """init_distributed, then the accelerator's device for this local rank, then the TP x DP grid."""
     import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from zoo.parallel import ParallelState
+    from zoo.training.pretrain import share_cpu_threads
+
+    deepspeed.init_distributed()
+    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
+    accelerator = get_accelerator()
+    accelerator.set_device(local_rank)
+    device = torch.device(accelerator.device_name(local_rank))
+    share_cpu_threads()
+    ps = ParallelState.initialize(args.tensor_parallel_size or dist.get_world_size())
+    return Smoke(args, ps, device, is_writer=dist.get_rank() == 0)
+
+
+def seed_everything(seed: int, parallel) -> None:
+    from zoo.parallel import model_parallel_seed
+
+    model_parallel_seed(seed, parallel)
+
+
+def build(smoke: Smoke, cls, config, parallel):
+    """``cls(config, parallel)`` drawn on the device from the run's seed (the same weights at every tp)."""
+    seed_everything(smoke.args.seed, smoke.parallel)
+    with torch.device(smoke.device):
+        return cls(config, parallel=parallel)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp(min=1e-30)).item()
+
+
+def gpt2_config(smoke: Smoke, **overrides):
+    from zoo.models import gpt2_config as preset_config
+
+    return preset_config(smoke.args.model, **overrides)
+
+
+def no_dropout():
+    return dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def parity_ids(smoke: Smoke) -> torch.Tensor:
     import transformers
 
-    from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.models.gpt2 import GPT2_TOKENIZER_DIR
-    from zoo.models.hf_io import hf_state_dict
-    from zoo.parallel import ParallelState, model_parallel_seed
 
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--tensor-parallel-size", type=int, default=2)
-    parser.add_argument("--local_rank", type=int, default=0)
-    args = parser.parse_args(argv)
-
-    deepspeed.init_distributed(dist_backend=None)
-    ps = ParallelState.initialize(args.tensor_parallel_size)
-    model_parallel_seed(1234, ps)
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER_DIR))
-    text = "Megatron-LM splits every transformer layer across GPUs with two all-reduces forward."
-    ids = torch.tensor([tokenizer(text)["input_ids"]])
+    return torch.tensor([tokenizer(PARITY_TEXT)["input_ids"]], device=smoke.device)   # (1, s)
 
-    config = gpt2_config("gpt2-tiny", resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = GPT2LMHeadModel(config, parallel=ps)
-    out = model(ids, labels=ids, gather_output=True)
-    out.loss.backward()
 
-    reference = transformers.GPT2LMHeadModel(transformers.GPT2Config(**config.to_hf_dict()))
-    reference.load_state_dict(hf_state_dict(model, model.hf_param_map(), ps), strict=False)
-    ref_loss = reference(ids, labels=ids).loss
-    if ps.rank == 0:
-        print(f"tokens: {ids.shape[1]}  tp={ps.tp_size} dp={ps.dp_size}  logits {tuple(out.logits.shape)}")
-        print(f"zoo loss {out.loss.item():.6f}   transformers loss {ref_loss.item():.6f}   "
-              f"|diff| {abs(out.loss.item() - ref_loss.item()):.2e}")
+def check_parity(smoke: Smoke, model, ids: torch.Tensor) -> bool:
+    """tp = N against the tp = 1 model of the same seed, both on the device, fp32, dropout off."""
+    from zoo.models import GPT2LMHeadModel
+
+    reference = build(smoke, GPT2LMHeadModel, model.config, None).eval()
+    with torch.no_grad():
+        ours = model.eval()(ids, labels=ids, gather_output=True)
+        ref = reference(ids, labels=ids, gather_output=True)
+    logits_err, loss_err = rel_err(ours.logits, ref.logits), rel_err(ours.loss, ref.loss)
+    del reference
+    ok = max(logits_err, loss_err) <= REL_TOL
+    return smoke.check("parity", ok, f"tp={smoke.parallel.tp_size} vs tp=1 on {smoke.device.type}, "
+                                     f"{ids.shape[1]} tokens: logits rel err {logits_err:.1e}, loss "
+                                     f"{ours.loss.item():.6f} vs {ref.loss.item():.6f} (rel err {loss_err:.1e}), "
+                                     f"limit {REL_TOL:.0e}")
+
+
+def ds_config(smoke: Smoke, precision: str) -> dict:
+    config = {"train_micro_batch_size_per_gpu": smoke.args.micro_batch_size,
+              "train_batch_size": smoke.args.micro_batch_size * smoke.parallel.dp_size,
+              "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+              # The throughput timer synchronises twice per step; the steps are timed here instead.
+              "timers": {"throughput": {"enabled": False}},
+              "optimizer": {"type": "AdamW", "params": {"lr": smoke.args.lr, "weight_decay": 0.01,
+                                                        "torch_adam": True}}}
+    if precision == "fp16":
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}
+    elif precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    return config
+
+
+def engine_for(smoke: Smoke, model, precision: str):
+    import deepspeed
+
+    from zoo.training.engine import param_groups
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01),
+                                           config=ds_config(smoke, precision), mpu=smoke.parallel)
+    return engine
+
+
+def train_batch(smoke: Smoke, vocab_size: int) -> torch.Tensor:
+    """One fixed batch of token ids, the same on every rank, drawn on the host and copied over."""
+    generator = torch.Generator().manual_seed(smoke.args.seed)
+    ids = torch.randint(0, vocab_size, (smoke.args.micro_batch_size, smoke.args.seq_length), generator=generator)
+    return ids.to(smoke.device)                                                        # (b, s)
+
+
+@contextmanager
+def timed(smoke: Smoke, seconds: list[float]):
+    from deepspeed.accelerator import get_accelerator
+
+    get_accelerator().synchronize()
+    start = time.perf_counter()
+    yield
+    get_accelerator().synchronize()
+    seconds.append(time.perf_counter() - start)
+
+
+def train_step(engine, ids: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of the LM loss on ``ids``; the loss, still on the device."""
+    loss = engine(ids, labels=ids).loss
+    engine.backward(loss)
+    engine.step()
+    return loss
+
+
+def train_steps(smoke: Smoke, engine, ids: torch.Tensor) -> tuple[list[float], list[float]]:
+    """``--steps`` optimizer steps on one batch: the losses and the seconds of each step."""
+    losses, seconds = [], []
+    engine.train()
+    for _ in range(smoke.args.steps):
+        with timed(smoke, seconds):
+            loss = train_step(engine, ids)
+        losses.append(loss.item())
+    return losses, seconds
+
+
+def eval_loss(engine, ids: torch.Tensor) -> float:
+    """The LM loss on ``ids`` with dropout off (training draws dropout, so its losses are noisy)."""
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(ids, labels=ids).loss.item()
+    engine.train()
+    return loss
+
+
+def dynamic_loss_scaling(optimizer) -> bool:
+    holder = getattr(optimizer, "loss_scale_config", optimizer)
+    return bool(getattr(holder, "dynamic_loss_scale", False))
+
+
+def check_training(smoke: Smoke, precision: str, ids: torch.Tensor):
+    """(passed, engine, seconds per step), or None when the accelerator lacks the precision."""
+    from deepspeed.accelerator import get_accelerator
+
+    from zoo.models import GPT2LMHeadModel
+    from zoo.training.grad_norm import current_loss_scale
+
+    supported = get_accelerator().is_fp16_supported() if precision == "fp16" else get_accelerator().is_bf16_supported()
+    if not supported:
+        smoke.say(f"skipped: {precision} not supported on {smoke.device.type}")
+        return None
+    engine = engine_for(smoke, build(smoke, GPT2LMHeadModel, gpt2_config(smoke), smoke.parallel), precision)
+    before = eval_loss(engine, ids)
+    losses, seconds = train_steps(smoke, engine, ids)
+    after = eval_loss(engine, ids)
+    ok = all(math.isfinite(x) for x in (before, *losses, after)) and after < before
+    detail = (f"{len(losses)} steps with dropout, training loss {losses[0]:.4f} -> {losses[-1]:.4f}, "
+              f"loss without dropout {before:.4f} -> {after:.4f}")
+    if precision == "fp16":
+        scale, dynamic = current_loss_scale(engine.optimizer), dynamic_loss_scaling(engine.optimizer)
+        ok = ok and dynamic and math.isfinite(scale) and scale >= 1.0
+        detail += f", dynamic loss scale {'on' if dynamic else 'OFF'} at {scale:g}"
+    return smoke.check(f"train {precision}", ok, detail), engine, seconds
+
+
+def bert_batch(smoke: Smoke, vocab_size: int) -> dict[str, torch.Tensor]:
+    """A host batch shaped like BertDataset's: the last quarter of each sequence is padding, 15% of
+    the real tokens are MLM targets."""
+    generator = torch.Generator().manual_seed(smoke.args.seed)
+    b, s = smoke.args.micro_batch_size, smoke.args.seq_length
+    real = torch.arange(s) < s - s // 4                                                 # (s,)
+    ids = torch.randint(0, vocab_size, (b, s), generator=generator)
+    targets = (torch.rand(b, s, generator=generator) < 0.15) & real
+    return {"input_ids": ids, "token_type_ids": (torch.arange(s) >= s // 2).long().expand(b, s),
+            "attention_mask": real.long().expand(b, s), "labels": ids.masked_fill(~targets, -100),
+            "next_sentence_label": torch.randint(0, 2, (b,), generator=generator)}
+
+
+def check_bert(smoke: Smoke) -> bool:
+    """One BertForPreTraining step; the metrics read the device copy of the batch, as the model does."""
+    from zoo.models import BertForPreTraining, bert_config
+    from zoo.training.families import extra_metrics, model_forward_kwargs
+
+    config = bert_config(smoke.args.bert_model, max_position_embeddings=max(512, smoke.args.seq_length))
+    engine = engine_for(smoke, build(smoke, BertForPreTraining, config, smoke.parallel), "fp32")
+    batch = model_forward_kwargs(bert_batch(smoke, config.vocab_size), smoke.device)
+    output = engine(**batch)
+    metrics = {name: value.item() for name, value in extra_metrics(output, batch).items()}
+    engine.backward(output.loss)
+    engine.step()
+    values = [output.loss.item(), *metrics.values()]
+    ok = all(math.isfinite(x) for x in values) and set(metrics) == {"mlm_loss", "sop_loss", "sop_acc"}
+    shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
+    return smoke.check("bert", ok, f"{smoke.args.bert_model} step at tp={smoke.parallel.tp_size}: loss "
+                                   f"{output.loss.item():.4f}, {shown}")
+
+
+def check_generation(smoke: Smoke, model) -> bool:
+    """Left-padded batch vs each prompt alone (greedy): the same tokens; no TP rank disagreed."""
+    import transformers
+
+    from zoo.inference import GenerationConfig, generate
+    from zoo.models.gpt2 import GPT2_TOKENIZER_DIR
+
+    tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER_DIR))
+    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    config = GenerationConfig(max_new_tokens=8, greedy=True, eod_token_id=None)
+    batched = generate(model, prompts, config, smoke.parallel, batch_size=len(prompts))
+    alone = generate(model, prompts, config, smoke.parallel, batch_size=1)
+    same = [a.tokens == b.tokens for a, b in zip(batched, alone)]
+    disagreements = sum(c.rank_disagreements for c in batched + alone)
+    ok = all(same) and disagreements == 0
+    lengths = sorted({len(p) for p in prompts})
+    return smoke.check("generate", ok, f"{len(prompts)} prompts of {lengths} tokens, left-padded batch equals "
+                                       f"each alone: {same}; TP rank disagreements {disagreements}")
+
+
+def shared_temp_dir(smoke: Smoke) -> str:
+    """A directory rank 0 creates and every rank is told (one node: the launcher's own machine)."""
+    holder = [tempfile.mkdtemp(prefix="zoo-smoke-") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(holder, src=0)
+    return holder[0]
+
+
+def weights(engine) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in engine.module.named_parameters()}
+
+
+def check_checkpoint(smoke: Smoke, engine, ids: torch.Tensor) -> bool:
+    """Save, take one more step (the weights move), load: the saved weights are back, bit for bit."""
+    directory = shared_temp_dir(smoke)
+    try:
+        engine.save_checkpoint(directory, tag="smoke")
+        saved = weights(engine)
+        train_step(engine, ids)
+        moved = any(not torch.equal(saved[n], p) for n, p in engine.module.named_parameters())
+        load_path, _ = engine.load_checkpoint(directory, tag="smoke")
+        restored = all(torch.equal(saved[n], p) for n, p in engine.module.named_parameters())
+    finally:
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(directory, ignore_errors=True)
+    ok = load_path is not None and moved and restored
+    return smoke.check("checkpoint", ok, f"save + load in a temporary directory: weights moved by a step {moved}, "
+                                         f"restored exactly {restored}")
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for fragment, peak in PEAK_TFLOPS if fragment in name), None)
+
+
+def report_throughput(smoke: Smoke, precision: str, seconds: list[float], config) -> None:
+    """Model TFLOPs per device of the timed steps (the first, warm-up, step left out) and the MFU."""
+    from zoo.training.metrics import megatron_flops_per_iteration
+
+    per_step = sorted(seconds[1:])[len(seconds[1:]) // 2]                              # median
+    flops = megatron_flops_per_iteration(smoke.args.micro_batch_size * smoke.parallel.dp_size,
+                                         smoke.args.seq_length, config.n_layer, config.n_embd, config.vocab_size)
+    tflops = flops / per_step / dist.get_world_size() / 1e12
+    peak = peak_tflops(smoke.device)
+    mfu = f"{100 * tflops / peak:.1f}% of {peak:g}" if peak else f"n/a (no known peak for {smoke.device.type})"
+    smoke.say(f"throughput {precision}: {per_step * 1e3:.1f} ms/step, {tflops:.3g} TFLOPs per device, MFU {mfu}")
+
+
+def run(smoke: Smoke) -> bool:
+    from zoo.models import GPT2LMHeadModel
+
+    config = gpt2_config(smoke, **no_dropout())
+    model = build(smoke, GPT2LMHeadModel, config, smoke.parallel)
+    results = [check_parity(smoke, model, parity_ids(smoke)), check_generation(smoke, model)]
+    del model
+    ids = train_batch(smoke, config.vocab_size)
+    for precision in ("fp16", "bf16"):
+        outcome = check_training(smoke, precision, ids)
+        if outcome is None:
+            continue
+        passed, engine, seconds = outcome
+        del outcome                                        # one engine on the device at a time
+        results.append(passed)
+        report_throughput(smoke, precision, seconds, config)
+        if precision == "bf16":
+            results.append(check_checkpoint(smoke, engine, ids))
+        del engine
+    results.append(check_bert(smoke))
+    return all(results)
+
+
+def main(argv=None) -> int:
+    """Exit status: 0 when every check passed on every rank, 1 otherwise, 2 for a bad flag."""
+    args = parse_args(argv)
+    try:
+        validate(args)
+        smoke = setup(args)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    smoke.say(f"smoke: {dist.get_world_size()} ranks on {smoke.device}, tp={smoke.parallel.tp_size} "
+              f"dp={smoke.parallel.dp_size}, {smoke.args.model} + {smoke.args.bert_model}")
+    ok = run(smoke)
+    smoke.say("smoke: all checks passed" if ok else "smoke: FAILED")
+    return 0 if ok else 1

@@ -1,0 +1,45 @@
+"""launch/smoke.py, the acceptance run, through the real ``deepspeed`` launcher at 2 CPU ranks (gloo):
+every check passes, fp16 is reported as skipped (DeepSpeed refuses it on this CPU), MFU is n/a, and the
+temporary checkpoint directory is gone afterwards. A failed check makes the run exit 1.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from tests.spawn import free_port, spawn
+
+REPO = Path(__file__).resolve().parent.parent
+CHECKS = ("parity", "generate", "train bf16", "checkpoint", "bert")
+
+
+def test_smoke_script_passes_every_check_through_the_deepspeed_launcher(tmp_path):
+    import subprocess
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1", TMPDIR=str(tmp_path))
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
+           "launch/smoke.py"]
+    proc = subprocess.run(cmd, env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
+    out = proc.stdout
+    assert "tp=2 dp=1" in out, out[-3000:]
+    for name in CHECKS:
+        assert f"PASS {name}:" in out, (name, out[-3000:])
+    assert "FAIL" not in out
+    assert "skipped: fp16 not supported on cpu" in out
+    assert "MFU n/a" in out
+    assert "smoke: all checks passed" in out
+    assert not list(tmp_path.glob("zoo-smoke-*")), "the temporary checkpoint directory was left behind"
+
+
+def _smoke_exit_code(rank, world_size, argv):
+    from zoo.training.smoke import main
+
+    return main(argv)
+
+
+def test_a_failed_check_exits_1():
+    """With a learning rate of 0 the loss cannot fall: the training check fails and main returns 1."""
+    assert spawn(_smoke_exit_code, 1, ["--lr", "0", "--steps", "2"]) == [1]
