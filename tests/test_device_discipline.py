@@ -1,10 +1,12 @@
 """Device discipline of the models, proven without a GPU, and the fully-masked attention rows.
 
-PyTorch refuses to mix ``meta`` and ``cpu`` tensors in one op exactly as it refuses ``cuda`` and
+PyTorch refuses to mix ``meta`` and ``cpu`` tensors in most ops exactly as it refuses ``cuda`` and
 ``cpu`` (0-dim CPU tensors excepted in both cases), so a model whose parameters and inputs sit on
 ``meta`` raises wherever a host tensor slips into device maths (``torch.arange`` without
-``device=``, a Python-side ``torch.tensor``...), which on CPU-only runs is otherwise invisible.
-Every family and task runs forward, loss and backward that way at tp = 1.
+``device=``, a Python-side ``torch.tensor``...), which on CPU-only runs is otherwise invisible. The
+meta kernels of the indexing ops (embedding, index_select, gather) skip that check, so the runs also
+go through :class:`OneDevice`, a dispatch mode that refuses any aten op mixing devices (copies
+excepted). Every family and task runs forward, loss and backward that way at tp = 1.
 
 Collectives get the analogous check at tp = 2: inside the test, the ``torch.distributed``
 collectives are replaced by stand-ins that assert every tensor handed to them is on the model's
@@ -23,6 +25,8 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from tests.spawn import spawn
 
@@ -42,6 +46,22 @@ def on_meta(*shape, high: int = VOCAB) -> torch.Tensor:
     return torch.empty(shape, dtype=torch.long, device=META).random_(0, high)
 
 
+class OneDevice(TorchDispatchMode):
+    """Refuses any aten op whose tensors sit on more than one device (0-dim CPU scalars aside, as CUDA
+    allows them); copies between devices are what ``.to`` is for and pass."""
+
+    TRANSFERS = ("aten::copy_", "aten::_to_copy")
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func.name().split(".")[0] not in self.TRANSFERS:
+            devices = {str(t.device) for t in tree_leaves((args, kwargs))
+                       if isinstance(t, torch.Tensor) and not (t.device.type == "cpu" and t.dim() == 0)}
+            if len(devices) > 1:
+                raise RuntimeError(f"{func.name()} mixes tensors on the devices {sorted(devices)}")
+        return func(*args, **kwargs)
+
+
 def build_on_meta(cls, config, parallel=None):
     with torch.device(META):
         model = cls(config, parallel) if parallel is not None else cls(config)
@@ -56,6 +76,11 @@ def test_meta_refuses_host_tensors_like_cuda():
         F.cross_entropy(logits, torch.zeros(2, dtype=torch.long))           # host labels: item 1's bug
     with pytest.raises(RuntimeError, match="device"):
         logits + torch.arange(3)                                            # arange without device=
+    F.embedding(torch.arange(2), logits)                                    # meta lets this one through
+    with OneDevice(), pytest.raises(RuntimeError, match="mixes tensors"):
+        F.embedding(torch.arange(2), logits)                                # OneDevice does not
+    with OneDevice():
+        torch.zeros(3).to(META), logits + torch.tensor(1.0)                 # copies and CPU scalars pass
 
 
 # ------------------------------------------------------------------ forward, loss, backward on meta (tp = 1)
@@ -101,6 +126,20 @@ def gpt2_cached_decoding_step():
     return step.logits.float().sum(), step.logits
 
 
+def gpt2_cached_chunk_without_mask():
+    """A 3-token chunk after the cache with no mask: the model builds the offset causal mask itself."""
+    model = _gpt2()
+    prefill = model(on_meta(1, 5), use_cache=True)
+    out = model(on_meta(1, 3), past_key_values=prefill.past_key_values, use_cache=True, labels=on_meta(1, 3))
+    return out.loss, out.logits
+
+
+def bert_encoder_defaults():
+    """No mask, token types or positions given: the encoder makes them on the input's device."""
+    out = _bert("BertModel")(on_meta(2, 8))
+    return out.pooler_output.sum(), out.last_hidden_state
+
+
 def bert_pretraining():
     ids = on_meta(2, 8)
     out = _bert("BertForPreTraining")(ids, token_type_ids=on_meta(2, 8, high=2),
@@ -129,13 +168,15 @@ def bert_question_answering():
 
 
 @pytest.mark.parametrize("case", [gpt2_lm_loss, gpt2_left_padded_forward, gpt2_cached_decoding_step,
-                                  bert_pretraining, bert_sequence_classification, bert_multiple_choice,
-                                  bert_question_answering], ids=lambda f: f.__name__)
+                                  gpt2_cached_chunk_without_mask, bert_encoder_defaults, bert_pretraining,
+                                  bert_sequence_classification, bert_multiple_choice, bert_question_answering],
+                         ids=lambda f: f.__name__)
 def test_forward_loss_backward_stay_on_the_device(case):
-    loss, logits = case()
-    assert loss.is_meta and logits.is_meta
-    if loss.requires_grad:
-        loss.backward()
+    with OneDevice():
+        loss, logits = case()
+        assert loss.is_meta and logits.is_meta
+        if loss.requires_grad:
+            loss.backward()
 
 
 # ------------------------------------------------------------------ collectives see only device tensors (tp = 2)
@@ -185,7 +226,7 @@ def _collectives_worker(rank, world_size):
 
     ps = ParallelState.initialize(world_size)
     seen = {}
-    with collectives_checked_on(META) as calls:
+    with collectives_checked_on(META) as calls, OneDevice():
         model = build_on_meta(GPT2LMHeadModel, gpt2_config("gpt2-tiny", **NO_DROPOUT_GPT2), ps)
         ids = on_meta(2, 8)
         model(ids, labels=ids, gather_output=True).loss.backward()
