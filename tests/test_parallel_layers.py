@@ -1,7 +1,12 @@
 """ColumnParallelLinear, RowParallelLinear and VocabParallelEmbedding against single-process references
-(F.linear / F.embedding) on the same master weights, at tp = 1, 2 and 4, fp32.
+(F.linear / F.embedding) on the same master weights, at tp = 1, 2 and 4, in float32 and float64.
 
-Tolerance: outputs, input grads and merged weight/bias grads agree to max|zoo - ref| / max|ref| <= 1e-6.
+Tolerances for outputs, input grads and merged weight/bias grads:
+- float32: max|zoo - ref| <= 1e-6 x max(|A| |B|), the same computation on the absolute values of its
+  operands. Every checked quantity is a sum of products, and the rounding of a sum (in any order, over
+  any split across ranks) is bounded by its terms' magnitudes, not by its own value, which cancellation
+  can make small (a hidden-state grad summed over 300 vocabulary rows reached 5.7e-7 of its own size);
+- float64: max|zoo - ref| / max|ref| <= 1e-9.
 TP-invariant init and the partitioning helpers are exact (torch.equal).
 
 The master weights are drawn in the test and each rank's shard is cut by an independent implementation
@@ -16,7 +21,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.checks import assert_named_checks
+from tests.checks import FP64_TOL, assert_named_checks, rel_err
 from tests.spawn import spawn
 
 REL_TOL = 1e-6
@@ -29,37 +34,64 @@ VOCAB, PAD_MULTIPLE, DIM = 300, 16, 8
 IDS = torch.tensor([[0, 79, 80, 159, 160, 239], [240, 299, 5, 150, 298, 1], [77, 81, 0, 299, 200, 120]])
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
-
-
 def _shard(master: torch.Tensor, dim: int, rank: int, tp: int, stride: int = 1) -> torch.Tensor:
     """The contract's partition, written independently of zoo: split ``dim`` into ``stride`` blocks and
     give every rank the rank-th tp-th of each block."""
     return torch.cat([block.chunk(tp, dim)[rank] for block in master.chunk(stride, dim)], dim)
 
 
-def _randn(gen: torch.Generator, *shape: int) -> torch.Tensor:
-    return torch.randn(*shape, generator=gen)
+def _randn(gen: torch.Generator, dtype: torch.dtype, *shape: int) -> torch.Tensor:
+    """The same values in every dtype: drawn in float32, then cast."""
+    return torch.randn(*shape, generator=gen).to(dtype)
 
 
-def _layer_checks(ps) -> dict:
-    """Every layer check at this rank's tp degree; ``ps`` None means tp = 1 in this process.
-    Returns {name: relative error} for tolerance checks and {name: bool} for exact ones."""
+def _linear_reference(W, b, X, G) -> tuple[torch.Tensor, ...]:
+    """y = X W^T + b, and the grads of X, W, b for upstream G. Called on |W|, |b|, |X|, |G| it gives the
+    magnitudes that bound each quantity's rounding."""
+    W, X = W.clone().requires_grad_(), X.clone().requires_grad_()
+    b = None if b is None else b.clone().requires_grad_()
+    y = F.linear(X, W, b)
+    (y * G).sum().backward()
+    return y.detach(), X.grad, W.grad, None if b is None else b.grad
+
+
+def _embedding_reference(E_pad, G) -> tuple[torch.Tensor, torch.Tensor]:
+    """y = E[IDS] (real rows only), and the grad of the padded table for upstream G."""
+    E_pad = E_pad.clone().requires_grad_()
+    y = F.embedding(IDS, E_pad[:VOCAB])
+    (y * G).sum().backward()
+    return y.detach(), E_pad.grad
+
+
+def _error_measure(dtype: torch.dtype):
+    """error(actual, expected, magnitude): see the module docstring."""
+    if dtype == torch.float64:
+        return lambda actual, expected, magnitude: rel_err(actual, expected)
+    return lambda actual, expected, magnitude: ((actual - expected).abs().max() / magnitude.abs().max()).item()
+
+
+def _all_shards(ps, tensor):
     import torch.distributed as dist
 
+    if ps is None:
+        return [tensor]
+    pieces = [torch.empty_like(tensor) for _ in range(ps.tp_size)]
+    dist.all_gather(pieces, tensor.contiguous(), group=ps.tp_group)
+    return pieces
+
+
+def _layer_checks(ps, dtype: torch.dtype = torch.float32) -> dict:
+    """Every layer check at this rank's tp degree in ``dtype``; ``ps`` None means tp = 1 in this process.
+    Returns {name: error} for tolerance checks and {name: bool} for exact ones."""
     from zoo.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from zoo.parallel.utils import merge_shards
 
     tp = 1 if ps is None else ps.tp_size
     r = 0 if ps is None else ps.tp_rank
+    error = _error_measure(dtype)
 
     def all_shards(tensor):
-        if ps is None:
-            return [tensor]
-        pieces = [torch.empty_like(tensor) for _ in range(tp)]
-        dist.all_gather(pieces, tensor.contiguous(), group=ps.tp_group)
-        return pieces
+        return _all_shards(ps, tensor)
 
     out: dict = {}
     gen = torch.Generator().manual_seed(1)
@@ -67,12 +99,12 @@ def _layer_checks(ps) -> dict:
     # ------------------------------------------------------------ ColumnParallelLinear
     for gather, stride in ((False, 1), (True, 1), (False, 3)):
         tag = f"column[gather={gather},stride={stride}]"
-        W, b, X, G = _randn(gen, OUT, IN), _randn(gen, OUT), _randn(gen, *LEAD, IN), _randn(gen, *LEAD, OUT)
-        W_ref, b_ref, X_ref = (t.clone().requires_grad_() for t in (W, b, X))
-        y_ref = F.linear(X_ref, W_ref, b_ref)
-        (y_ref * G).sum().backward()
+        W, b, X, G = (_randn(gen, dtype, OUT, IN), _randn(gen, dtype, OUT), _randn(gen, dtype, *LEAD, IN),
+                      _randn(gen, dtype, *LEAD, OUT))
+        y_ref, x_grad, w_grad, b_grad = _linear_reference(W, b, X, G)
+        y_mag, x_mag, w_mag, b_mag = _linear_reference(W.abs(), b.abs(), X.abs(), G.abs())
 
-        layer = ColumnParallelLinear(IN, OUT, bias=True, gather_output=gather, parallel=ps, stride=stride)
+        layer = ColumnParallelLinear(IN, OUT, bias=True, gather_output=gather, parallel=ps, stride=stride).to(dtype)
         with torch.no_grad():
             layer.weight.copy_(_shard(W, 0, r, tp, stride))
             layer.bias.copy_(_shard(b, 0, r, tp, stride))
@@ -83,11 +115,11 @@ def _layer_checks(ps) -> dict:
         else:
             expected_y, upstream = _shard(y_ref, -1, r, tp, stride), _shard(G, -1, r, tp, stride)
         out[f"{tag} output shape"] = tuple(y.shape) == tuple(expected_y.shape)
-        out[f"{tag} output"] = rel_err(y, expected_y)
+        out[f"{tag} output"] = error(y, expected_y, y_mag)
         (y * upstream).sum().backward()
-        out[f"{tag} input grad"] = rel_err(x.grad, X_ref.grad)   # f all-reduces it: full on every rank
-        out[f"{tag} weight grad"] = rel_err(merge_shards(all_shards(layer.weight.grad), 0, stride), W_ref.grad)
-        out[f"{tag} bias grad"] = rel_err(merge_shards(all_shards(layer.bias.grad), 0, stride), b_ref.grad)
+        out[f"{tag} input grad"] = error(x.grad, x_grad, x_mag)   # f all-reduces it: full on every rank
+        out[f"{tag} weight grad"] = error(merge_shards(all_shards(layer.weight.grad), 0, stride), w_grad, w_mag)
+        out[f"{tag} bias grad"] = error(merge_shards(all_shards(layer.bias.grad), 0, stride), b_grad, b_mag)
         out[f"{tag} weight tags"] = (layer.weight.tensor_model_parallel is True and layer.weight.partition_dim == 0
                                      and layer.weight.partition_stride == stride)
         out[f"{tag} bias tags"] = (layer.bias.tensor_model_parallel is True and layer.bias.partition_dim == 0
@@ -96,65 +128,70 @@ def _layer_checks(ps) -> dict:
     # ------------------------------------------------------------ RowParallelLinear
     for input_is_parallel in (True, False):
         tag = f"row[input_is_parallel={input_is_parallel}]"
-        W, X, G = _randn(gen, OUT, IN), _randn(gen, *LEAD, IN), _randn(gen, *LEAD, OUT)
-        b = _randn(gen, OUT) + 3.0                  # far from 0: a bias added tp times would show
-        W_ref, b_ref, X_ref = (t.clone().requires_grad_() for t in (W, b, X))
-        y_ref = F.linear(X_ref, W_ref, b_ref)
-        (y_ref * G).sum().backward()
+        W, X, G = _randn(gen, dtype, OUT, IN), _randn(gen, dtype, *LEAD, IN), _randn(gen, dtype, *LEAD, OUT)
+        b = _randn(gen, dtype, OUT) + 3.0                  # far from 0: a bias added tp times would show
+        y_ref, x_grad, w_grad, b_grad = _linear_reference(W, b, X, G)
+        y_mag, x_mag, w_mag, b_mag = _linear_reference(W.abs(), b.abs(), X.abs(), G.abs())
 
-        layer = RowParallelLinear(IN, OUT, bias=True, input_is_parallel=input_is_parallel, parallel=ps)
+        layer = RowParallelLinear(IN, OUT, bias=True, input_is_parallel=input_is_parallel, parallel=ps).to(dtype)
         with torch.no_grad():
             layer.weight.copy_(_shard(W, 1, r, tp))
             layer.bias.copy_(b)
         x = (_shard(X, -1, r, tp) if input_is_parallel else X.clone()).requires_grad_()
         y = layer(x)
-        out[f"{tag} output"] = rel_err(y, y_ref)
+        out[f"{tag} output"] = error(y, y_ref, y_mag)
         (y * G).sum().backward()
-        expected_x_grad = _shard(X_ref.grad, -1, r, tp) if input_is_parallel else X_ref.grad
-        out[f"{tag} input grad"] = rel_err(x.grad, expected_x_grad)
-        out[f"{tag} weight grad"] = rel_err(merge_shards(all_shards(layer.weight.grad), 1), W_ref.grad)
-        out[f"{tag} bias grad"] = rel_err(layer.bias.grad, b_ref.grad)   # replicated: full on every rank
+        expected_x_grad = _shard(x_grad, -1, r, tp) if input_is_parallel else x_grad
+        out[f"{tag} input grad"] = error(x.grad, expected_x_grad, x_mag)
+        out[f"{tag} weight grad"] = error(merge_shards(all_shards(layer.weight.grad), 1), w_grad, w_mag)
+        out[f"{tag} bias grad"] = error(layer.bias.grad, b_grad, b_mag)   # replicated: full on every rank
         out[f"{tag} weight tags"] = (layer.weight.tensor_model_parallel is True and layer.weight.partition_dim == 1)
         out[f"{tag} bias untagged"] = not (hasattr(layer.bias, "tensor_model_parallel")
                                            or hasattr(layer.bias, "partition_dim"))
 
     # ------------------------------------------------------------ VocabParallelEmbedding
-    E, G = _randn(gen, VOCAB, DIM), _randn(gen, *IDS.shape, DIM)
-    layer = VocabParallelEmbedding(VOCAB, DIM, parallel=ps, pad_multiple=PAD_MULTIPLE)
+    E, G = _randn(gen, dtype, VOCAB, DIM), _randn(gen, dtype, *IDS.shape, DIM)
+    layer = VocabParallelEmbedding(VOCAB, DIM, parallel=ps, pad_multiple=PAD_MULTIPLE).to(dtype)
     padded = layer.padded_vocab_size
     out["embedding padded size"] = padded == (304 if tp == 1 else 320)
     per_rank = padded // tp
     out["embedding row range"] = (layer.vocab_start, layer.vocab_end) == (r * per_rank, (r + 1) * per_rank)
-    E_pad_ref = torch.cat([E, torch.zeros(padded - VOCAB, DIM)]).requires_grad_()
-    y_ref = F.embedding(IDS, E_pad_ref[:VOCAB])
-    (y_ref * G).sum().backward()
+    E_pad = torch.cat([E, torch.zeros(padded - VOCAB, DIM, dtype=dtype)])
+    y_ref, e_grad = _embedding_reference(E_pad, G)
+    y_mag, e_mag = _embedding_reference(E_pad.abs(), G.abs())
     with torch.no_grad():
-        layer.weight.copy_(_shard(E_pad_ref.detach(), 0, r, tp))
+        layer.weight.copy_(_shard(E_pad, 0, r, tp))
     y = layer(IDS)
-    out["embedding output"] = rel_err(y, y_ref)
+    out["embedding output"] = error(y, y_ref, y_mag)
     (y * G).sum().backward()
     merged_grad = merge_shards(all_shards(layer.weight.grad), 0)
-    out["embedding weight grad"] = rel_err(merged_grad, E_pad_ref.grad)
+    out["embedding weight grad"] = error(merged_grad, e_grad, e_mag)
     out["embedding padded rows get zero grad"] = bool((merged_grad[VOCAB:] == 0).all())
     out["embedding weight tags"] = (layer.weight.tensor_model_parallel is True and layer.weight.partition_dim == 0)
 
     # Tied output embedding: logits over the full unpadded vocab with gather_output, grads of H and E.
-    H, GL = _randn(gen, *LEAD, DIM), _randn(gen, *LEAD, VOCAB)
-    H_ref, E_ref = H.clone().requires_grad_(), E.clone().requires_grad_()
-    logits_ref = F.linear(H_ref, E_ref)
-    (logits_ref * GL).sum().backward()
+    H, GL = _randn(gen, dtype, *LEAD, DIM), _randn(gen, dtype, *LEAD, VOCAB)
+    logits_ref, h_grad, e_grad, _ = _linear_reference(E, None, H, GL)
+    logits_mag, h_mag, e_mag, _ = _linear_reference(E.abs(), None, H.abs(), GL.abs())
     layer.weight.grad = None
     h = H.clone().requires_grad_()
     logits = layer.lm_logits(h, gather_output=True)
     out["lm_logits shape"] = tuple(logits.shape) == (*LEAD, VOCAB)
-    out["lm_logits output"] = rel_err(logits, logits_ref)
+    out["lm_logits output"] = error(logits, logits_ref, logits_mag)
     (logits * GL).sum().backward()
-    out["lm_logits hidden grad"] = rel_err(h.grad, H_ref.grad)
+    out["lm_logits hidden grad"] = error(h.grad, h_grad, h_mag)
     merged_grad = merge_shards(all_shards(layer.weight.grad), 0)
-    out["lm_logits weight grad"] = rel_err(merged_grad[:VOCAB], E_ref.grad)
+    out["lm_logits weight grad"] = error(merged_grad[:VOCAB], e_grad, e_mag)
     out["lm_logits padded rows get zero grad"] = bool((merged_grad[VOCAB:] == 0).all())
+    return out
 
-    # ------------------------------------------------------------ TP-invariant init (exact)
+
+def _init_checks(ps) -> dict:
+    """TP-invariant initialisation, exact: the merged shards equal the tp = 1 weights."""
+    from zoo.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from zoo.parallel.utils import merge_shards
+
+    out: dict = {}
     builders = {
         "column stride 1": (lambda p: ColumnParallelLinear(IN, OUT, parallel=p), 0, 1),
         "column stride 3": (lambda p: ColumnParallelLinear(IN, OUT, parallel=p, stride=3), 0, 3),
@@ -165,7 +202,7 @@ def _layer_checks(ps) -> dict:
         torch.manual_seed(1234)
         reference = build(None).weight.detach()
         torch.manual_seed(1234)
-        merged = merge_shards(all_shards(build(ps).weight.detach()), dim, stride)
+        merged = merge_shards(_all_shards(ps, build(ps).weight.detach()), dim, stride)
         if name == "embedding":     # tp 1 pads to 304 rows, tp 2 and 4 to 320: compare the real rows
             out[f"init {name} padded rows are zero"] = bool((merged[VOCAB:] == 0).all())
             merged, reference = merged[:VOCAB], reference[:VOCAB]
@@ -174,20 +211,27 @@ def _layer_checks(ps) -> dict:
     return out
 
 
+def _all_checks(ps) -> dict:
+    """{dtype name: {check: error or bool}}; the exact init checks sit with float32."""
+    return {"float32": {**_layer_checks(ps, torch.float32), **_init_checks(ps)},
+            "float64": _layer_checks(ps, torch.float64)}
+
+
 def _layers_worker(rank, world_size):
     from zoo.parallel import ParallelState
 
-    return {tp: _layer_checks(ParallelState.initialize(tp)) for tp in (2, 4)}
+    return {tp: _all_checks(ParallelState.initialize(tp)) for tp in (2, 4)}
 
 
 @pytest.fixture(scope="module")
 def layer_results():
     torch.manual_seed(0)
-    by_tp = {1: [_layer_checks(None)]}
+    by_tp = {1: [_all_checks(None)]}
     per_rank = spawn(_layers_worker, WORLD)
     for tp in (2, 4):
         by_tp[tp] = [results[tp] for results in per_rank]
-    return by_tp
+    return {dtype: {tp: [results[dtype] for results in ranks] for tp, ranks in by_tp.items()}
+            for dtype in ("float32", "float64")}
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -195,7 +239,9 @@ def layer_results():
                                     "column[gather=False,stride=3]", "row[input_is_parallel=True]",
                                     "row[input_is_parallel=False]", "embedding", "lm_logits", "init"])
 def test_layer_matches_reference(layer_results, tp, prefix):
-    assert_named_checks(layer_results, tp, prefix, REL_TOL)
+    assert_named_checks(layer_results["float32"], tp, prefix, REL_TOL)
+    if prefix != "init":
+        assert_named_checks(layer_results["float64"], tp, prefix, FP64_TOL)
 
 
 # ---------------------------------------------------------------- partitioning helpers (exact)
