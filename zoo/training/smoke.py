@@ -4,7 +4,8 @@
     train      a few fp16 and bf16 DeepSpeed steps on one batch (dropout on): finite losses, the loss
                without dropout falls, fp16's dynamic loss scale is alive (fp16 and bf16 only where the
                accelerator supports them, else "skipped")
-    bert       one BertForPreTraining step with its MLM/SOP metrics on the device batch
+    bert       two iterations of zoo's pretraining loop on BERT (a few bundled articles, preprocessed
+               here): finite loss, MLM/SOP losses and validation loss
     generate   greedy generation of left-padded prompts: the batch equals each prompt alone, every
                TP rank chose the same tokens
     checkpoint a DeepSpeed save + load in a temporary directory restores the weights exactly
@@ -272,36 +273,53 @@ def check_training(smoke: Smoke, precision: str, ids: torch.Tensor):
     return smoke.check(f"train {precision}", ok, detail), engine, seconds
 
 
-def bert_batch(smoke: Smoke, vocab_size: int) -> dict[str, torch.Tensor]:
-    """A host batch shaped like BertDataset's: the last quarter of each sequence is padding, 15% of
-    the real tokens are MLM targets."""
-    generator = torch.Generator().manual_seed(smoke.args.seed)
-    b, s = smoke.args.micro_batch_size, smoke.args.seq_length
-    real = torch.arange(s) < s - s // 4                                                 # (s,)
-    ids = torch.randint(0, vocab_size, (b, s), generator=generator)
-    targets = (torch.rand(b, s, generator=generator) < 0.15) & real
-    return {"input_ids": ids, "token_type_ids": (torch.arange(s) >= s // 2).long().expand(b, s),
-            "attention_mask": real.long().expand(b, s), "labels": ids.masked_fill(~targets, -100),
-            "next_sentence_label": torch.randint(0, 2, (b,), generator=generator)}
+BUNDLED_ARTICLES = 12    # of the bundled Wikipedia sample: the BERT run's corpus
+
+
+def bert_corpus(directory: str) -> str:
+    """The first articles of the bundled corpus, preprocessed for BERT into ``directory`` (rank 0)."""
+    import gzip
+
+    from zoo.data import preprocess_bert
+    from zoo.data.preprocess import BUNDLED_CORPUS
+
+    source = os.path.join(directory, "articles.jsonl")
+    with gzip.open(BUNDLED_CORPUS, "rt") as articles, open(source, "w") as out:
+        out.writelines(line for _, line in zip(range(BUNDLED_ARTICLES), articles))
+    prefix = os.path.join(directory, "bert")
+    preprocess_bert([source], prefix, workers=1, progress=False)
+    return prefix
+
+
+def bert_run_config(smoke: Smoke, data_path: str, save: str):
+    from zoo.training.run_config import RunConfig, validate_static
+
+    micro = smoke.args.micro_batch_size
+    ds = {"train_batch_size": micro * smoke.parallel.dp_size, "train_micro_batch_size_per_gpu": micro,
+          "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
+          "optimizer": {"type": "AdamW", "params": {"lr": smoke.args.lr, "weight_decay": 0.01, "torch_adam": True}}}
+    return validate_static(RunConfig(
+        tensor_parallel_size=smoke.parallel.tp_size, model=smoke.args.bert_model, seq_length=smoke.args.seq_length,
+        train_iters=2, data_path=data_path, split="80,20,0", seed=smoke.args.seed, save=save, log_interval=1,
+        eval_interval=2, eval_iters=1, ds_config=ds, ds_config_path="<smoke>"))
 
 
 def check_bert(smoke: Smoke) -> bool:
-    """One BertForPreTraining step; the metrics read the device copy of the batch, as the model does."""
-    from zoo.models import BertForPreTraining, bert_config
-    from zoo.training.families import extra_metrics, model_forward_kwargs
+    """Two iterations of zoo's own pretraining loop on BERT (MLM + SOP metrics, a validation pass, a
+    checkpoint): the loop's batches, metrics and collectives on the device, not only the model's."""
+    from zoo.training.pretrain import pretrain
 
-    config = bert_config(smoke.args.bert_model, max_position_embeddings=max(512, smoke.args.seq_length))
-    engine = engine_for(smoke, build(smoke, BertForPreTraining, config, smoke.parallel), "fp32")
-    batch = model_forward_kwargs(bert_batch(smoke, config.vocab_size), smoke.device)
-    output = engine(**batch)
-    metrics = {name: value.item() for name, value in extra_metrics(output, batch).items()}
-    engine.backward(output.loss)
-    engine.step()
-    values = [output.loss.item(), *metrics.values()]
-    ok = all(math.isfinite(x) for x in values) and set(metrics) == {"mlm_loss", "sop_loss", "sop_acc"}
-    shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items())
-    return smoke.check("bert", ok, f"{smoke.args.bert_model} step at tp={smoke.parallel.tp_size}: loss "
-                                   f"{output.loss.item():.4f}, {shown}")
+    directory = shared_temp_dir(make=bert_corpus)
+    try:
+        result = pretrain(bert_run_config(smoke, os.path.join(directory, "bert"), os.path.join(directory, "run")))
+    finally:
+        remove_shared_temp_dir(directory)
+    keys = ("loss", "mlm_loss", "sop_loss", "val_loss")
+    values = {key: result.get(key) for key in keys}
+    ok = all(isinstance(v, float) and math.isfinite(v) for v in values.values()) and result.get("iteration") == 2
+    shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
+    return smoke.check("bert", ok, f"{smoke.args.bert_model} pretraining loop at tp={smoke.parallel.tp_size}, "
+                                   f"{result.get('iteration')} iterations: {shown}")
 
 
 def check_generation(smoke: Smoke, model) -> bool:
@@ -324,11 +342,22 @@ def check_generation(smoke: Smoke, model) -> bool:
                                        f"each alone: {same}; TP rank disagreements {disagreements}")
 
 
-def shared_temp_dir(smoke: Smoke) -> str:
-    """A directory rank 0 creates and every rank is told (one node: the launcher's own machine)."""
-    holder = [tempfile.mkdtemp(prefix="zoo-smoke-") if dist.get_rank() == 0 else None]
+def shared_temp_dir(make=None) -> str:
+    """A directory rank 0 creates (and fills with ``make(directory)``) and every rank is then told
+    (one node: the launcher's own machine)."""
+    holder = [None]
+    if dist.get_rank() == 0:
+        holder[0] = tempfile.mkdtemp(prefix="zoo-smoke-")
+        if make is not None:
+            make(holder[0])
     dist.broadcast_object_list(holder, src=0)
     return holder[0]
+
+
+def remove_shared_temp_dir(directory: str) -> None:
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def weights(engine) -> dict[str, torch.Tensor]:
@@ -337,7 +366,7 @@ def weights(engine) -> dict[str, torch.Tensor]:
 
 def check_checkpoint(smoke: Smoke, engine, ids: torch.Tensor) -> bool:
     """Save, take one more step (the weights move), load: the saved weights are back, bit for bit."""
-    directory = shared_temp_dir(smoke)
+    directory = shared_temp_dir()
     try:
         engine.save_checkpoint(directory, tag="smoke")
         saved = weights(engine)
@@ -346,9 +375,7 @@ def check_checkpoint(smoke: Smoke, engine, ids: torch.Tensor) -> bool:
         load_path, _ = engine.load_checkpoint(directory, tag="smoke")
         restored = all(torch.equal(saved[n], p) for n, p in engine.module.named_parameters())
     finally:
-        dist.barrier()
-        if dist.get_rank() == 0:
-            shutil.rmtree(directory, ignore_errors=True)
+        remove_shared_temp_dir(directory)
     ok = load_path is not None and moved and restored
     return smoke.check("checkpoint", ok, f"save + load in a temporary directory: weights moved by a step {moved}, "
                                          f"restored exactly {restored}")
