@@ -104,12 +104,16 @@ def float64_grad_errors(grads: dict[str, torch.Tensor], ref_grads: dict[str, tor
     return errors
 
 
-def argmax_margin(logits: torch.Tensor) -> float:
-    """The smallest gap between the largest and second-largest logit of any row, relative to max|logits|:
-    an arg-max (greedy token, LAMBADA prediction) compared for exact equality is immune to rounding only
-    where this gap is well above the logits' tolerance."""
-    top2 = logits.detach().double().topk(2, dim=-1).values
-    return ((top2[..., 0] - top2[..., 1]).min() / logits.detach().double().abs().max()).item()
+def decision_margin(logits: torch.Tensor, index: torch.Tensor | None = None) -> float:
+    """How firmly rows of logits decide "is ``index`` the arg-max?" (``index`` None: each row's arg-max):
+    min over rows of |z[index] - max_{v != index} z_v|, relative to max|logits|. A token id or an accuracy
+    compared for exact equality is immune to rounding when this margin is well above the logits'
+    tolerance; a test asserts it of its reference data, so a near-tie fails as bad data, not as a bug."""
+    z = logits.detach().double().reshape(-1, logits.shape[-1])
+    index = z.argmax(-1) if index is None else index.reshape(-1).to(z.device)
+    chosen = z.gather(-1, index[:, None]).squeeze(-1)
+    others = z.scatter(-1, index[:, None], float("-inf")).max(-1).values
+    return ((chosen - others).abs().min() / z.abs().max()).item()
 
 
 FP64_TOL = 1e-9   # float64 runs: rounding is ~1e-16 relative, so anything above 1e-9 is a real difference

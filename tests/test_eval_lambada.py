@@ -1,6 +1,10 @@
 """LAMBADA zero-shot accuracy (paper Appendix E.2): strict vs non-strict targets, zoo against a
 reference loop over transformers' own GPT-2, saved datasets, and the CLI (JSON output, W&B
 failures, user errors with exit code 2).
+
+Accuracies are compared exactly. That is rounding-proof because every scored position of the reference
+decides "is the target the arg-max?" by at least 1e-4 of max|logits| (asserted on the data, see
+``reference_margin``), far above fp32 rounding of the logits (~1e-7 relative).
 """
 
 from __future__ import annotations
@@ -15,10 +19,12 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from tests.checks import decision_margin
 from tests.test_eval_wikitext import save_tiny_hf_gpt2
 
 REPO = Path(__file__).resolve().parent.parent
 HEISENBERG = (679, 13254, 3900)     # GPT-2 BPE of " Heisenberg": " He", "isen", "berg"
+DECISION_MARGIN = 1e-4              # see the module docstring: 10x the 1e-5 logits tolerance of the parity tests
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -124,23 +130,35 @@ def greedy_passages(hf_model, tokenizer) -> list[str]:
     return texts
 
 
+def reference_scores(hf_model, tokenizer, text: str, strict: bool) -> tuple[torch.Tensor, list[int]]:
+    """transformers' logits at the positions that predict the target word's tokens, and those tokens."""
+    if strict:
+        last = text.split()[-1]
+        context = tokenizer(text[:text.rindex(last)].strip())["input_ids"]
+        target = tokenizer(" " + last)["input_ids"]
+    else:
+        ids = tokenizer(text)["input_ids"]
+        context, target = ids[:-1], ids[-1:]
+    sequence = context + target[:-1]
+    with torch.no_grad():
+        logits = hf_model(torch.tensor([sequence])).logits[0]
+    return logits[len(context) - 1:], target
+
+
 def reference_correct(hf_model, tokenizer, texts, strict: bool) -> int:
     """Accuracy counted with transformers' model, one passage at a time."""
     correct = 0
     for text in texts:
-        if strict:
-            last = text.split()[-1]
-            context = tokenizer(text[:text.rindex(last)].strip())["input_ids"]
-            target = tokenizer(" " + last)["input_ids"]
-        else:
-            ids = tokenizer(text)["input_ids"]
-            context, target = ids[:-1], ids[-1:]
-        sequence = context + target[:-1]
-        with torch.no_grad():
-            logits = hf_model(torch.tensor([sequence])).logits[0]
-        predicted = logits[len(context) - 1:].argmax(-1).tolist()
-        correct += predicted == target
+        logits, target = reference_scores(hf_model, tokenizer, text, strict)
+        correct += logits.argmax(-1).tolist() == target
     return correct
+
+
+def reference_margin(hf_model, tokenizer, texts, strict: bool) -> float:
+    """The smallest margin by which any scored position decides whether its target is the arg-max
+    (tests.checks.decision_margin): an accuracy can change under rounding only if this is tiny."""
+    return min(decision_margin(logits, torch.tensor(target))
+               for logits, target in (reference_scores(hf_model, tokenizer, t, strict) for t in texts))
 
 
 @pytest.mark.parametrize("strict", [True, False])
@@ -152,6 +170,7 @@ def test_zoo_accuracy_equals_transformers_reference_loop(tmp_path, hf_dir, hf_mo
     path = write_jsonl(tmp_path / "lambada_test.jsonl", texts)
     expected = reference_correct(hf_model, tokenizer, texts, strict)
     assert 0 < expected < len(texts), "the file must hold both right and wrong passages"
+    assert reference_margin(hf_model, tokenizer, texts, strict) >= DECISION_MARGIN, "a near-tie: change the passages"
 
     zoo_model = GPT2LMHeadModel.from_pretrained(hf_dir).eval()
     result = evaluate_lambada(zoo_model, read_lambada(path), tokenizer, strict=strict, batch_size=3)
