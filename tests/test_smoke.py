@@ -43,3 +43,11 @@ def _smoke_exit_code(rank, world_size, argv):
 def test_a_failed_check_exits_1():
     """With a learning rate of 0 the loss cannot fall: the training check fails and main returns 1."""
     assert spawn(_smoke_exit_code, 1, ["--lr", "0", "--steps", "2"]) == [1]
+
+
+def test_a_bad_flag_is_one_sentence_and_exit_2(capsys):
+    from zoo.training.smoke import main
+
+    assert main(["--model", "bert-tiny"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --model 'bert-tiny' is not a GPT-2 preset") and err.count("\n") == 1, err
