@@ -70,6 +70,7 @@ def _token_file(prefix, tokens, dtype=np.uint16):
     ("model_overrides", [], "'model_overrides' .* is \\[\\] \\(a list\\) but must be a JSON object"),
     ("data_path", 5, "'data_path' .* is 5 \\(an integer\\) but must be a string or null"),
     ("save_interval", -1, "save_interval = -1 must be 0 \\(never\\) or positive"),
+    ("save", None, "save is None in the zoo block of .*; pass --save with the run directory"),
 ])
 def test_zoo_block_of_the_wrong_type_names_the_key(key, value, needle, tmp_path, capsys):
     from zoo.training.pretrain import main
@@ -77,8 +78,9 @@ def test_zoo_block_of_the_wrong_type_names_the_key(key, value, needle, tmp_path,
     config = dict(_ds_config(2, 2), zoo={"model": "gpt2-tiny", key: value})
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(config))
+    flags = [] if key == "save" else ["--save", str(tmp_path / "run")]
     with pytest.raises(SystemExit) as exit_:
-        main(["--deepspeed_config", str(path), "--save", str(tmp_path / "run")])
+        main(["--deepspeed_config", str(path), *flags])
     assert exit_.value.code == 2
     errors = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1, errors
@@ -188,7 +190,7 @@ def test_latest_naming_a_missing_tag_says_the_callers_fix(tmp_path):
 def test_warmup_longer_than_the_run_is_cut_with_a_warning():
     from zoo.training.run_config import clipped_warmup_warning, deepspeed_dict
 
-    config = _run_config(None, None, 1, 2, 2, train_iters=3)
+    config = _run_config(None, "unused", 1, 2, 2, train_iters=3)
     config.ds_config["scheduler"]["params"]["warmup_num_steps"] = 2000
     params = deepspeed_dict(config, 1)["scheduler"]["params"]
     assert (params["total_num_steps"], params["warmup_num_steps"]) == (3, 3)   # Megatron's clip, kept
@@ -257,7 +259,7 @@ def _hostile_worker(rank, world_size, data_path, bad_data_path, root):
         "longer": _outcome(lambda: pretrain(_run_config(data_path, run, 2, 2, 2, train_iters=4, load=run))),
         "same": _outcome(lambda: pretrain(_run_config(data_path, run, 2, 2, 2, train_iters=4, load=run))),
         # 2: another model shape.
-        "shape": _outcome(lambda: pretrain(_run_config(data_path, None, 2, 2, 2, train_iters=5, load=run,
+        "shape": _outcome(lambda: pretrain(_run_config(data_path, f"{root}/other", 2, 2, 2, train_iters=5, load=run,
                                                        model_overrides=dict(TINY_MODEL, n_layer=3)))),
         # 4: --save under a file.
         "save": _outcome(lambda: pretrain(_run_config(data_path, f"{root}/a-file/run", 2, 2, 2, train_iters=1))),
@@ -268,9 +270,9 @@ def _hostile_worker(rank, world_size, data_path, bad_data_path, root):
         path = f"{run}/checkpoints/iter_0000004/mp_rank_01_model_states.pt"
         os.truncate(path, os.path.getsize(path) // 2)
     dist.barrier()
-    results["truncated"] = _outcome(lambda: pretrain(_run_config(data_path, None, 2, 2, 2, train_iters=5, load=run)))
+    results["truncated"] = _outcome(lambda: pretrain(_run_config(data_path, f"{root}/other", 2, 2, 2, train_iters=5, load=run)))
     # 5: tp=1 x dp=2, an id outside the vocabulary in the first sample of DP rank 1 only.
-    results["vocab"] = _outcome(lambda: pretrain(_run_config(bad_data_path, None, 1, 1, 2, train_iters=2)))
+    results["vocab"] = _outcome(lambda: pretrain(_run_config(bad_data_path, f"{root}/vocab-run", 1, 1, 2, train_iters=2)))
     return results
 
 
@@ -321,3 +323,4 @@ def test_hostile_runs_end_in_one_sentence_on_every_rank(tmp_path):
         assert outcomes[0][0] == kind, (name, outcomes)
         assert re.search(pattern, _one_sentence(outcomes[0][1])), (name, outcomes)
     assert not (tmp_path / "a-file" / "run").exists() and (tmp_path / "a-file").is_file()
+    assert not (tmp_path / "other").exists()  # every refusal came before the run directory was made

@@ -142,6 +142,9 @@ def validate_static(config: RunConfig) -> RunConfig:
         if getattr(config, name) < 0:
             raise ValueError(f"{name} = {getattr(config, name)} must be 0 (never) or positive; fix the zoo block "
                              "or the flag.")
+    if not config.save:
+        raise ValueError(f"save is {config.save!r} in the zoo block of {config.ds_config_path}; pass --save with the run "
+                         "directory that receives the metrics, the plot and the checkpoints.")
     if config.pretrained is not None and not Path(config.pretrained).is_dir():
         raise FileNotFoundError(f"--pretrained directory {config.pretrained} does not exist; pass a directory written "
                                 "by save_pretrained or launch/export.py.")
