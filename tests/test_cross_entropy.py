@@ -5,8 +5,8 @@ and bf16 inputs are compared with the fp32 reference of the same (rounded) logit
 (the grad is rounded to the input dtype once: at most the unit roundoff, 4.9e-4 for fp16 and 3.9e-3 for
 bf16, of max|ref|, plus fp32 noise, so these bounds hold on any CPU). The fused loss computes in fp32
 whatever the input dtype, so there is no float64 comparison; the fp32 errors sit ~70x below 1e-5 (the
-softmax grad and the per-token losses are O(1) and not sums that cancel). Ignored tokens and padded vocabulary columns must be
-exactly zero. tp = 1 runs in the pytest process; tp = 2 and 4 run in one world-4 spawn, which also
+softmax grad and the per-token losses are O(1) and not sums that cancel). Ignored tokens and padded
+vocabulary columns must be exactly zero. tp = 1 runs in the pytest process; tp = 2 and 4 run in one world-4 spawn, which also
 counts the collectives of one call at tp = 2.
 """
 

@@ -27,15 +27,6 @@ HEISENBERG = (679, 13254, 3900)     # GPT-2 BPE of " Heisenberg": " He", "isen",
 DECISION_MARGIN = 1e-4              # see the module docstring: 10x the 1e-5 logits tolerance of the parity tests
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models: one thread avoids OpenMP stalls when the 2 cores are shared with other jobs."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tokenizer():
     from zoo.data import load_gpt2_tokenizer

@@ -81,13 +81,8 @@ def test_tp2_and_dp2_equal_one_process(files):
     from zoo.models import GPT2LMHeadModel
 
     hf_dir, wiki_path, lambada_path = files
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        single = evaluate_all(GPT2LMHeadModel.from_pretrained(hf_dir).eval(), read_wikitext(wiki_path),
-                              read_lambada(lambada_path), load_gpt2_tokenizer(), ps=None)
-    finally:
-        torch.set_num_threads(threads)
+    single = evaluate_all(GPT2LMHeadModel.from_pretrained(hf_dir).eval(), read_wikitext(wiki_path),
+                          read_lambada(lambada_path), load_gpt2_tokenizer(), ps=None)
     assert single["wikitext"]["num_windows"] == 19 and single["strict"]["total"] == NUM_PASSAGES
     assert 0 < single["strict"]["correct"] < NUM_PASSAGES
 
