@@ -9,11 +9,15 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
-from zoo.models.config import BertConfig
+from zoo.models.config import BertConfig, recompute_mode
 from zoo.models.hf_io import HFParam
 from zoo.models.pretrained import ASSETS, HFPretrainedMixin
-from zoo.models.transformer import TransformerLayer, attention_bias, run_layers
+from zoo.models.transformer import (TransformerLayer, attention_bias, region_dropout, run_layers,
+                                    sequence_parallel_for)
 from zoo.parallel import VocabParallelEmbedding, mark_tensor_parallel, scaled_init_std, vocab_parallel_cross_entropy
+from zoo.parallel.layers import SequenceParallelLayerNorm, mark_sequence_parallel
+from zoo.parallel.mappings import (all_reduce_grads_of_replicated, gather_from_sequence_parallel_region,
+                                   scatter_to_sequence_parallel_region)
 from zoo.parallel.state import ParallelState, tp_size_of
 
 
@@ -45,7 +49,11 @@ def init_head_params(model: nn.Module, names: list[str], seed: int, std: float,
 
 
 class BertEmbeddings(nn.Module):
-    """word (vocab-parallel) + position + token type; LayerNorm only in the post-norm layout."""
+    """word (vocab-parallel) + position + token type; LayerNorm only in the post-norm layout.
+
+    With sequence parallelism the sum is scattered along the sequence (after the vocab-parallel
+    all-reduce, so the position and token-type tables still see every token), and the post-norm
+    LayerNorm and the dropout (TP-rank stream) run on this rank's s/p tokens."""
 
     def __init__(self, config: BertConfig, parallel: ParallelState | None):
         super().__init__()
@@ -56,15 +64,20 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         nn.init.normal_(self.position_embeddings.weight, 0.0, std)
         nn.init.normal_(self.token_type_embeddings.weight, 0.0, std)
-        self.LayerNorm = None if config.pre_norm else nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.parallel = parallel
+        self.LayerNorm = None if config.pre_norm else SequenceParallelLayerNorm(
+            config.hidden_size, eps=config.layer_norm_eps, parallel=parallel,
+            sequence_parallel=config.sequence_parallel)
         self.dropout = nn.Dropout(config.hidden_dropout_prob)
 
-    def forward(self, input_ids, token_type_ids, position_ids):
+    def forward(self, input_ids, token_type_ids, position_ids, sequence_parallel: bool = False):
         x = (self.word_embeddings(input_ids) + self.position_embeddings(position_ids)
              + self.token_type_embeddings(token_type_ids))                        # (b, s, h)
+        if sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.parallel)             # (b, s/p, h)
         if self.LayerNorm is not None:
-            x = self.LayerNorm(x)
-        return self.dropout(x)
+            x = self.LayerNorm(x, sequence_parallel=sequence_parallel)
+        return region_dropout(self.dropout, x, self.parallel, sequence_parallel)
 
 
 _BERT_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",
@@ -116,7 +129,12 @@ class _BertCheckpoints(HFPretrainedMixin):
 
 
 class BertModel(_BertCheckpoints, nn.Module):
-    """The bare encoder: ``.last_hidden_state`` (b, s, h) and ``.pooler_output`` (b, h)."""
+    """The bare encoder: ``.last_hidden_state`` (b, s, h) and ``.pooler_output`` (b, h).
+
+    ``config.sequence_parallel`` (tp > 1): embeddings, layers and the final LayerNorm run on this
+    rank's s/p tokens (:meth:`encode`); :meth:`forward` all-gathers the result, so its outputs, and the
+    finetuning heads on top of them, are as without it.
+    """
 
     def __init__(self, config: BertConfig, parallel: ParallelState | None = None, add_pooling_layer: bool = True):
         super().__init__()
@@ -132,30 +150,56 @@ class BertModel(_BertCheckpoints, nn.Module):
                              hidden_dropout=config.hidden_dropout_prob, gelu_approximate=config.gelu_approximate,
                              parallel=parallel, init_std=std,
                              output_init_std=scaled_init_std(std, config.num_hidden_layers),
-                             pre_norm=config.pre_norm)
+                             pre_norm=config.pre_norm, sequence_parallel=config.sequence_parallel)
             for _ in range(config.num_hidden_layers))
-        self.ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps) if config.pre_norm else None
+        self.ln = SequenceParallelLayerNorm(config.hidden_size, eps=config.layer_norm_eps, parallel=parallel,
+                                            sequence_parallel=config.sequence_parallel) if config.pre_norm else None
         self.pooler = _normal_linear(config.hidden_size, config.hidden_size, std) if add_pooling_layer else None
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> BaseModelOutputWithPooling:
+        x, sp = self.encode(input_ids, attention_mask, token_type_ids, position_ids)   # (b, s or s/p, h)
+        if sp:   # replicated consumers (pooler, heads): backward keeps this rank's tokens of the gradient
+            x = gather_from_sequence_parallel_region(x, self.parallel, tensor_parallel_output_grad=False)
+        pooled = self.pool(x[:, 0]) if self.pooler is not None else None               # (b, h)
+        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=pooled)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               token_type_ids: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """(final hidden states, sequence_parallel): (b, s/p, h), this rank's tokens, when
+        sequence_parallel is True (config asks, tp > 1; s must divide by tp), else (b, s, h)."""
         b, s = input_ids.shape
         if s > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}; truncate inputs to that length.")
+        sp = sequence_parallel_for(self.config, self.parallel, s)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         if position_ids is None:
             position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)       # (1, s)
-        x = self.embeddings(input_ids, token_type_ids, position_ids)                   # (b, s, h)
+        x = self.embeddings(input_ids, token_type_ids, position_ids, sequence_parallel=sp)  # (b, s or s/p, h)
         bias = attention_bias(attention_mask, s, causal=False, dtype=x.dtype)          # (b, 1, 1, s)
         x = run_layers(self.layer, x, bias, causal=False,
-                       checkpoint=self.config.activation_checkpointing and self.training)
+                       checkpoint=recompute_mode(self.config) if self.training else None, sequence_parallel=sp)
         if self.ln is not None:
-            x = self.ln(x)                                                             # (b, s, h)
-        pooled = torch.tanh(self.pooler(x[:, 0])) if self.pooler is not None else None  # (b, h)
-        return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=pooled)
+            x = self.ln(x, sequence_parallel=sp)                                       # (b, s or s/p, h)
+        return x, sp
+
+    def first_token(self, x: torch.Tensor, sequence_parallel: bool) -> torch.Tensor:
+        """The [CLS] states (b, h) of encoder output ``x``. Under sequence parallelism they sit on TP rank 0:
+        each rank's first token is all-gathered (b*p*h values, not the whole sequence); backward keeps
+        this rank's own (only rank 0's is nonzero)."""
+        if not sequence_parallel:
+            return x[:, 0]
+        firsts = gather_from_sequence_parallel_region(x[:, :1], self.parallel,
+                                                      tensor_parallel_output_grad=False)  # (b, p, h)
+        return firsts[:, 0]
+
+    def pool(self, cls_states: torch.Tensor) -> torch.Tensor:
+        """BERT's pooler: tanh(W h_[CLS] + b), (b, h) -> (b, h)."""
+        return torch.tanh(self.pooler(cls_states))
 
     def hf_param_map(self, prefix: str = "") -> dict[str, HFParam]:
         """zoo parameter -> transformers key, for MegatronBert (pre-norm) or Bert (post-norm).
@@ -197,7 +241,12 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
     """Masked-LM + sentence-order heads. MLM: dense -> GeLU -> LayerNorm -> decoder tied to the
     vocab-parallel word embedding, plus a vocab-parallel bias; the loss uses the fused
     vocab-parallel cross-entropy. ``.prediction_logits`` is this rank's vocab shard unless
-    ``gather_output``; ``next_sentence_label`` is the sentence-order label (1 = swapped)."""
+    ``gather_output``; ``next_sentence_label`` is the sentence-order label (1 = swapped).
+
+    With sequence parallelism the MLM transform (dense, GeLU, LayerNorm) runs on this rank's s/p tokens
+    (its replicated parameters get their gradients summed over the TP group) and the decoder's input is
+    all-gathered along the sequence in place of f, as in Megatron; the pooler reads the [CLS] token
+    through :meth:`BertModel.first_token`."""
 
     base_prefix = "bert."  # a bare encoder directory (BertModel, MegatronBertModel) stores its keys without it
     hf_architecture = "ForPreTraining"
@@ -211,7 +260,11 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
         self.bert = BertModel(config, parallel)
         std = config.initializer_range
         self.transform = _normal_linear(config.hidden_size, config.hidden_size, std)
-        self.transform_ln = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        if config.sequence_parallel:
+            mark_sequence_parallel(self.transform.weight)
+            mark_sequence_parallel(self.transform.bias)
+        self.transform_ln = SequenceParallelLayerNorm(config.hidden_size, eps=config.layer_norm_eps, parallel=parallel,
+                                                      sequence_parallel=config.sequence_parallel)
         word = self.bert.embeddings.word_embeddings
         self.lm_bias = mark_tensor_parallel(nn.Parameter(torch.zeros(word.weight.shape[0])), 0)
         self.seq_relationship = _normal_linear(config.hidden_size, 2, std)
@@ -220,12 +273,15 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 next_sentence_label: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 gather_output: bool = False) -> BertForPreTrainingOutput:
-        encoded = self.bert(input_ids, attention_mask, token_type_ids, position_ids)
-        h = self.transform(encoded.last_hidden_state)                                  # (b, s, h)
-        h = self.transform_ln(F.gelu(h, approximate=self.config.gelu_approximate))
+        x, sp = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)  # (b, s or s/p, h)
+        weight, bias = self.transform.weight, self.transform.bias
+        if sp:
+            weight, bias = all_reduce_grads_of_replicated(self.parallel, weight, bias)
+        h = F.linear(x, weight, bias)                                                  # (b, s or s/p, h)
+        h = self.transform_ln(F.gelu(h, approximate=self.config.gelu_approximate), sequence_parallel=sp)
         word = self.bert.embeddings.word_embeddings
-        local_logits = word.lm_logits(h) + self.lm_bias                                # (b, s, V_pad/p)
-        sop_logits = self.seq_relationship(encoded.pooler_output)                      # (b, 2)
+        local_logits = word.lm_logits(h, sequence_parallel=sp) + self.lm_bias          # (b, s, V_pad/p)
+        sop_logits = self.seq_relationship(self.bert.pool(self.bert.first_token(x, sp)))  # (b, 2)
         loss = None
         if labels is not None:
             token_loss = vocab_parallel_cross_entropy(local_logits, labels, self.parallel,

@@ -14,6 +14,10 @@ _GPT2_UNSUPPORTED = {
     "add_cross_attention": False,
     "scale_attn_weights": True,
 }
+RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+# zoo's own fields: they change how a model is run, never its parameters, and are not written to config.json.
+ZOO_RUN_FIELDS = ("make_vocab_size_divisible_by", "activation_checkpointing", "sequence_parallel",
+                  "recompute_granularity")
 _GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
 
 
@@ -21,8 +25,8 @@ _GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fa
 class GPT2Config:
     """GPT-2 hyper-parameters, named as in ``transformers.GPT2Config``.
 
-    ``make_vocab_size_divisible_by`` and ``activation_checkpointing`` are zoo's own and are not
-    written to config.json.
+    ``make_vocab_size_divisible_by``, ``activation_checkpointing``, ``sequence_parallel`` and
+    ``recompute_granularity`` are zoo's own (see :data:`ZOO_RUN_FIELDS`) and are not written to config.json.
     """
 
     vocab_size: int = 50257
@@ -41,6 +45,8 @@ class GPT2Config:
     eos_token_id: int = 50256
     make_vocab_size_divisible_by: int = 128
     activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     model_type = "gpt2"
@@ -65,6 +71,7 @@ class GPT2Config:
         """Refuse impossible shapes with one sentence naming the numbers and the fix."""
         validate_tp_shapes(self.n_embd, self.n_head, self.ffn_hidden_size, tp_size,
                            hidden_name="n_embd", heads_name="n_head")
+        recompute_mode(self)
         if self.activation_function not in _GELU_APPROXIMATION:
             raise ValueError(f"activation_function {self.activation_function!r} is not supported; "
                              f"use one of {sorted(_GELU_APPROXIMATION)}.")
@@ -84,7 +91,7 @@ class GPT2Config:
 
     def to_hf_dict(self) -> dict[str, Any]:
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name not in ("extra", "make_vocab_size_divisible_by", "activation_checkpointing")}
+                  if f.name not in ("extra", *ZOO_RUN_FIELDS)}
         passthrough = {k: v for k, v in self.extra.items()
                        if k not in ("architectures", "model_type", "transformers_version")}
         return {**passthrough, **values, "model_type": self.model_type,
@@ -122,6 +129,8 @@ class BertConfig:
     pre_norm: bool = True
     make_vocab_size_divisible_by: int = 128
     activation_checkpointing: bool = False
+    sequence_parallel: bool = False
+    recompute_granularity: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -142,6 +151,7 @@ class BertConfig:
     def validate(self, tp_size: int = 1) -> "BertConfig":
         validate_tp_shapes(self.hidden_size, self.num_attention_heads, self.ffn_hidden_size, tp_size,
                            hidden_name="hidden_size", heads_name="num_attention_heads")
+        recompute_mode(self)
         if self.hidden_act not in _BERT_ACTIVATIONS:
             raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; use one of "
                              f"{sorted(_BERT_ACTIVATIONS)}.")
@@ -162,7 +172,7 @@ class BertConfig:
         return cls(**known, pre_norm=model_type == "megatron-bert", extra=extra)
 
     def to_hf_dict(self, architecture: str) -> dict[str, Any]:
-        skip = ("extra", "make_vocab_size_divisible_by", "activation_checkpointing", "pre_norm")
+        skip = ("extra", "pre_norm", *ZOO_RUN_FIELDS)
         values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
         values["intermediate_size"] = self.ffn_hidden_size
         passthrough = {k: v for k, v in self.extra.items()
@@ -173,6 +183,21 @@ class BertConfig:
 
     def replace(self, **changes) -> "BertConfig":
         return dataclasses.replace(self, **changes)
+
+
+def recompute_mode(config: GPT2Config | BertConfig) -> str | None:
+    """What is recomputed in backward (Korthikanti et al. 2022, section 5): None, "full" (every layer,
+    DeepSpeed activation checkpointing; ``activation_checkpointing=True`` means this) or "selective"
+    (only the attention core: QK^T, softmax, dropout, @V). Read at each forward, so it may be switched
+    on a built model."""
+    granularity = config.recompute_granularity
+    if granularity not in RECOMPUTE_GRANULARITIES:
+        raise ValueError(f"recompute_granularity {granularity!r} is not one of None, 'full', 'selective'; pick "
+                         "one of those.")
+    if config.activation_checkpointing and granularity == "selective":
+        raise ValueError("activation_checkpointing=True (full recomputation) contradicts recompute_granularity="
+                         "'selective'; set activation_checkpointing=False to recompute only the attention core.")
+    return "full" if config.activation_checkpointing else granularity
 
 
 def validate_tp_shapes(hidden: int, heads: int, ffn: int, tp_size: int, *, hidden_name: str,

@@ -6,18 +6,28 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
-from zoo.models.config import GPT2Config
+from zoo.models.config import GPT2Config, recompute_mode
 from zoo.models.hf_io import HFParam
 from zoo.models.pretrained import ASSETS, HFPretrainedMixin
-from zoo.models.transformer import TransformerLayer, attention_bias, run_layers
+from zoo.models.transformer import (TransformerLayer, attention_bias, region_dropout, run_layers,
+                                    sequence_parallel_for)
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std, vocab_parallel_cross_entropy
+from zoo.parallel.layers import SequenceParallelLayerNorm
+from zoo.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from zoo.parallel.state import ParallelState, tp_size_of
 
 GPT2_TOKENIZER_DIR = ASSETS / "gpt2"
 
 
 class GPT2Model(nn.Module):
-    """Embeddings, N pre-norm layers and the final LayerNorm (transformers' ``GPT2Model``)."""
+    """Embeddings, N pre-norm layers and the final LayerNorm (transformers' ``GPT2Model``).
+
+    ``config.sequence_parallel`` (tp > 1): a full-sequence forward scatters the embeddings
+    (word + position, after the vocab-parallel all-reduce) along the sequence, runs embedding dropout
+    (TP-rank stream), the layers and ``ln_f`` on this rank's s/p tokens (see :meth:`encode`), and
+    :meth:`forward` all-gathers the result, so it returns (b, s, h) like transformers. Key/value-cached
+    decoding runs without sequence parallelism (it is a training-memory device; decoding holds few tokens).
+    """
 
     def __init__(self, config: GPT2Config, parallel: ParallelState | None = None):
         super().__init__()
@@ -29,14 +39,47 @@ class GPT2Model(nn.Module):
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         nn.init.normal_(self.wpe.weight, 0.0, std)
         self.drop = nn.Dropout(config.embd_pdrop)
+        sp = config.sequence_parallel
         self.h = nn.ModuleList(
             TransformerLayer(config.n_embd, config.n_head, config.ffn_hidden_size,
                              layer_norm_eps=config.layer_norm_epsilon, attn_dropout=config.attn_pdrop,
                              hidden_dropout=config.resid_pdrop, gelu_approximate=config.gelu_approximate,
                              parallel=parallel, init_std=std,
-                             output_init_std=scaled_init_std(std, config.n_layer), pre_norm=True)
+                             output_init_std=scaled_init_std(std, config.n_layer), pre_norm=True,
+                             sequence_parallel=sp)
             for _ in range(config.n_layer))
-        self.ln_f = nn.LayerNorm(config.n_embd, eps=config.layer_norm_epsilon)
+        self.ln_f = SequenceParallelLayerNorm(config.n_embd, eps=config.layer_norm_epsilon, parallel=parallel,
+                                              sequence_parallel=sp)
+
+    def uses_sequence_parallel(self, seq_len: int) -> bool:
+        """Whether a full-sequence (uncached) forward of ``seq_len`` tokens is sequence-parallel; raises
+        the one-sentence ValueError when it should be but ``seq_len`` does not divide by tp."""
+        return sequence_parallel_for(self.config, self.parallel, seq_len)
+
+    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """The full-sequence (training / scoring) path: (final hidden states, sequence_parallel). The
+        states are (b, s/p, h), this rank's tokens, when sequence_parallel is True, else (b, s, h)."""
+        b, s = input_ids.shape
+        self._check_length(s, 0, position_ids)
+        sp = self.uses_sequence_parallel(s)
+        if position_ids is None:
+            position_ids = torch.arange(s, device=input_ids.device).unsqueeze(0)   # (1, s)
+        x = self.wte(input_ids) + self.wpe(position_ids)                           # (b, s, h)
+        if sp:
+            x = scatter_to_sequence_parallel_region(x, self.parallel)              # (b, s/p, h)
+        x = region_dropout(self.drop, x, self.parallel, sp)
+        bias = attention_bias(attention_mask, s, causal=True, dtype=x.dtype)      # (b, 1, s, s) or None
+        x = run_layers(self.h, x, bias, causal=True, checkpoint=self._recompute(), sequence_parallel=sp)
+        return self.ln_f(x, sequence_parallel=sp), sp                               # (b, s or s/p, h)
+
+    def _recompute(self) -> str | None:
+        return recompute_mode(self.config) if self.training else None
+
+    def _check_length(self, s: int, past_length: int, position_ids) -> None:
+        if s > self.config.n_positions or (position_ids is None and past_length + s > self.config.n_positions):
+            raise ValueError(f"sequence length {past_length + s} exceeds n_positions={self.config.n_positions}; "
+                             f"truncate inputs to {self.config.n_positions} tokens.")
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, past_key_values=None, use_cache: bool = False):
@@ -46,20 +89,18 @@ class GPT2Model(nn.Module):
         with ``use_cache``; ``input_ids`` then holds only the s new tokens, ``attention_mask`` (if
         given) covers past and new tokens, (b, P + s), and positions default to P ... P + s - 1.
         """
+        if past_key_values is None and not use_cache:                              # training / scoring path
+            x, sp = self.encode(input_ids, attention_mask, position_ids)           # (b, s or s/p, h)
+            if sp:   # a replicated consumer: backward keeps this rank's tokens of the (equal) gradients
+                x = gather_from_sequence_parallel_region(x, self.parallel, tensor_parallel_output_grad=False)
+            return x                                                                # (b, s, h)
         b, s = input_ids.shape
         past_length = past_key_values[0][0].shape[2] if past_key_values is not None else 0
-        if s > self.config.n_positions or (position_ids is None and past_length + s > self.config.n_positions):
-            raise ValueError(f"sequence length {past_length + s} exceeds n_positions={self.config.n_positions}; "
-                             f"truncate inputs to {self.config.n_positions} tokens.")
+        self._check_length(s, past_length, position_ids)
         if position_ids is None:
             position_ids = torch.arange(past_length, past_length + s, device=input_ids.device).unsqueeze(0)  # (1, s)
         x = self.wte(input_ids) + self.wpe(position_ids)                           # (b, s, h)
         x = self.drop(x)
-        if past_key_values is None and not use_cache:                              # training / scoring path
-            bias = attention_bias(attention_mask, s, causal=True, dtype=x.dtype)  # (b, 1, s, s) or None
-            x = run_layers(self.h, x, bias, causal=True,
-                           checkpoint=self.config.activation_checkpointing and self.training)   # (b, s, h)
-            return self.ln_f(x)                                                     # (b, s, h)
         if past_length > 0 and attention_mask is None and s > 1:
             # SDPA's is_causal would align the triangle top-left; the offset triangle needs a bias.
             attention_mask = torch.ones(b, past_length + s, dtype=torch.bool, device=input_ids.device)
@@ -68,7 +109,7 @@ class GPT2Model(nn.Module):
         out = run_layers(self.h, x, bias, causal=True, checkpoint=False,
                          past_key_values=past_key_values if past_length > 0 else None, use_cache=use_cache)
         x, presents = out if use_cache else (out, None)                             # (b, s, h)
-        x = self.ln_f(x)                                                            # (b, s, h)
+        x = self.ln_f(x, sequence_parallel=False)                                   # (b, s, h)
         return (x, presents) if use_cache else x
 
 
@@ -82,6 +123,11 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
     Decoding: ``use_cache=True`` returns ``.past_key_values``, a tuple of one (k, v) per layer, each
     (b, heads_local, P + s, d) for this rank's heads; pass it back with only the new tokens.
     ``logits_to_keep`` = n > 0 computes (and gathers) the logits of the last n positions only.
+
+    ``config.sequence_parallel`` (tp > 1, Korthikanti et al. 2022): the full-sequence forward keeps
+    this rank's s/p tokens up to the LM head, whose input is all-gathered along the sequence in place
+    of f (backward: reduce-scatter), as in Megatron; logits and loss are unchanged. Cached decoding and
+    ``logits_to_keep`` run without it.
     """
 
     base_prefix = "transformer."   # OpenAI-converted gpt2 checkpoints store keys without it
@@ -100,7 +146,10 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
                 gather_output: bool = False, past_key_values=None, use_cache: bool = False,
                 logits_to_keep: int = 0) -> CausalLMOutputWithPast:
         presents = None
-        if past_key_values is None and not use_cache:
+        sp = False
+        if past_key_values is None and not use_cache and not logits_to_keep:
+            hidden, sp = self.transformer.encode(input_ids, attention_mask, position_ids)  # (b, s or s/p, h)
+        elif past_key_values is None and not use_cache:
             hidden = self.transformer(input_ids, attention_mask, position_ids)      # (b, s, h)
         else:
             out = self.transformer(input_ids, attention_mask, position_ids, past_key_values=past_key_values,
@@ -110,7 +159,7 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
             if labels is not None:
                 raise ValueError("labels need the logits of every position; pass logits_to_keep=0 with labels.")
             hidden = hidden[:, -logits_to_keep:]                                    # (b, n, h)
-        local_logits = self.transformer.wte.lm_logits(hidden)                      # (b, s, V_pad/p)
+        local_logits = self.transformer.wte.lm_logits(hidden, sequence_parallel=sp)  # (b, s, V_pad/p)
         loss = None
         if labels is not None:
             # Shift the labels, not the logits (no logits-sized copy): position t predicts t+1.

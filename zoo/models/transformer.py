@@ -4,6 +4,22 @@ Per layer, forward: f -> [QKV column-parallel] -> attention on local heads -> [r
 then f -> [column-parallel up] -> GeLU -> [row-parallel down] -> g. Two all-reduces forward (the g's)
 and two backward (the f's). LayerNorm, residuals and residual dropout are replicated on every TP rank.
 
+Sequence parallelism (Korthikanti et al. 2022, Figure 5), ``sequence_parallel=True``: the layer's
+input and output are this rank's tokens, (b, s/p, h), split along the sequence (dim 1). LayerNorm,
+residual dropout and the residual adds run on those s/p tokens; each column-parallel GEMM all-gathers
+its input along the sequence (backward: reduce-scatter) in place of f, and each row-parallel GEMM
+reduce-scatters its output (backward: all-gather) in place of g. Per layer that is two all-gathers and
+two reduce-scatters forward, two reduce-scatters and two all-gathers backward, and no activation
+all-reduce; the LayerNorm parameters and the row-parallel biases get their gradients summed over the
+TP group (one small all-reduce each, in backward). Residual dropout then draws from the TP-rank
+stream, since every rank holds other tokens. The option is a no-op at tp = 1 and is decided per call
+(the models turn it off for key/value-cached decoding).
+
+Selective recomputation (ibid., section 5): with ``recompute_attention`` the attention core
+(QK^T, softmax, dropout, @V) is run under DeepSpeed's activation checkpointing: its s x s
+activations are not kept but recomputed in backward, with the RNG states (default and TP tracker)
+restored so the recomputed dropout mask is the same.
+
 Incremental decoding: a layer's key/value cache is the tuple ``(k, v)`` of this rank's heads,
 each (b, heads_local, s_past, d) -- the cache is sharded exactly like the heads, so it needs no
 communication. With ``layer_past`` the new keys/values are appended and the queries attend to
@@ -17,6 +33,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.parallel import ColumnParallelLinear, RowParallelLinear, tp_rng_fork
+from zoo.parallel.layers import SequenceParallelLayerNorm
+from zoo.parallel.random import region_rng
 from zoo.parallel.state import ParallelState, tp_size_of
 from zoo.parallel.utils import divide
 
@@ -26,11 +44,13 @@ class ParallelSelfAttention(nn.Module):
 
     QKV = f(X) [W_q | W_k | W_v] is column-parallel with stride 3, so rank i holds q, k and v of
     heads i*n/p ... (i+1)*n/p - 1 and attends with them alone; O = g(softmax(QK^T/sqrt(d)) V W_o) is
-    row-parallel. Attention-probability dropout draws from the TP-rank-specific RNG stream.
+    row-parallel. Attention-probability dropout draws from the TP-rank-specific RNG stream. With
+    ``sequence_parallel`` the input and output are (b, s/p, h); the heads still see all s tokens.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, attn_dropout: float, *,
-                 parallel: ParallelState | None, init_std: float, output_init_std: float):
+                 parallel: ParallelState | None, init_std: float, output_init_std: float,
+                 sequence_parallel: bool = False):
         super().__init__()
         tp = tp_size_of(parallel)
         self.parallel = parallel
@@ -39,17 +59,19 @@ class ParallelSelfAttention(nn.Module):
         self.local_hidden = self.local_heads * self.head_dim
         self.attn_dropout = attn_dropout
         self.c_attn = ColumnParallelLinear(hidden_size, 3 * hidden_size, stride=3, parallel=parallel,
-                                           init_std=init_std)
-        self.c_proj = RowParallelLinear(hidden_size, hidden_size, parallel=parallel, init_std=output_init_std)
+                                           init_std=init_std, sequence_parallel=sequence_parallel)
+        self.c_proj = RowParallelLinear(hidden_size, hidden_size, parallel=parallel, init_std=output_init_std,
+                                        sequence_parallel=sequence_parallel)
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool,
-                layer_past: tuple[torch.Tensor, torch.Tensor] | None = None, use_cache: bool = False):
-        """Attention output (b, s, h); with ``use_cache`` the pair (output, (k, v)) where k and v are
-        (b, heads_local, s_past + s, d). With ``layer_past`` and a causal query of more than one token,
-        ``attn_bias`` must carry the offset causal mask (SDPA's ``is_causal`` aligns the top-left corner,
-        which is only right without a past)."""
-        b, s, _ = x.shape                                                   # (b, s, h)
-        qkv = self.c_attn(x)                                                # (b, s, 3 * h/p)
+                layer_past: tuple[torch.Tensor, torch.Tensor] | None = None, use_cache: bool = False,
+                sequence_parallel: bool = False, recompute_attention: bool = False):
+        """Attention output (b, s, h) (or (b, s/p, h) with ``sequence_parallel``); with ``use_cache`` the
+        pair (output, (k, v)) where k and v are (b, heads_local, s_past + s, d). With ``layer_past`` and a
+        causal query of more than one token, ``attn_bias`` must carry the offset causal mask (SDPA's
+        ``is_causal`` aligns the top-left corner, which is only right without a past)."""
+        qkv = self.c_attn(x, sequence_parallel=sequence_parallel)          # (b, s, 3 * h/p), s all tokens
+        b, s, _ = qkv.shape
         q, k, v = qkv.split(self.local_hidden, dim=-1)                      # 3 x (b, s, h/p)
         q, k, v = (t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # q, k, v: (b, heads_local, s, d)
@@ -61,32 +83,45 @@ class ParallelSelfAttention(nn.Module):
             v = torch.cat((layer_past[1], v), dim=2)                        # (b, heads_local, s_past + s, d)
         dropout_p = self.attn_dropout if self.training else 0.0
         use_causal_flag = causal and attn_bias is None and layer_past is None
+        if recompute_attention and torch.is_grad_enabled():
+            import deepspeed
+
+            y = deepspeed.checkpointing.checkpoint(self._core, q, k, v, attn_bias, use_causal_flag, dropout_p)
+        else:
+            y = self._core(q, k, v, attn_bias, use_causal_flag, dropout_p)  # (b, heads_local, s, d)
+        y = y.transpose(1, 2).reshape(b, s, self.local_hidden)              # (b, s, h/p)
+        y = self.c_proj(y, sequence_parallel=sequence_parallel)             # (b, s, h) or (b, s/p, h)
+        return (y, (k, v)) if use_cache else y
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None,
+              is_causal: bool, dropout_p: float) -> torch.Tensor:
+        """softmax(QK^T / sqrt(d) + bias) with dropout, times V: (b, heads_local, s, d). The part selective
+        recomputation recomputes (its activations grow with s^2, its FLOPs are a small share)."""
         if dropout_p > 0.0:
             with tp_rng_fork(self.parallel):
-                y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p,
-                                                   is_causal=use_causal_flag)
-        else:
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=use_causal_flag)
-        y = y.transpose(1, 2).reshape(b, s, self.local_hidden)              # (b, s, h/p)
-        y = self.c_proj(y)                                                  # (b, s, h)
-        return (y, (k, v)) if use_cache else y
+                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p,
+                                                      is_causal=is_causal)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=is_causal)
 
 
 class ParallelMLP(nn.Module):
     """Y = g(GeLU(f(X) A) B): A column-parallel (GeLU runs locally on X A_i), B row-parallel."""
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, gelu_approximate: str, *,
-                 parallel: ParallelState | None, init_std: float, output_init_std: float):
+                 parallel: ParallelState | None, init_std: float, output_init_std: float,
+                 sequence_parallel: bool = False):
         super().__init__()
         self.gelu_approximate = gelu_approximate
-        self.c_fc = ColumnParallelLinear(hidden_size, ffn_hidden_size, parallel=parallel, init_std=init_std)
+        self.c_fc = ColumnParallelLinear(hidden_size, ffn_hidden_size, parallel=parallel, init_std=init_std,
+                                         sequence_parallel=sequence_parallel)
         self.c_proj = RowParallelLinear(ffn_hidden_size, hidden_size, parallel=parallel,
-                                        init_std=output_init_std)
+                                        init_std=output_init_std, sequence_parallel=sequence_parallel)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.c_fc(x)                                                    # (b, s, 4h/p)
+    def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
+        """(b, s, h) -> (b, s, h); with ``sequence_parallel`` (b, s/p, h) -> (b, s/p, h) (AG -> A -> B -> RS)."""
+        x = self.c_fc(x, sequence_parallel=sequence_parallel)               # (b, s, 4h/p)
         x = F.gelu(x, approximate=self.gelu_approximate)
-        return self.c_proj(x)                                               # (b, s, h)
+        return self.c_proj(x, sequence_parallel=sequence_parallel)          # (b, s, h) or (b, s/p, h)
 
 
 class TransformerLayer(nn.Module):
@@ -100,42 +135,69 @@ class TransformerLayer(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, layer_norm_eps: float,
                  attn_dropout: float, hidden_dropout: float, gelu_approximate: str,
                  parallel: ParallelState | None, init_std: float, output_init_std: float,
-                 pre_norm: bool = True):
+                 pre_norm: bool = True, sequence_parallel: bool = False):
         super().__init__()
         self.pre_norm = pre_norm
-        self.ln_1 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+        self.parallel = parallel
+        self.ln_1 = SequenceParallelLayerNorm(hidden_size, eps=layer_norm_eps, parallel=parallel,
+                                              sequence_parallel=sequence_parallel)
         self.attn = ParallelSelfAttention(hidden_size, num_heads, attn_dropout, parallel=parallel,
-                                          init_std=init_std, output_init_std=output_init_std)
-        self.ln_2 = nn.LayerNorm(hidden_size, eps=layer_norm_eps)
+                                          init_std=init_std, output_init_std=output_init_std,
+                                          sequence_parallel=sequence_parallel)
+        self.ln_2 = SequenceParallelLayerNorm(hidden_size, eps=layer_norm_eps, parallel=parallel,
+                                              sequence_parallel=sequence_parallel)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, gelu_approximate, parallel=parallel,
-                               init_std=init_std, output_init_std=output_init_std)
-        self.dropout = nn.Dropout(hidden_dropout)  # replicated activations: default RNG stream
+                               init_std=init_std, output_init_std=output_init_std,
+                               sequence_parallel=sequence_parallel)
+        self.dropout = nn.Dropout(hidden_dropout)  # default stream, or the TP-rank stream under SP
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, causal: bool = False,
-                layer_past: tuple[torch.Tensor, torch.Tensor] | None = None, use_cache: bool = False):
-        """The layer output (b, s, h); with ``use_cache`` the pair (output, (k, v)) of this layer's
-        updated key/value cache (see :class:`ParallelSelfAttention`)."""
+                layer_past: tuple[torch.Tensor, torch.Tensor] | None = None, use_cache: bool = False,
+                sequence_parallel: bool = False, recompute_attention: bool = False):
+        """The layer output (b, s, h), or (b, s/p, h) for a (b, s/p, h) input with ``sequence_parallel``;
+        with ``use_cache`` the pair (output, (k, v)) of this layer's updated key/value cache (see
+        :class:`ParallelSelfAttention`; no sequence parallelism there)."""
         if layer_past is not None or use_cache:
             return self._forward_cached(x, attn_bias, causal, layer_past, use_cache)
+        sp = sequence_parallel
+
+        def attn(h):
+            return self.attn(h, attn_bias, causal, sequence_parallel=sp, recompute_attention=recompute_attention)
+
+        def drop(h):
+            return region_dropout(self.dropout, h, self.parallel, sp)
+
         if self.pre_norm:
-            x = x + self.dropout(self.attn(self.ln_1(x), attn_bias, causal))
-            x = x + self.dropout(self.mlp(self.ln_2(x)))
+            x = x + drop(attn(self.ln_1(x, sequence_parallel=sp)))
+            x = x + drop(self.mlp(self.ln_2(x, sequence_parallel=sp), sequence_parallel=sp))
         else:
-            x = self.ln_1(x + self.dropout(self.attn(x, attn_bias, causal)))
-            x = self.ln_2(x + self.dropout(self.mlp(x)))
-        return x                                                            # (b, s, h)
+            x = self.ln_1(x + drop(attn(x)), sequence_parallel=sp)
+            x = self.ln_2(x + drop(self.mlp(x, sequence_parallel=sp)), sequence_parallel=sp)
+        return x                                                            # (b, s, h) or (b, s/p, h)
 
     def _forward_cached(self, x, attn_bias, causal, layer_past, use_cache):
         """The same maths as :meth:`forward`, threading the key/value cache through the attention."""
-        attn_in = self.ln_1(x) if self.pre_norm else x
-        a, present = self.attn(attn_in, attn_bias, causal, layer_past=layer_past, use_cache=True)
+        no_sp = {"sequence_parallel": False}
+        attn_in = self.ln_1(x, **no_sp) if self.pre_norm else x
+        a, present = self.attn(attn_in, attn_bias, causal, layer_past=layer_past, use_cache=True, **no_sp)
         if self.pre_norm:
             x = x + self.dropout(a)
-            x = x + self.dropout(self.mlp(self.ln_2(x)))
+            x = x + self.dropout(self.mlp(self.ln_2(x, **no_sp), **no_sp))
         else:
-            x = self.ln_1(x + self.dropout(a))
-            x = self.ln_2(x + self.dropout(self.mlp(x)))
+            x = self.ln_1(x + self.dropout(a), **no_sp)
+            x = self.ln_2(x + self.dropout(self.mlp(x, **no_sp)), **no_sp)
         return (x, present) if use_cache else x                             # (b, s, h)
+
+
+def region_dropout(dropout: nn.Dropout, x: torch.Tensor, parallel: ParallelState | None,
+                   sequence_parallel: bool) -> torch.Tensor:
+    """Dropout on activations between the TP GEMMs: from the TP-rank stream when they are this rank's
+    s/p tokens (sequence parallelism), else from the default stream (replicated activations, same mask
+    on every rank). An inactive dropout (eval, p = 0) draws nothing and needs no stream."""
+    if not (dropout.training and dropout.p > 0):
+        return dropout(x)
+    with region_rng(parallel, sequence_parallel):
+        return dropout(x)
 
 
 def attention_bias(attention_mask: torch.Tensor | None, seq_len: int, causal: bool,
@@ -171,10 +233,13 @@ def attention_bias(attention_mask: torch.Tensor | None, seq_len: int, causal: bo
 
 
 def run_layers(layers, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool,
-               checkpoint: bool, past_key_values=None, use_cache: bool = False):
-    """Apply the layers in order; with ``checkpoint`` (and grad enabled) each layer's activations are
-    recomputed in backward by DeepSpeed's activation checkpointing, which also restores the RNG
-    states (default and TP tracker) so recomputed dropout masks match.
+               checkpoint: bool | str | None, past_key_values=None, use_cache: bool = False,
+               sequence_parallel: bool = False):
+    """Apply the layers in order. ``checkpoint`` is the recompute granularity: "full" (or True), with
+    grad enabled, recomputes each layer's activations in backward by DeepSpeed's activation
+    checkpointing, which also restores the RNG states (default and TP tracker) so recomputed dropout
+    masks match; "selective" recomputes only each layer's attention core the same way; None/False
+    keeps every activation. With ``sequence_parallel`` ``x`` is (b, s/p, h), this rank's tokens.
 
     ``past_key_values`` (one (k, v) per layer) and ``use_cache`` are for incremental decoding (no
     checkpointing there): with ``use_cache`` the result is (x, presents), presents holding each
@@ -191,12 +256,24 @@ def run_layers(layers, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: 
             x, present = out if use_cache else (out, None)                  # (b, s, h)
             presents.append(present)
         return (x, tuple(presents)) if use_cache else x
-    checkpoint = checkpoint and torch.is_grad_enabled()
+    full = checkpoint in (True, "full") and torch.is_grad_enabled()
+    options = {"sequence_parallel": sequence_parallel, "recompute_attention": checkpoint == "selective"}
     for layer in layers:
-        if checkpoint:
+        if full:
             import deepspeed
 
-            x = deepspeed.checkpointing.checkpoint(layer, x, attn_bias, causal)
+            x = deepspeed.checkpointing.checkpoint(layer, x, attn_bias, causal, None, False, sequence_parallel)
         else:
-            x = layer(x, attn_bias, causal)                                          # (b, s, h)
+            x = layer(x, attn_bias, causal, **options)                               # (b, s, h) or (b, s/p, h)
     return x
+
+
+def sequence_parallel_for(config, parallel: ParallelState | None, seq_len: int) -> bool:
+    """Whether a full-sequence forward of ``seq_len`` tokens runs sequence-parallel: the config asks for it
+    and tp > 1 (at tp = 1 it is a no-op). The length must then divide by tp (one-sentence ValueError)."""
+    from zoo.parallel.mappings import check_sequence_divisible
+
+    if not getattr(config, "sequence_parallel", False) or tp_size_of(parallel) == 1:
+        return False
+    check_sequence_divisible(seq_len, parallel)
+    return True

@@ -5,6 +5,15 @@ for one seed) and keeps only this rank's slice, so a model built at tp = 1, 2 or
 the same merged weights. Sharded parameters carry ``tensor_model_parallel = True``,
 ``partition_dim`` and ``partition_stride`` (read by DeepSpeed's gradient norm and by zoo's
 checkpoint code); replicated parameters carry none of them.
+
+Sequence parallelism (Korthikanti et al. 2022; see ``zoo.parallel.mappings``): with
+``sequence_parallel=True`` a column-parallel layer all-gathers its (b, s/p, h) input along the
+sequence instead of entering through f, and a row-parallel layer reduce-scatters its output to
+(b, s/p, h) instead of leaving through g. Replicated parameters used on s/p tokens (LayerNorms,
+the row-parallel bias) carry ``sequence_parallel = True``; their gradients are summed over the TP
+group inside the autograd graph (:func:`zoo.parallel.mappings.all_reduce_grads_of_replicated`), so
+they stay replicated and are counted once by any gradient norm. The option is a no-op at tp = 1,
+and a ``forward(..., sequence_parallel=False)`` call runs the layer without it (cached decoding).
 """
 
 from __future__ import annotations
@@ -15,7 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.parallel.mappings import (copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+from zoo.parallel.mappings import (all_reduce_grads_of_replicated, copy_to_tp_region,
+                                   gather_from_sequence_parallel_region, gather_from_tp_region,
+                                   reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
                                    scatter_to_tp_region)
 from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
 from zoo.parallel.utils import divide, pad_vocab_size, shard_tensor, vocab_range
@@ -31,6 +42,47 @@ def mark_tensor_parallel(param: nn.Parameter, partition_dim: int, stride: int = 
 
 def is_tensor_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "tensor_model_parallel", False))
+
+
+def mark_sequence_parallel(param: nn.Parameter) -> nn.Parameter:
+    """Tag a replicated parameter that sees only this rank's s/p tokens under sequence parallelism
+    (its gradient is all-reduced over the TP group in the graph; it stays a replicated parameter)."""
+    param.sequence_parallel = True
+    return param
+
+
+def is_sequence_parallel(param: torch.Tensor) -> bool:
+    return bool(getattr(param, "sequence_parallel", False))
+
+
+def sequence_parallel_in_use(parallel: ParallelState | None, sequence_parallel: bool) -> bool:
+    """Sequence parallelism takes effect only with more than one TP rank."""
+    return bool(sequence_parallel) and tp_size_of(parallel) > 1
+
+
+class SequenceParallelLayerNorm(nn.LayerNorm):
+    """``nn.LayerNorm`` (same parameter names) that may run on this rank's s/p tokens.
+
+    With sequence parallelism in use, y = LN(X_i; gamma, beta) on the rank's tokens X_i, and
+    d gamma = sum_i d gamma_i (likewise beta) over the TP ranks: the parameters enter through f
+    (:func:`all_reduce_grads_of_replicated`, one all-reduce for both in backward).
+    """
+
+    def __init__(self, normalized_shape: int, eps: float = 1e-5, *, parallel: ParallelState | None = None,
+                 sequence_parallel: bool = False, device=None, dtype=None):
+        super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)
+        self.parallel = parallel
+        self.sequence_parallel = sequence_parallel
+        if sequence_parallel:
+            mark_sequence_parallel(self.weight)
+            mark_sequence_parallel(self.bias)
+
+    def forward(self, x: torch.Tensor, sequence_parallel: bool | None = None) -> torch.Tensor:
+        use = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        if not sequence_parallel_in_use(self.parallel, use):
+            return super().forward(x)
+        weight, bias = all_reduce_grads_of_replicated(self.parallel, self.weight, self.bias)
+        return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)   # (b, s/p, h)
 
 
 @torch.no_grad()
@@ -56,13 +108,17 @@ class ColumnParallelLinear(nn.Module):
     ``stride`` s > 1 splits the output into s equal blocks and partitions each block, for fused
     projections: the QKV GEMM uses s = 3 so every rank holds q, k and v of its own heads.
     Weight layout is ``nn.Linear``'s: (out_features / p, in_features).
+
+    ``sequence_parallel``: the input is this rank's tokens (b, s/p, in) and f is replaced by an
+    all-gather along the sequence (backward: reduce-scatter of the input gradient), Y_i = AG(X) A_i + b_i.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  *, parallel: ParallelState | None = None, init_std: float = 0.02, stride: int = 1,
-                 device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.parallel = parallel
+        self.sequence_parallel = sequence_parallel
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
@@ -91,8 +147,12 @@ class ColumnParallelLinear(nn.Module):
             with torch.no_grad():
                 self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = copy_to_tp_region(x, self.parallel)                 # f
+    def forward(self, x: torch.Tensor, sequence_parallel: bool | None = None) -> torch.Tensor:
+        use = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        if sequence_parallel_in_use(self.parallel, use):
+            x = gather_from_sequence_parallel_region(x, self.parallel)   # (b, s/p, in) -> (b, s, in)
+        else:
+            x = copy_to_tp_region(x, self.parallel)                 # f
         y = F.linear(x, self.weight, self.bias)                 # (..., out / p)
         if self.gather_output:
             y = gather_from_tp_region(y, self.parallel)         # (..., out)
@@ -100,7 +160,8 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={tp_size_of(self.parallel)}, stride={self.stride}, gather_output={self.gather_output}")
+                f"tp={tp_size_of(self.parallel)}, stride={self.stride}, gather_output={self.gather_output}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class RowParallelLinear(nn.Module):
@@ -110,12 +171,21 @@ class RowParallelLinear(nn.Module):
     them, Y = g(sum_i X_i A_i) + b. The bias is replicated and added once, after the all-reduce.
     With ``input_is_parallel=False`` the full X is first scattered along its last dim.
     Weight layout is ``nn.Linear``'s: (out_features, in_features / p).
+
+    ``sequence_parallel``: g is replaced by a reduce-scatter along the sequence (backward: all-gather),
+    Y = RS(sum_i X_i A_i) + b on this rank's s/p tokens; the bias then sees s/p tokens, so it is tagged
+    ``sequence_parallel`` and its gradient summed over the TP group.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
-                 *, parallel: ParallelState | None = None, init_std: float = 0.02, device=None, dtype=None):
+                 *, parallel: ParallelState | None = None, init_std: float = 0.02, sequence_parallel: bool = False,
+                 device=None, dtype=None):
         super().__init__()
+        if sequence_parallel and not input_is_parallel:
+            raise ValueError("a row-parallel layer with sequence_parallel=True needs input_is_parallel=True; its input "
+                             "must already be split along the hidden dim.")
         self.parallel = parallel
+        self.sequence_parallel = sequence_parallel
         self.in_features = in_features
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
@@ -126,6 +196,8 @@ class RowParallelLinear(nn.Module):
             nn.Parameter(torch.empty(out_features, self.in_features_per_partition, **factory)), 1)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features, **factory))  # replicated
+            if sequence_parallel:
+                mark_sequence_parallel(self.bias)
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
@@ -136,12 +208,19 @@ class RowParallelLinear(nn.Module):
             with torch.no_grad():
                 self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, sequence_parallel: bool | None = None) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.parallel)          # (..., in / p)
         if tp_size_of(self.parallel) == 1:
             return F.linear(x, self.weight, self.bias)          # (..., out)
         partial = F.linear(x, self.weight)                      # (..., out), this rank's X_i A_i
+        use = self.sequence_parallel if sequence_parallel is None else sequence_parallel
+        if use:
+            y = reduce_scatter_to_sequence_parallel_region(partial, self.parallel)  # (b, s/p, out)
+            if self.bias is not None:
+                (bias,) = all_reduce_grads_of_replicated(self.parallel, self.bias)
+                y = y + bias
+            return y
         y = reduce_from_tp_region(partial, self.parallel)       # g
         if self.bias is not None:
             y = y + self.bias
@@ -149,7 +228,8 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={tp_size_of(self.parallel)}, input_is_parallel={self.input_is_parallel}")
+                f"tp={tp_size_of(self.parallel)}, input_is_parallel={self.input_is_parallel}, "
+                f"sequence_parallel={self.sequence_parallel}")
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -195,13 +275,20 @@ class VocabParallelEmbedding(nn.Module):
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
         return reduce_from_tp_region(partial, self.parallel)    # g
 
-    def lm_logits(self, hidden: torch.Tensor, gather_output: bool = False) -> torch.Tensor:
+    def lm_logits(self, hidden: torch.Tensor, gather_output: bool = False,
+                  sequence_parallel: bool = False) -> torch.Tensor:
         """Tied output embedding: logits_i = f(H) E_i^T, this rank's vocab shard.
 
         With ``gather_output`` the shards are all-gathered and the padding is cut, giving the full
         unpadded vocabulary (for inspection and generation; the loss never needs it).
+        With ``sequence_parallel`` ``hidden`` is this rank's tokens (b, s/p, h) and f is replaced by an
+        all-gather along the sequence (backward: reduce-scatter), as Megatron does before its output
+        layer: the vocab-parallel cross-entropy needs every position's logits of its vocab shard.
         """
-        hidden = copy_to_tp_region(hidden, self.parallel)        # f
+        if sequence_parallel_in_use(self.parallel, sequence_parallel):
+            hidden = gather_from_sequence_parallel_region(hidden, self.parallel)   # (b, s, h)
+        else:
+            hidden = copy_to_tp_region(hidden, self.parallel)    # f
         logits = F.linear(hidden, self.weight)                   # (..., V_padded / p)
         if gather_output:
             logits = gather_from_tp_region(logits, self.parallel)[..., :self.vocab_size]  # (..., V)
@@ -218,12 +305,15 @@ def scaled_init_std(std: float, num_layers: int) -> float:
 
 
 def materialize_meta_module(module: nn.Module, device: torch.device | str = "cpu") -> nn.Module:
-    """``module.to_empty(device)`` that keeps the tensor-parallel tags (``to_empty`` makes new
-    Parameter objects, which would drop them). Contents are uninitialised: load weights next."""
+    """``module.to_empty(device)`` that keeps the tensor- and sequence-parallel tags (``to_empty`` makes
+    new Parameter objects, which would drop them). Contents are uninitialised: load weights next."""
     tags = {name: (p.partition_dim, getattr(p, "partition_stride", 1))
             for name, p in module.named_parameters() if is_tensor_parallel(p)}
+    sequence_tags = {name for name, p in module.named_parameters() if is_sequence_parallel(p)}
     module.to_empty(device=device)
     for name, param in module.named_parameters():
         if name in tags:
             mark_tensor_parallel(param, *tags[name])
+        if name in sequence_tags:
+            mark_sequence_parallel(param)
     return module

@@ -12,8 +12,31 @@ row-parallel GEMM is left through g, so an MLP or attention block costs one all-
 and one backward. With ``parallel`` None or tp_size 1 every operator is the identity and issues
 no collective.
 
-Collectives are called as ``torch.distributed.all_reduce`` / ``all_gather`` (looked up at call
-time), so the tests can count them.
+Sequence parallelism (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large
+Transformer Models", section 4.2.2). Between the tensor-parallel GEMMs (LayerNorm, dropout,
+residual adds) every rank holds only its s/p tokens. zoo's activations are (b, s, h), so the
+sequence dim is dim 1 and rank i holds tokens [i*s/p, (i+1)*s/p) of every sample (with (b, s, h)
+the slice is strided, so each split/gather below costs one local copy that Megatron's (s, b, h)
+avoids). The three operators are
+
+    scatter_to_sequence_parallel_region:         forward  Y = X[:, rank's s/p tokens]
+                                                 backward dX = all-gather(dY) along s
+    gather_from_sequence_parallel_region:        forward  Y = all-gather(X) along s        ("g-bar")
+                                                 backward dX = reduce-scatter(dY) along s
+                  (tensor_parallel_output_grad=False: backward dX = dY[:, rank's tokens])
+    reduce_scatter_to_sequence_parallel_region:  forward  Y = reduce-scatter(X) along s    ("g")
+                                                 backward dX = all-gather(dY) along s
+
+The all-gather and the reduce-scatter are each other's transpose, so the gather that enters a
+column-parallel GEMM (replacing f) and the reduce-scatter that leaves a row-parallel GEMM
+(replacing g) form the conjugate pair of the paper's Figure 5: per block one all-gather and one
+reduce-scatter forward, one reduce-scatter and one all-gather backward. An all-reduce is a
+reduce-scatter followed by an all-gather, so the bytes moved equal those of f and g.
+``tensor_parallel_output_grad=False`` is for a gather whose consumer is replicated (the BERT
+pooler): every rank then holds the same full gradient and keeps its own tokens of it.
+
+Collectives are called as ``torch.distributed.all_reduce`` / ``all_gather`` /
+``reduce_scatter_tensor`` (looked up at call time), so the tests can count them.
 """
 
 from __future__ import annotations
@@ -55,6 +78,46 @@ def _gather_last_dim(tensor: torch.Tensor, parallel: ParallelState) -> torch.Ten
     pieces = [torch.empty_like(tensor) for _ in range(parallel.tp_size)]
     dist.all_gather(pieces, tensor, group=parallel.tp_group)
     return torch.cat(pieces, dim=-1)
+
+
+SEQUENCE_DIM = 1   # activations are (b, s, h)
+
+
+def check_sequence_divisible(seq_len: int, parallel: ParallelState | None) -> None:
+    """Sequence parallelism splits the tokens evenly over the TP ranks: refuse a length that does not divide."""
+    tp = 1 if parallel is None else parallel.tp_size
+    if seq_len % tp != 0:
+        raise ValueError(f"sequence length {seq_len} is not divisible by tensor-parallel size {tp}, which sequence "
+                         f"parallelism needs; use a sequence length that is a multiple of {tp} or turn "
+                         "sequence_parallel off.")
+
+
+def _split_sequence(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    check_sequence_divisible(tensor.shape[SEQUENCE_DIM], parallel)
+    return tensor.chunk(parallel.tp_size, dim=SEQUENCE_DIM)[parallel.tp_rank].contiguous()   # (b, s/p, ...)
+
+
+def _gather_sequence(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    tensor = tensor.contiguous()
+    pieces = [torch.empty_like(tensor) for _ in range(parallel.tp_size)]
+    dist.all_gather(pieces, tensor, group=parallel.tp_group)
+    return torch.cat(pieces, dim=SEQUENCE_DIM)                                               # (b, s, ...)
+
+
+def _reduce_scatter_sequence(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    """Sum over the TP group, keeping this rank's s/p tokens: (b, s, ...) -> (b, s/p, ...).
+
+    ``reduce_scatter_tensor`` splits its input along dim 0, so the token blocks are first moved to the
+    front, (p, b, s/p, ...) viewed as (p*b, s/p, ...), in one copy (which also leaves the caller's tensor
+    untouched)."""
+    check_sequence_divisible(tensor.shape[SEQUENCE_DIM], parallel)
+    p = parallel.tp_size
+    b, s = tensor.shape[0], tensor.shape[1]
+    rest = tensor.shape[2:]
+    blocks = tensor.reshape(b, p, s // p, *rest).transpose(0, 1).reshape(p * b, s // p, *rest)  # (p*b, s/p, ...)
+    out = torch.empty((b, s // p, *rest), dtype=tensor.dtype, device=tensor.device)
+    dist.reduce_scatter_tensor(out, blocks, group=parallel.tp_group)
+    return out
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -100,6 +163,58 @@ class _GatherFromTensorParallelRegion(torch.autograd.Function):
         return _split_last_dim(grad, ctx.parallel), None
 
 
+class _ScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, parallel):
+        ctx.parallel = parallel
+        return _split_sequence(x, parallel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.parallel), None
+
+
+class _GatherFromSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, parallel, tensor_parallel_output_grad):
+        ctx.parallel = parallel
+        ctx.tensor_parallel_output_grad = tensor_parallel_output_grad
+        return _gather_sequence(x, parallel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        if ctx.tensor_parallel_output_grad:
+            return _reduce_scatter_sequence(grad, ctx.parallel), None, None
+        return _split_sequence(grad, ctx.parallel), None, None
+
+
+class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, parallel):
+        ctx.parallel = parallel
+        return _reduce_scatter_sequence(x, parallel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_sequence(grad, ctx.parallel), None
+
+
+class _AllReduceGradOfReplicated(torch.autograd.Function):
+    """Identity on several tensors forward; backward all-reduces their gradients in one collective."""
+
+    @staticmethod
+    def forward(ctx, parallel, *tensors):
+        ctx.parallel = parallel
+        return tuple(t.view_as(t) for t in tensors)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat, group=ctx.parallel.tp_group)
+        pieces = flat.split([g.numel() for g in grads])
+        return (None, *(piece.view_as(g) for piece, g in zip(pieces, grads)))
+
+
 def _is_trivial(parallel: ParallelState | None) -> bool:
     return parallel is None or parallel.tp_size == 1
 
@@ -122,3 +237,41 @@ def scatter_to_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> tor
 def gather_from_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
     return x if _is_trivial(parallel) else _GatherFromTensorParallelRegion.apply(x, parallel)
+
+
+def scatter_to_sequence_parallel_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
+    """(b, s, h) -> (b, s/p, h): keep this rank's tokens forward; all-gather the gradient along s backward."""
+    return x if _is_trivial(parallel) else _ScatterToSequenceParallelRegion.apply(x, parallel)
+
+
+def gather_from_sequence_parallel_region(x: torch.Tensor, parallel: ParallelState | None,
+                                         tensor_parallel_output_grad: bool = True) -> torch.Tensor:
+    """(b, s/p, h) -> (b, s, h): all-gather along s forward; backward reduce-scatter the gradient along s
+    (its consumer is a tensor-parallel GEMM, each rank holding a partial gradient), or, with
+    ``tensor_parallel_output_grad=False`` (a replicated consumer, identical gradients), keep this rank's
+    tokens of it."""
+    if _is_trivial(parallel):
+        return x
+    return _GatherFromSequenceParallelRegion.apply(x, parallel, tensor_parallel_output_grad)
+
+
+def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
+    """(b, s, h) partial sums -> (b, s/p, h): reduce-scatter along s forward; all-gather the gradient backward."""
+    return x if _is_trivial(parallel) else _ReduceScatterToSequenceParallelRegion.apply(x, parallel)
+
+
+def all_reduce_grads_of_replicated(parallel: ParallelState | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Use replicated parameters inside a sequence-parallel region: identity forward; backward sums their
+    gradients over the TP group (one all-reduce for all of them), because each rank saw only its s/p tokens
+    and the true gradient is the sum over every token. This is f applied to the parameters.
+
+    Why in the graph and not a gradient hook: the all-reduce then happens once per use in every backward,
+    before DeepSpeed sees ``.grad``, so it is right under gradient accumulation (a post-accumulate hook
+    would all-reduce the running sum again each micro-step), under activation checkpointing, after
+    ``to_empty``/meta materialisation (which makes new Parameter objects and drops hooks) and with any
+    DeepSpeed engine, unchanged. The parameters stay replicated (identical gradients on every TP rank), so
+    gradient norms count them once, as any parameter without ``tensor_model_parallel``.
+    """
+    if _is_trivial(parallel):
+        return params
+    return _AllReduceGradOfReplicated.apply(parallel, *params)

@@ -9,6 +9,10 @@ Two random streams per rank:
   ``seed + 2718 + tp_rank``: dropout inside TP regions (attention probabilities of this rank's
   heads) acts on different data on every TP rank and must draw independent masks.
 
+Under sequence parallelism (Korthikanti et al. 2022) the regions between the TP GEMMs hold each
+rank's own s/p tokens, so their dropout (embedding, residual) is a TP-region dropout too: it draws
+from the tracker (:func:`region_rng`), masks differing per rank as the tokens do.
+
 DeepSpeed's activation checkpointing saves and restores both streams, so recomputed dropout masks
 equal the original ones.
 """
@@ -54,4 +58,13 @@ def tp_rng_fork(parallel: ParallelState | None):
     if tp_size_of(parallel) > 1:
         raise ValueError("dropout inside a tensor-parallel region needs the model-parallel RNG; call "
                          "zoo.parallel.model_parallel_seed(seed, parallel) after building the ParallelState.")
+    return contextlib.nullcontext()
+
+
+def region_rng(parallel: ParallelState | None, sequence_parallel: bool):
+    """Context manager for dropout on the activations between the TP GEMMs: the TP-rank stream when
+    sequence parallelism is in use (each rank holds other tokens), else the default stream (the
+    activations are replicated and every rank must draw the same mask)."""
+    if sequence_parallel and tp_size_of(parallel) > 1:
+        return tp_rng_fork(parallel)
     return contextlib.nullcontext()
