@@ -34,12 +34,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from zoo.training.planner import peak_tflops_of   # the one table of GPU peaks (zoo.training.planner.GPUS)
+
 REL_TOL = 1e-5
 PARITY_TEXT = "Megatron-LM splits every transformer layer across GPUs with two all-reduces forward."
 PROMPTS = ("The tensor-parallel transformer", "Attention heads are split", "A")
-# Dense fp16/bf16 tensor-core peaks (TFLOP/s) by device-name fragment, most specific first.
-PEAK_TFLOPS = (("H100 PCIe", 756.0), ("H100 NVL", 835.0), ("H100", 989.4), ("H200", 989.4), ("A100", 312.0),
-               ("V100", 125.0))
 
 
 @dataclass
@@ -384,8 +383,7 @@ def check_checkpoint(smoke: Smoke, engine, ids: torch.Tensor) -> bool:
 def peak_tflops(device: torch.device) -> float | None:
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    return next((peak for fragment, peak in PEAK_TFLOPS if fragment in name), None)
+    return peak_tflops_of(torch.cuda.get_device_name(device))
 
 
 def report_throughput(smoke: Smoke, precision: str, seconds: list[float], config) -> None:

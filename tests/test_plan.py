@@ -1,0 +1,166 @@
+"""launch/plan.py and zoo.training.planner: the paper's Table 1 parameter counts, the per-rank bytes, the
+activation formulas of Korthikanti et al. 2022 against hand-computed numbers, and one-sentence errors."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from zoo.training.planner import (activation_bytes, layer_activation_bytes, main, output_activation_bytes,
+                                  parse_memory, peak_tflops_of, plan, state_bytes)
+
+REPO = Path(__file__).resolve().parent.parent
+# Shoeybi et al. 2019, Table 1: tp degree -> parameters (billions), all trained on 32 GB V100s.
+PAPER_TABLE_1 = {1: 1.2, 2: 2.5, 4: 4.2, 8: 8.3}
+
+
+@pytest.fixture(scope="module")
+def paper_plans():
+    return {tp: plan(REPO / "ds_configs" / f"tp{tp}.json", tp) for tp in PAPER_TABLE_1}
+
+
+def gpt2_parameters(layers: int, hidden: int, padded_vocab: int, positions: int, tp: int) -> tuple[int, int]:
+    """(total, per rank) of GPT-2 by hand: a layer has QKV 3h^2 + 3h, projection h^2 + h, MLP 4h^2 + 4h and
+    4h^2 + h, two LayerNorms 4h; of these the projection's and the second MLP GEMM's biases and the
+    LayerNorms (6h) are replicated. Embeddings V h (vocab-parallel) + positions P h, final LayerNorm 2h."""
+    sharded = layers * (12 * hidden ** 2 + 7 * hidden) + padded_vocab * hidden
+    replicated = layers * 6 * hidden + positions * hidden + 2 * hidden
+    return sharded + replicated, sharded // tp + replicated
+
+
+@pytest.mark.parametrize("tp", sorted(PAPER_TABLE_1))
+def test_the_paper_configs_have_table_1_parameters_and_fit_a_32gb_v100(paper_plans, tp):
+    p = paper_plans[tp]
+    assert p.tp == tp and p.world_size == tp and p.device == "V100" and p.dtype == "fp16"
+    # Table 1 prints one decimal and the exact count rounds to it (1.2121B, 2.4889B, 4.1979B, 8.3170B); it also
+    # equals the count by hand. (1.2121B is 1.01 % above the printed 1.2: the paper rounds.)
+    assert round(p.params_total / 1e9, 1) == PAPER_TABLE_1[tp], p.params_total
+    assert (p.params_total, p.params_per_rank) == gpt2_parameters(p.layers, p.hidden, p.padded_vocab, 1024, tp)
+    assert p.padded_vocab % (128 * tp) == 0 and p.padded_vocab >= 50257
+    assert p.recompute == "full"       # the configs enable activation checkpointing, as the paper did
+    assert p.memory == 32 * 10 ** 9 and p.fits and p.margin == p.memory - p.total > 0
+
+
+def test_json_fields_add_up(capsys):
+    main(["--deepspeed_config", str(REPO / "ds_configs" / "tp8.json"), "--num-gpus", "8", "--json"])
+    fields = json.loads(capsys.readouterr().out)
+    for name in ("params_total", "params_per_rank", "weights", "gradients", "optimizer", "activations", "total",
+                 "fits", "margin", "memory", "flops_per_iteration", "seconds_per_iteration"):
+        assert name in fields, name
+    per_rank = fields["params_per_rank"]
+    assert (fields["weights"], fields["gradients"], fields["optimizer"]) == (2 * per_rank, 2 * per_rank, 12 * per_rank)
+    assert fields["total"] == fields["weights"] + fields["gradients"] + fields["optimizer"] + fields["activations"]
+    assert fields["activations"] == pytest.approx(fields["activations_layers"] + fields["activations_output"], abs=1)
+    assert fields["fits"] is True and fields["margin"] == fields["memory"] - fields["total"]
+    # Megatron's formula with recomputation: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), over 8 V100s at 40 % MFU.
+    B, s, l, h, V = 512, 1024, 72, 3072, 51200
+    flops = 96 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (16 * l * h))
+    assert fields["flops_per_iteration"] == pytest.approx(flops, rel=1e-12)
+    assert fields["seconds_per_iteration"] == pytest.approx(flops / (8 * 125e12 * 0.4), rel=1e-12)
+
+
+def test_the_readable_table_says_fits(capsys):
+    main(["--deepspeed_config", str(REPO / "ds_configs" / "cpu_demo.json"), "--num-gpus", "2",
+          "--gpu", "A100", "--gpu-memory", "40GB"])
+    out = capsys.readouterr().out
+    assert "tp=2 dp=1" in out and "fits in 40.00 GB" in out and "at 40 % MFU of 312 TFLOP/s x 2" in out
+
+
+# Hand-computed with s=4, b=2, h=8, a=2: s b h = 64 and a s^2 b = 64.
+S, B, H, A = 4, 2, 8, 2
+
+
+@pytest.mark.parametrize("t, sequence_parallel, recompute, expected", [
+    (1, False, "none", 64 * 34 + 5 * 64),               # s b h (34 + 5 a s / h) = 2176 + 320
+    (2, False, "none", 64 * (10 + 12) + 5 * 64 // 2),   # s b h (10 + 24/t + 5 a s / (h t)) = 1408 + 160
+    (2, False, "selective", 64 * (10 + 12)),            # the 5 a s / h term dropped
+    (2, True, "none", 64 * 34 // 2 + 5 * 64 // 2),      # s b h (34/t + 5 a s / (h t)) = 1088 + 160
+    (2, True, "selective", 64 * 34 // 2),               # 1088
+    (2, False, "full", 2 * 64),                         # the 16-bit layer input only
+    (2, True, "full", 2 * 64 // 2),                     # the input, split along the sequence
+])
+def test_layer_activation_bytes_by_hand(t, sequence_parallel, recompute, expected):
+    assert layer_activation_bytes(S, B, H, A, t, sequence_parallel, recompute) == expected
+
+
+def test_activation_bytes_of_l_layers_by_hand():
+    assert activation_bytes(S, B, H, A, 3, 1) == 3 * 2496
+    assert activation_bytes(S, B, H, A, 3, 2, False, "selective") == 3 * 1408
+    assert activation_bytes(S, B, H, A, 3, 2, False, "full") == 3 * 128 + 1568   # inputs + one layer's working set
+    assert activation_bytes(S, B, H, A, 3, 2, True, "full") == 3 * 64 + 1248
+    # fp32 values, 1-byte masks: s b h (16 v + 2) + a s^2 b (2 v + 1) = 64 * 66 + 64 * 9
+    assert activation_bytes(S, B, H, A, 1, 1, value_bytes=4) == 4800
+    with pytest.raises(ValueError, match="recompute 'some' is not a mode"):
+        activation_bytes(S, B, H, A, 1, 1, recompute="some")
+
+
+def test_activation_bytes_equal_the_papers_expressions_at_8_3b():
+    s, b, h, a, t = 1024, 8, 3072, 32, 8
+    assert layer_activation_bytes(s, b, h, a, t) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+                                                                  rel=1e-12)
+    assert layer_activation_bytes(s, b, h, a, t, True) == pytest.approx(s * b * h * (34 / t + 5 * a * s / (h * t)),
+                                                                        rel=1e-12)
+    assert layer_activation_bytes(s, b, h, a, 1) == pytest.approx(s * b * h * (34 + 5 * a * s / h), rel=1e-12)
+
+
+def test_output_activation_bytes_by_hand():
+    # s=4, b=2, h=8, V=16, t=2, 16-bit: mask s b h + two inputs 2 * 2 s b h = 320; logits (2 + 4) s b V / t = 384
+    assert output_activation_bytes(4, 2, 8, 16, 2) == 320 + 384
+    assert output_activation_bytes(4, 2, 8, 16, 2, True) == 320 / 2 + 384
+    assert output_activation_bytes(4, 2, 8, 16, 2, mlm_transform=True) == 320 + 3 * 2 * 64 + 384
+
+
+def test_zero_stages_divide_optimizer_then_gradients_and_fp32_keeps_no_master():
+    assert state_bytes(100, "fp16", 0, 4) == (200, 200, 1200)
+    assert state_bytes(100, "bf16", 1, 4) == (200, 200, 300)
+    assert state_bytes(100, "fp16", 2, 4) == (200, 50, 300)
+    assert state_bytes(100, "fp32", 0, 4) == (400, 400, 800)
+    assert state_bytes(100, "fp32", 2, 4) == (400, 100, 200)
+
+
+def test_a_cpu_fp32_plan_has_bytes_but_no_peak():
+    """What the memory benchmark calls: fp32, no ZeRO, a CPU device."""
+    p = plan(REPO / "ds_configs" / "cpu_demo.json", 2, gpu="cpu")
+    assert p.dtype == "fp32" and p.zero_stage == 0 and p.device == "cpu"
+    assert (p.weights, p.gradients, p.optimizer) == (4 * p.params_per_rank, 4 * p.params_per_rank,
+                                                     8 * p.params_per_rank)
+    assert p.memory is None and p.fits is None and p.peak_tflops is None and p.seconds_per_iteration is None
+    assert p.activations_layers == activation_bytes(128, 4, 128, 4, 2, 2, value_bytes=4)
+
+
+def test_memory_sizes_and_the_shared_gpu_peak_table():
+    assert parse_memory("32GB") == 32 * 10 ** 9 and parse_memory("80 GiB") == 80 * 2 ** 30
+    assert parse_memory("1.5GB") == 1_500_000_000 and parse_memory("4096") == 4096
+    assert peak_tflops_of("Tesla V100-SXM2-32GB") == 125.0 and peak_tflops_of("NVIDIA H100 PCIe") == 756.0
+    assert peak_tflops_of("NVIDIA H100 80GB HBM3") == 989.4 and peak_tflops_of("cpu") is None
+    from zoo.training import smoke
+
+    assert smoke.peak_tflops_of is peak_tflops_of and not hasattr(smoke, "PEAK_TFLOPS")
+
+
+def _config(tmp_path, **zoo_block) -> str:
+    values = json.loads((REPO / "ds_configs" / "tp1.json").read_text())
+    values["zoo"].update(zoo_block)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(values))
+    return str(path)
+
+
+@pytest.mark.parametrize("case, extra, message", [
+    ("unknown preset", ["--num-gpus", "1"], "unknown model preset 'gpt2-huge'"),
+    ("tp not dividing heads", ["--num-gpus", "3"], "n_head=16 is not divisible by tensor-parallel size 3"),
+    ("memory", ["--num-gpus", "1", "--gpu-memory", "32 gigs"], "memory size '32 gigs' is not understood"),
+    ("world", ["--num-gpus", "4"], "tensor_parallel_size 8 of"),
+    ("no gpus", ["--num-gpus", "0"], "--num-gpus 0 must be a positive integer"),
+    ("gpu", ["--num-gpus", "1", "--gpu", "TPU"], "GPU 'TPU' is not in the planner's table"),
+])
+def test_bad_input_is_one_sentence_and_exit_2(tmp_path, capsys, case, extra, message):
+    block = {"unknown preset": {"model": "gpt2-huge"}, "tp not dividing heads": {"tensor_parallel_size": 3},
+             "world": {"tensor_parallel_size": 8, "model": "gpt2-8.3b-32h"}}.get(case, {})
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--deepspeed_config", _config(tmp_path, **block), *extra])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: ") and message in err and err.count("\n") == 1, err

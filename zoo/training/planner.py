@@ -1,0 +1,429 @@
+"""Does a run fit, and how long will an iteration take? Answered from the config alone, before any GPU is rented.
+
+Parameters are counted exactly: the model is built on the meta device at the config's tp degree (vocab
+padding included), nothing allocated. Per-rank bytes follow the usual accounting of mixed-precision
+training with Adam (Rajbhandari et al. 2020, "ZeRO", section 3.1) and the activation formulas of
+Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (section 4).
+Time is Megatron's FLOPs formula (:func:`zoo.training.metrics.megatron_flops_per_iteration`) over an
+assumed model-FLOPs utilisation of the named GPU's dense peak.
+
+    python launch/plan.py --deepspeed_config ds_configs/tp8.json --num-gpus 8 [--gpu V100] [--json]
+
+All byte counts are per rank (one GPU); sizes are printed in GB = 10^9 bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import re
+import sys
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping
+
+from zoo.training.run_config import RunConfig, load_run_config, validate_for_world, validate_static
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """A GPU model: dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) and its memory in bytes."""
+
+    name: str
+    peak_tflops: float
+    memory_bytes: int
+
+
+# The one table of GPU peaks in zoo (launch/smoke.py's MFU reads it too). Matched against device names by
+# fragment, most specific first ("H100 PCIe" before "H100").
+GPUS = (
+    GpuSpec("H100 PCIe", 756.0, 80 * 10**9),
+    GpuSpec("H100 NVL", 835.0, 94 * 10**9),
+    GpuSpec("H100", 989.4, 80 * 10**9),      # SXM
+    GpuSpec("H200", 989.4, 141 * 10**9),
+    GpuSpec("A100", 312.0, 80 * 10**9),
+    GpuSpec("V100", 125.0, 32 * 10**9),
+)
+CPU = "cpu"
+RECOMPUTE_MODES = ("none", "selective", "full")
+DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+MASK_BYTES = 1   # dropout masks are stored as bool
+
+
+def peak_tflops_of(device_name: str) -> float | None:
+    """Dense peak of the first table row whose name is part of ``device_name`` (e.g. torch's
+    "NVIDIA A100-SXM4-80GB"); None for an unknown device."""
+    return next((gpu.peak_tflops for gpu in GPUS if gpu.name in device_name), None)
+
+
+def gpu_spec(name: str) -> GpuSpec:
+    """The table row named ``name`` (case-insensitive)."""
+    for gpu in GPUS:
+        if gpu.name.lower() == name.strip().lower():
+            return gpu
+    raise ValueError(f"GPU {name!r} is not in the planner's table; pass --gpu one of "
+                     f"{[gpu.name for gpu in GPUS] + [CPU]}.")
+
+
+# ---------------------------------------------------------------------------------------------- activations
+def _check_recompute(recompute: str) -> None:
+    if recompute not in RECOMPUTE_MODES:
+        raise ValueError(f"recompute {recompute!r} is not a mode; use one of {list(RECOMPUTE_MODES)}.")
+
+
+def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
+                           recompute: str = "none", *, value_bytes: int = 2) -> float:
+    """Bytes one transformer layer keeps for its backward (Korthikanti et al. 2022, section 4).
+
+    With 16-bit values (``value_bytes`` = 2) and 1-byte dropout masks the paper's totals are
+
+        no parallelism:                       s b h (34 + 5 a s / h)
+        tensor parallel t:                    s b h (10 + 24/t + 5 a s / (h t))
+        tensor + sequence parallel:           s b h (34/t + 5 a s / (h t))
+
+    and selective recomputation (the attention core, softmax and its dropout, is recomputed) drops the
+    5 a s / h term. The parts: LayerNorm inputs 4sbh, the inputs of the QKV and first MLP GEMMs 2sbh
+    each and two dropout masks 2sbh are replicated over TP ranks (10sbh, split only by sequence
+    parallelism); Q, K, V, the output-projection input, the GeLU input and the second MLP GEMM's input
+    (24sbh) are split by tp; the attention scores, their softmax and dropout (5as^2b: two values and one
+    mask) are split by tp. For another value width v the same parts give 4v + 2, 12v and 2v + 1.
+    ``recompute="full"`` keeps only the layer's input: v s b h (divided by t with sequence parallelism).
+    """
+    _check_recompute(recompute)
+    v = value_bytes
+    if recompute == "full":
+        return v * s * b * h / (t if sequence_parallel else 1)
+    replicated = (4 * v + 2 * MASK_BYTES) * s * b * h
+    split = 12 * v * s * b * h
+    attention_core = (2 * v + MASK_BYTES) * a * s * s * b
+    per_layer = (replicated if not sequence_parallel else replicated / t) + split / t
+    if recompute == "none":
+        per_layer += attention_core / t
+    return per_layer
+
+
+def activation_bytes(s: int, b: int, h: int, a: int, L: int, t: int = 1, sequence_parallel: bool = False,
+                     recompute: str = "none", *, value_bytes: int = 2) -> float:
+    """Bytes the L transformer layers hold at the peak of a micro-batch's backward.
+
+    Without recomputation or with selective recomputation: L times :func:`layer_activation_bytes`.
+    With full recomputation every layer keeps its input (2 s b h L in 16-bit) and the layer being
+    recomputed briefly holds its whole working set again, one layer's activations without
+    recomputation: L v s b h + s b h (34 + 5 a s / h) at t = 1 in 16-bit.
+    """
+    kept = L * layer_activation_bytes(s, b, h, a, t, sequence_parallel, recompute, value_bytes=value_bytes)
+    if recompute != "full":
+        return kept
+    return kept + layer_activation_bytes(s, b, h, a, t, sequence_parallel, "none", value_bytes=value_bytes)
+
+
+def output_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1, sequence_parallel: bool = False, *,
+                            value_bytes: int = 2, mlm_transform: bool = False) -> float:
+    """Bytes outside the layers that a micro-batch keeps for backward: embeddings, final LayerNorm, LM head.
+
+    - the embedding dropout mask, s b h bytes (Korthikanti section 4.3);
+    - the final LayerNorm's input and the LM-head GEMM's input, v s b h each (section 4.3's 4sbh in 16-bit);
+    - with ``mlm_transform`` (BERT's MLM head: dense, GeLU, LayerNorm before the decoder) their three
+      inputs, 3 v s b h;
+    these are replicated over TP ranks unless sequence parallelism splits them by t. And the logits,
+    vocab-parallel (this rank's V/t columns): the logits themselves in the compute dtype (zoo's forward
+    returns them, so they live until backward) plus the fp32 softmax zoo's fused cross-entropy saves
+    for backward, (v + 4) s b V / t; Korthikanti counts the 4 s b V / t of fp32 logits.
+    The embedding lookups themselves keep only the token ids.
+    """
+    hidden_terms = MASK_BYTES * s * b * h + 2 * value_bytes * s * b * h
+    if mlm_transform:
+        hidden_terms += 3 * value_bytes * s * b * h
+    if sequence_parallel:
+        hidden_terms /= t
+    logits = (value_bytes + 4) * s * b * vocab / t
+    return hidden_terms + logits
+
+
+# ---------------------------------------------------------------------------------------------- parameters
+@dataclass(frozen=True)
+class ParameterCount:
+    total: int        # the whole model, padded vocabulary included (tied embeddings counted once)
+    per_rank: int     # TP-sharded parameters / tp + replicated ones
+
+
+def count_parameters(model_config, tp: int) -> ParameterCount:
+    """Exact counts of the model built on the meta device at tensor-parallel size ``tp`` (nothing allocated).
+
+    The model is built as TP rank 0 of a grid with no process groups: on the meta device no layer
+    communicates, and every TP rank holds the same number of parameters (the vocabulary is padded to a
+    multiple of 128 tp).
+    """
+    import torch
+
+    from zoo.parallel.layers import is_tensor_parallel
+    from zoo.parallel.state import ParallelState
+    from zoo.training.families import build_model
+
+    grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
+                         world_size=tp, rank=0)
+    with torch.device("meta"):
+        model = build_model(model_config, grid)
+    sharded = sum(p.numel() for p in model.parameters() if is_tensor_parallel(p))
+    replicated = sum(p.numel() for p in model.parameters() if not is_tensor_parallel(p))
+    return ParameterCount(total=sharded * tp + replicated, per_rank=sharded + replicated)
+
+
+# ---------------------------------------------------------------------------------------------- the plan
+@dataclass(frozen=True)
+class Plan:
+    """What one rank needs for a run; every ``*_bytes``-like field (weights ... total, margin) is bytes
+    per rank. ``memory``, ``fits``, ``margin`` are None without a memory size (a CPU plan), the
+    timing fields None without a GPU peak."""
+
+    model: str
+    config: str | None
+    device: str
+    world_size: int
+    num_nodes: int
+    tp: int
+    dp: int
+    dtype: str
+    zero_stage: int
+    recompute: str
+    sequence_parallel: bool
+    micro_batch: int
+    global_batch: int
+    gradient_accumulation_steps: int
+    seq_length: int
+    layers: int
+    hidden: int
+    heads: int
+    vocab: int
+    padded_vocab: int
+    params_total: int
+    params_per_rank: int
+    weights: int
+    gradients: int
+    optimizer: int
+    activations: int
+    activations_layers: int
+    activations_output: int
+    total: int
+    memory: int | None
+    fits: bool | None
+    margin: int | None
+    flops_per_iteration: float
+    peak_tflops: float | None
+    mfu: float
+    seconds_per_iteration: float | None
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=2)
+
+
+def zero_stage_of(ds_config: Mapping[str, Any]) -> int:
+    """The ZeRO stage the DeepSpeed config enables (0 when it has no ``zero_optimization`` block)."""
+    block = ds_config.get("zero_optimization") or {}
+    stage = block.get("stage", 0) if isinstance(block, dict) else 0
+    if stage not in (0, 1, 2, 3):
+        raise ValueError(f"zero_optimization.stage {stage!r} is not a ZeRO stage; use 0, 1, 2 or 3.")
+    return stage
+
+
+def state_bytes(params_per_rank: int, dtype: str, zero_stage: int, dp: int) -> tuple[int, int, int]:
+    """(weights, gradients, optimizer) bytes per rank for Adam.
+
+    fp16/bf16 (mixed precision): 2-byte weights and gradients, and an fp32 master copy plus two fp32 Adam
+    moments, 12 bytes a parameter: ZeRO's 16 bytes a parameter. fp32: 4-byte weights and gradients, 8
+    bytes of moments. ZeRO stage 1 divides the optimizer state over the dp ranks, stage 2 the gradients
+    too, stage 3 the weights too (Rajbhandari et al. 2020, figure 1; stage 3's gathered-layer buffers are
+    not counted). DeepSpeed's fp16 optimizer also builds fp32 gradients for a moment during its step,
+    after the activations are freed; that transient is not counted.
+    """
+    value = DTYPE_BYTES[dtype]
+    weights, gradients = value * params_per_rank, value * params_per_rank
+    optimizer = (12 if value == 2 else 8) * params_per_rank
+    if zero_stage >= 1:
+        optimizer = -(-optimizer // dp)
+    if zero_stage >= 2:
+        gradients = -(-gradients // dp)
+    if zero_stage >= 3:
+        weights = -(-weights // dp)
+    return weights, gradients, optimizer
+
+
+def parse_memory(text: str | int) -> int:
+    """Bytes of ``"32GB"``, ``"80 GiB"``, ``"16000MB"`` or a plain number of bytes.
+
+    KB, MB, GB, TB are powers of 1000, KiB, MiB, GiB, TiB powers of 1024 (as in ``max_shard_size``).
+    """
+    if isinstance(text, int) and not isinstance(text, bool) and text > 0:
+        return text
+    units = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+             "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
+    if not match or match.group(2).lower() not in units or float(match.group(1)) <= 0:
+        raise ValueError(f"memory size {text!r} is not understood; write it like 32GB, 80GiB or 16000MB.")
+    return int(float(match.group(1)) * units[match.group(2).lower()])
+
+
+def run_config_of(source: RunConfig | Mapping[str, Any] | str | os.PathLike) -> RunConfig:
+    """A validated :class:`RunConfig` from a RunConfig, a ds_config dict (with its zoo block) or a path."""
+    if isinstance(source, RunConfig):
+        return validate_static(source)
+    if isinstance(source, (str, os.PathLike)):
+        return load_run_config(argparse.Namespace(deepspeed_config=str(source)))
+    block = dict(source.get("zoo", {}) or {})
+    known = {f.name for f in fields(RunConfig)} - {"ds_config", "ds_config_path"}
+    unknown = sorted(set(block) - known)
+    if unknown:
+        raise ValueError(f"unknown key {unknown[0]!r} in the zoo block; valid keys are {sorted(known)}.")
+    return validate_static(RunConfig(**block, ds_config=copy.deepcopy(dict(source)), ds_config_path="<dict>"))
+
+
+def model_config_of(config: RunConfig):
+    """The model's config as pretraining builds it: the preset with overrides, or the shapes of the
+    ``pretrained`` directory's config.json; activation checkpointing as the run config says."""
+    from zoo.models import model_config
+    from zoo.models.hf_io import read_config_json
+
+    built = model_config(config.model, activation_checkpointing=config.checkpoint_activations,
+                         **config.model_overrides)
+    if config.pretrained:
+        built = type(built).from_dict(read_config_json(config.pretrained))
+        built = built.replace(activation_checkpointing=config.checkpoint_activations)
+    return built.validate(config.tensor_parallel_size)
+
+
+def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: int, *, num_nodes: int = 1,
+         gpu: str = "V100", gpu_memory: str | int | None = None, mfu: float = 0.4) -> Plan:
+    """The per-rank memory and the iteration time of a run on ``num_gpus`` x ``num_nodes`` devices.
+
+    ``source``: a RunConfig, a ds_config dict or the path of a ds_config JSON (its zoo block names the
+    model, tp, seq_length and checkpoint_activations; the DeepSpeed part the batch sizes, fp16/bf16/fp32
+    and the ZeRO stage). ``num_gpus`` is per node, as for the deepspeed launcher: world size =
+    num_gpus x num_nodes. ``gpu``: a name of :data:`GPUS` or ``"cpu"`` (no peak, so no timing, and no
+    memory unless ``gpu_memory`` is given). ``gpu_memory``: bytes or a size like "32GB"; by default the
+    GPU's memory. Raises ValueError/FileNotFoundError with one sentence on bad input.
+    """
+    from zoo.models import BertConfig
+    from zoo.training.families import shape_of
+    from zoo.training.metrics import megatron_flops_per_iteration
+
+    for name, value in (("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} {value!r} must be a positive integer; pass the number of devices per node "
+                             "and of nodes.")
+    if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
+        raise ValueError(f"--mfu {mfu!r} must be a fraction in (0, 1]; pass e.g. --mfu 0.4.")
+    spec = None if str(gpu).lower() == CPU else gpu_spec(gpu)
+    memory = parse_memory(gpu_memory) if gpu_memory is not None else (spec.memory_bytes if spec else None)
+
+    config = run_config_of(source)
+    tp, world = config.tensor_parallel_size, num_gpus * num_nodes
+    if world % tp != 0:
+        raise ValueError(f"tensor_parallel_size {tp} of {config.ds_config_path} does not divide the {world} "
+                         f"devices ({num_gpus} per node x {num_nodes} nodes); plan a multiple of {tp} devices.")
+    gas = validate_for_world(config, world)
+    model_config = model_config_of(config)
+    shape = shape_of(model_config)
+    if config.seq_length > shape.max_positions:
+        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
+                         f"{shape.max_positions}; pass a seq_length of {shape.max_positions} or less.")
+
+    dp = world // tp
+    dtype, zero_stage = config.dtype_name, zero_stage_of(config.ds_config)
+    recompute = "full" if config.checkpoint_activations else "none"
+    params = count_parameters(model_config, tp)
+    weights, gradients, optimizer = state_bytes(params.per_rank, dtype, zero_stage, dp)
+
+    s, b, h = config.seq_length, config.ds_config["train_micro_batch_size_per_gpu"], shape.hidden
+    heads = model_config.num_attention_heads if isinstance(model_config, BertConfig) else model_config.n_head
+    padded_vocab = model_config.padded_vocab_size(tp)
+    value = DTYPE_BYTES[dtype]
+    layers_bytes = activation_bytes(s, b, h, heads, shape.layers, tp, False, recompute, value_bytes=value)
+    output_bytes = output_activation_bytes(s, b, h, padded_vocab, tp, False, value_bytes=value,
+                                           mlm_transform=isinstance(model_config, BertConfig))
+    activations = round(layers_bytes + output_bytes)
+    total = weights + gradients + optimizer + activations
+
+    global_batch = config.ds_config["train_batch_size"]
+    flops = megatron_flops_per_iteration(global_batch, s, shape.layers, h, padded_vocab,
+                                         recompute=recompute == "full")
+    peak = spec.peak_tflops if spec else None
+    seconds = flops / (world * peak * 1e12 * mfu) if peak else None
+    return Plan(model=config.model, config=config.ds_config_path, device=spec.name if spec else CPU,
+                world_size=world, num_nodes=num_nodes, tp=tp, dp=dp, dtype=dtype, zero_stage=zero_stage,
+                recompute=recompute, sequence_parallel=False, micro_batch=b, global_batch=global_batch,
+                gradient_accumulation_steps=gas, seq_length=s, layers=shape.layers, hidden=h, heads=heads,
+                vocab=shape.vocab, padded_vocab=padded_vocab, params_total=params.total,
+                params_per_rank=params.per_rank, weights=weights, gradients=gradients, optimizer=optimizer,
+                activations=activations, activations_layers=round(layers_bytes),
+                activations_output=round(output_bytes), total=total, memory=memory,
+                fits=None if memory is None else total <= memory,
+                margin=None if memory is None else memory - total, flops_per_iteration=flops,
+                peak_tflops=peak, mfu=mfu, seconds_per_iteration=seconds)
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def gb(n: float) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def format_plan(p: Plan) -> str:
+    """The readable table of ``launch/plan.py``."""
+    lines = [
+        f"plan: {p.model} from {p.config}: {p.world_size} x {p.device} on {p.num_nodes} node"
+        f"{'s' if p.num_nodes > 1 else ''}, tp={p.tp} "
+        f"dp={p.dp}, {p.dtype}, ZeRO stage {p.zero_stage}, recompute {p.recompute}",
+        f"  batch: micro {p.micro_batch} x seq {p.seq_length}, global {p.global_batch} "
+        f"({p.gradient_accumulation_steps} accumulation steps)",
+        f"  model: {p.layers} layers, hidden {p.hidden}, {p.heads} heads, vocab {p.vocab} padded to {p.padded_vocab}",
+        f"  parameters: {p.params_total:,} total ({p.params_total / 1e9:.2f}B), {p.params_per_rank:,} per rank",
+        "  bytes per rank:",
+        f"    weights      {gb(p.weights):>12}",
+        f"    gradients    {gb(p.gradients):>12}",
+        f"    optimizer    {gb(p.optimizer):>12}",
+        f"    activations  {gb(p.activations):>12}   per micro-batch: layers {gb(p.activations_layers)}, "
+        f"embeddings/head/logits {gb(p.activations_output)}",
+        f"    total        {gb(p.total):>12}",
+    ]
+    if p.memory is not None:
+        verdict = "fits" if p.fits else "does NOT fit"
+        lines.append(f"  memory: {verdict} in {gb(p.memory)}, margin {gb(p.margin)} "
+                     f"({100 * p.margin / p.memory:.0f} %)")
+    compute = f"  compute: {p.flops_per_iteration / 1e15:.2f} PFLOP per iteration"
+    if p.seconds_per_iteration is not None:
+        compute += (f", {p.seconds_per_iteration:.2f} s per iteration at {100 * p.mfu:g} % MFU of "
+                    f"{p.peak_tflops:g} TFLOP/s x {p.world_size}")
+    else:
+        compute += f" (no peak for {p.device}: no time estimate)"
+    lines.append(compute)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description="Per-rank memory and iteration time of a zoo run, from its config.")
+    parser.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True,
+                        help="ds_config JSON with its zoo block (model, tp, seq_length, checkpoint_activations)")
+    parser.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=int, required=True,
+                        help="devices per node (as for the deepspeed launcher)")
+    parser.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int, default=1)
+    parser.add_argument("--gpu", default="V100", help=f"one of {[g.name for g in GPUS] + [CPU]} (default V100)")
+    parser.add_argument("--gpu-memory", dest="gpu_memory", default=None,
+                        help="memory per device, e.g. 32GB or 80GiB (default: the GPU's)")
+    parser.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation (default 0.4)")
+    parser.add_argument("--json", action="store_true", help="print the fields as JSON")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = build_parser().parse_args(argv)
+    try:
+        result = plan(args.deepspeed_config, args.num_gpus, num_nodes=args.num_nodes, gpu=args.gpu,
+                      gpu_memory=args.gpu_memory, mfu=args.mfu)
+    except (ValueError, FileNotFoundError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    print(result.to_json() if args.json else format_plan(result))
+
+
+__all__ = ["GPUS", "GpuSpec", "Plan", "activation_bytes", "count_parameters", "layer_activation_bytes", "main",
+           "output_activation_bytes", "parse_memory", "peak_tflops_of", "plan", "state_bytes"]
