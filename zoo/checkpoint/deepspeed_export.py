@@ -9,11 +9,17 @@ One process does it, whatever number of processes trained the model. The exporte
    device with a layout-only :class:`ParallelState` of that tp degree, which tells each parameter's
    ``partition_dim``, ``partition_stride`` and transformers key (``hf_param_map()``: transposes,
    BERT's fused QKV blocks, vocab rows) without allocating or communicating,
-3. merges the shards with :func:`zoo.parallel.utils.merge_shards`, cuts the vocab padding, transposes
-   GPT-2's Conv1D weights and splits BERT's fused QKV (:func:`zoo.models.hf_io.to_hf_layout`),
-4. writes config.json, safetensors (sharded above ``max_shard_size``) and the family's bundled
-   tokenizer files with the same atomic writer as ``save_pretrained``, which replaces only a previous
-   export (never the run directory or any other folder) and honours the umask.
+3. streams, one output tensor at a time, with the same writer as ``save_pretrained``
+   (:func:`zoo.models.hf_io.stream_pretrained`): each tensor's shards are read from the rank files,
+   which stay memory-mapped (``torch.load(..., mmap=True)``: the optimizer states are never read),
+   merged (:func:`zoo.parallel.utils.merge_shards`; rows split along the file's first dimension are
+   written as they are, never merged), the vocab padding cut, GPT-2's Conv1D weights transposed,
+   BERT's fused QKV split into its blocks, cast, appended to its safetensors file and freed; the
+   source pages it touched are then released (:func:`zoo.checkpoint.files.release_pages`). The peak is
+   about one merged tensor, whatever the model size,
+4. writes config.json, safetensors (sharded above ``max_shard_size``, huggingface_hub's split rules) and
+   the family's bundled tokenizer files atomically: it replaces only a previous export (never the run
+   directory or any other folder) and honours the umask.
 """
 
 from __future__ import annotations
@@ -29,8 +35,8 @@ from zoo.checkpoint.files import (CHECKPOINT_SUBDIR, LATEST_FILE, check_rank_fil
                                   model_states_path, read_model_states, tag_directory, tags_in, tp_size_of_states)
 from zoo.checkpoint.layout import (check_layout, checked_layout_model, embedding_key, layout_model,
                                    layout_only_state, recover_config)
-from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, check_pretrained_target, to_hf_layout,
-                              write_pretrained)
+from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, OutputTensor, check_pretrained_target, hf_rows,
+                              local_block, output_tensors, stream_pretrained, to_hf_layout)
 from zoo.models.pretrained import tokenizer_files, with_dtype
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.utils import merge_shards
@@ -87,6 +93,23 @@ def merged_hf_state(layout: torch.nn.Module, modules: list[dict[str, torch.Tenso
     return out
 
 
+def checkpoint_producer(layout: torch.nn.Module, modules: list[dict[str, torch.Tensor]]):
+    """``produce`` for :func:`stream_pretrained` from every TP rank's memory-mapped module state dict."""
+    params = dict(layout.named_parameters())
+    param_map = layout.hf_param_map()
+
+    def produce(entry: OutputTensor) -> list[torch.Tensor]:
+        param, spec = params[entry.name], param_map[entry.name]
+        sources = [module[entry.name] for module in modules] if is_tensor_parallel(param) else [modules[0][entry.name]]
+        return hf_rows([local_block(source, param, spec, entry) for source in sources], param, spec, entry)
+
+    return produce
+
+
+def layout_parallel(layout: torch.nn.Module):
+    return getattr(layout, "parallel", None)
+
+
 # --------------------------------------------------------------------------- the whole export
 def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None, dtype: torch.dtype | None = None,
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> ExportResult:
@@ -119,9 +142,14 @@ def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None,
         del states
 
     out_dtype = dtype or modules[0][embedding_key(config)].dtype
-    state = merged_hf_state(layout, modules, out_dtype)
-    write_pretrained(out, with_dtype(layout.hf_config_dict(), out_dtype), state,
-                     tokenizer_files(layout.default_tokenizer_dir), max_shard_size)
+    param_map = layout.hf_param_map()
+    outputs = output_tensors(layout.named_parameters(), param_map, layout_parallel(layout), out_dtype,
+                             {name: modules[0][name].dtype for name, _ in layout.named_parameters()})
+    error = stream_pretrained(out, with_dtype(layout.hf_config_dict(), out_dtype), outputs,
+                              checkpoint_producer(layout, modules), tokenizer_files(layout.default_tokenizer_dir),
+                              max_shard_size)
+    if error is not None:
+        raise error
     return ExportResult(out=Path(out), tag_dir=tag_dir, tp_size=tp_size, dtype=out_dtype, config_source=source,
                         model_type=config.model_type)
 

@@ -1,9 +1,19 @@
 """Reading and writing Hugging Face transformers checkpoints at any tp degree.
 
 A model states, per parameter, the transformers key it maps to (:class:`HFParam`); the partition
-rule comes from the parameter's own tags (``partition_dim``, ``partition_stride``). Loading reads
-only this rank's slices with ``safetensors.safe_open(...).get_slice``; saving all-gathers the
-shards, merges them back to the master layout and writes transformers' own layout.
+rule comes from the parameter's own tags (``partition_dim``, ``partition_stride``).
+
+Loading reads only this rank's slices with ``safetensors.safe_open(...).get_slice``, one tensor at a
+time, each file mapped only while its tensor is read (a mapping's touched pages count in the RSS until
+it is closed), so a rank's peak is about its own shard plus one tensor.
+
+Saving streams: the plan of files (huggingface_hub's split rules) is made from shapes alone, then
+each tensor is gathered to the writer only (TP rank 0 of DP rank 0), cast, appended to its
+safetensors file and freed. The writer holds one merged tensor at a time, the other ranks their
+own shards plus the piece in flight. safetensors itself can only write a file from tensors all in
+memory, so :func:`safetensors_header` writes its header (checked byte for byte against
+``save_file`` by tests/test_memory.py) and the data follow in safetensors' order.
+:func:`hf_state_dict` (every merged tensor on every rank) remains for comparisons in tests.
 """
 
 from __future__ import annotations
@@ -12,16 +22,18 @@ import json
 import os
 import re
 import shutil
+import struct
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
 
 from zoo.atomic import check_output_directory, staged_directory
+from zoo.parallel.gather import gather_to_first
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
 from zoo.parallel.utils import merge_shards, shard_index
@@ -77,7 +89,6 @@ class CheckpointFiles:
         else:
             raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.directory}; zoo reads "
                                     "safetensors only, re-save the model with safe_serialization=True.")
-        self._handles: dict[Path, object] = {}
 
     @staticmethod
     def _keys_of(path: Path) -> list[str]:
@@ -91,35 +102,39 @@ class CheckpointFiles:
     def keys(self) -> Iterable[str]:
         return self.key_to_file.keys()
 
-    def _handle(self, key: str):
+    @contextmanager
+    def _slice(self, key: str):
+        """``key``'s lazy slice, its file mapped only for the duration: pages a read touches leave the RSS
+        when the mapping closes, so reading tensor after tensor never accumulates the whole file."""
         path = self.key_to_file[key]
-        if path not in self._handles:
-            if not path.is_file():
-                raise FileNotFoundError(f"checkpoint shard {path} named in the index is missing; "
-                                        "copy the complete checkpoint directory.")
-            try:
-                self._handles[path] = safe_open(str(path), framework="pt")
-            except (SafetensorError, OSError) as err:
-                raise ValueError(f"safetensors file {path} is truncated or corrupt ({err}); re-save or "
-                                 "re-download it.") from None
-        return self._handles[path]
+        if not path.is_file():
+            raise FileNotFoundError(f"checkpoint shard {path} named in the index is missing; "
+                                    "copy the complete checkpoint directory.")
+        try:
+            handle = safe_open(str(path), framework="pt")
+        except (SafetensorError, OSError) as err:
+            raise ValueError(f"safetensors file {path} is truncated or corrupt ({err}); re-save or "
+                             "re-download it.") from None
+        with handle:
+            yield handle.get_slice(key)
 
     def shape(self, key: str) -> list[int]:
-        return list(self._handle(key).get_slice(key).get_shape())
+        with self._slice(key) as tensor_slice:
+            return list(tensor_slice.get_shape())
 
     def read(self, key: str, dim: int | None = None, ranges: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """The tensor ``key``, or only ``ranges`` of it along ``dim`` (concatenated)."""
-        tensor_slice = self._handle(key).get_slice(key)
-        try:
-            if dim is None:
-                return tensor_slice[:]
-            pieces = []
-            for start, end in ranges:
-                index = tuple([slice(None)] * dim + [slice(start, end)])
-                pieces.append(tensor_slice[index])
-        except (SafetensorError, OSError, RuntimeError) as err:
-            raise ValueError(f"tensor {key!r} in {self.key_to_file[key]} cannot be read ({err}); the file "
-                             "is truncated or corrupt, re-save it.") from None
+        with self._slice(key) as tensor_slice:
+            try:
+                if dim is None:
+                    return tensor_slice[:]
+                pieces = []
+                for start, end in ranges:
+                    index = tuple([slice(None)] * dim + [slice(start, end)])
+                    pieces.append(tensor_slice[index])
+            except (SafetensorError, OSError, RuntimeError) as err:
+                raise ValueError(f"tensor {key!r} in {self.key_to_file[key]} cannot be read ({err}); the file "
+                                 "is truncated or corrupt, re-save it.") from None
         return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
 
@@ -247,7 +262,8 @@ def to_hf_layout(master: torch.Tensor, spec: HFParam) -> torch.Tensor:
 def hf_state_dict(model: torch.nn.Module, param_map: dict[str, HFParam], parallel: ParallelState | None,
                   tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Collective: the model's parameters (or ``tensors`` keyed like them, e.g. gradients) merged across
-    TP into transformers' keys and layout, on every rank."""
+    TP into transformers' keys and layout, on every rank. It holds the whole model on every rank: for
+    comparisons in tests; saving streams instead (:func:`stream_pretrained`)."""
     out = {}
     for name, param in model.named_parameters():
         local = param if tensors is None else tensors[name]
@@ -277,50 +293,233 @@ def is_hf_export(directory: Path) -> bool:
 
 
 def check_pretrained_target(directory: str | os.PathLike) -> None:
-    """Refuse, before any work, an output directory :func:`write_pretrained` could not create or would have
+    """Refuse, before any work, an output directory :func:`stream_pretrained` could not create or would have
     to delete (a file, a directory under a file, a directory that is not a Hugging Face export)."""
     check_output_directory(directory, is_hf_export, EXPORT_KIND)
 
 
-def write_pretrained(directory: str | os.PathLike, config_dict: dict, state: dict[str, torch.Tensor],
-                     tokenizer_files: Iterable[Path], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
-    """Write config.json, the weights and the tokenizer files atomically (temp dir, then rename), with the
-    permissions the umask gives. An existing ``directory`` is replaced only if it is itself a Hugging Face
-    export (:func:`is_hf_export`); anything else is refused with a ``ValueError`` before anything is written.
+# --------------------------------------------------------------------------- streaming writes
+# safetensors' dtype names, in the order of its Rust ``Dtype`` enum: a file stores its tensors' data in
+# descending dtype order, then by name, and the header lists them in that order.
+SAFETENSORS_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16",
+                      torch.int32: "I32", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
+SAFETENSORS_METADATA = {"format": "pt"}
 
-    Weights up to ``max_shard_size`` (bytes, or a string such as "5GB") go to model.safetensors;
-    larger ones to transformers' shards ``model-0000k-of-0000n.safetensors`` plus
-    model.safetensors.index.json ({"metadata": {"total_size": bytes}, "weight_map": {key: file}}).
+
+@dataclass(frozen=True)
+class OutputTensor:
+    """One tensor of a transformers checkpoint being written: its key, shape (transformers' layout)
+    and dtype, where it comes from (a zoo parameter ``name``, and the ``block`` of a fused one), and
+    how huggingface_hub's split counts it.
+
+    ``split_bytes`` and ``group`` reproduce what the split saw when zoo wrote a merged state dict in
+    memory: the blocks of a fused parameter that were not cast were views of one storage, so the
+    first block counted the whole storage and the others joined its shard (``group``, the storage).
     """
-    with staged_directory(directory, is_hf_export, EXPORT_KIND) as staging:
-        (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-        write_safetensors(staging, state, max_shard_size)
-        for path in tokenizer_files:
-            shutil.copyfile(path, staging / Path(path).name)   # copyfile, not copy2: the umask sets the mode
+
+    key: str
+    name: str
+    block: int | None
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    split_bytes: int
+    group: object = None
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
 
 
-def write_safetensors(directory: Path, state: dict[str, torch.Tensor],
-                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> list[str]:
-    """Save ``state`` into ``directory`` as one file or as indexed shards; returns the file names.
+def output_tensors(named_params: Iterable[tuple[str, torch.Tensor]], param_map: dict[str, HFParam],
+                   parallel: ParallelState | None, dtype: torch.dtype | None = None,
+                   source_dtypes: dict[str, torch.dtype] | None = None) -> list[OutputTensor]:
+    """The transformers tensors of a model, from its (possibly meta) parameters alone: no data, no
+    communication. ``dtype``: the written dtype (default: each source's); ``source_dtypes``: the dtype of
+    each parameter's data when it is not the parameter's own (an exported checkpoint)."""
+    out = []
+    for name, param in named_params:
+        spec = param_map[name]
+        source = (source_dtypes or {}).get(name, param.dtype)
+        written = dtype or source
+        master = list(_master_shape(param, parallel, spec))
+        if not spec.fused:
+            shape = tuple(master[::-1] if spec.transpose else master)
+            entry = OutputTensor(spec.key, name, None, shape, written, 0)
+            out.append(_with_split_bytes(entry, entry.nbytes))
+            continue
+        dim = param.partition_dim if is_tensor_parallel(param) else 0
+        master[dim] //= len(spec.fused)
+        shape = tuple(master[::-1] if spec.transpose else master)
+        shared = written == source          # uncast blocks were views of the merged parameter
+        for block, key in enumerate(spec.fused):
+            entry = OutputTensor(key, name, block, shape, written, 0, name if shared else None)
+            total = entry.nbytes * (len(spec.fused) if shared and block == 0 else 1)
+            out.append(_with_split_bytes(entry, total))
+    return out
 
-    The split is huggingface_hub's (keys in order, a new shard when the next tensor would pass the
-    limit; a tensor bigger than the limit gets a shard of its own), so the names and the index are
-    exactly what transformers writes and reads.
-    """
-    from huggingface_hub import split_torch_state_dict_into_shards
+
+def _with_split_bytes(entry: OutputTensor, split_bytes: int) -> OutputTensor:
+    return OutputTensor(entry.key, entry.name, entry.block, entry.shape, entry.dtype, split_bytes, entry.group)
+
+
+def check_max_shard_size(max_shard_size: int | str) -> None:
+    """Refuse a ``max_shard_size`` huggingface_hub cannot read, with one sentence."""
+    plan_files([], max_shard_size)
+
+
+def plan_files(outputs: list[OutputTensor], max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE):
+    """huggingface_hub's split of the tensors into files (keys in order, a new shard when the next tensor
+    would pass the limit, a tensor bigger than the limit alone), from sizes only: the names and the index
+    are exactly what transformers writes and reads."""
+    from huggingface_hub import split_state_dict_into_shards_factory
 
     try:
-        split = split_torch_state_dict_into_shards(state, filename_pattern=SHARD_PATTERN,
-                                                   max_shard_size=max_shard_size)
+        return split_state_dict_into_shards_factory(
+            {entry.key: entry for entry in outputs}, get_storage_size=lambda entry: entry.split_bytes,
+            get_storage_id=lambda entry: entry.group, filename_pattern=SHARD_PATTERN, max_shard_size=max_shard_size)
     except ValueError as err:
         raise ValueError(f"max_shard_size {max_shard_size!r} is not a size ({err}); pass bytes as an int or a "
                          "string such as '5GB'.") from None
-    for filename, keys in split.filename_to_tensors.items():
-        save_file({k: state[k].contiguous() for k in keys}, str(directory / filename), metadata={"format": "pt"})
-    if split.is_sharded:
-        index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
-        (directory / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-    return list(split.filename_to_tensors)
+
+
+def safetensors_order(entries: list[OutputTensor]) -> list[OutputTensor]:
+    """The order safetensors stores tensors in: larger dtypes first, then by key."""
+    ranks = {dtype: rank for rank, dtype in enumerate(SAFETENSORS_DTYPES)}
+    for entry in entries:
+        if entry.dtype not in ranks:
+            raise ValueError(f"tensor {entry.key!r} has dtype {entry.dtype}, which zoo does not write to "
+                             f"safetensors; cast the model to one of {sorted(map(str, ranks))}.")
+    return sorted(entries, key=lambda entry: (-ranks[entry.dtype], entry.key))
+
+
+def safetensors_header(ordered: list[OutputTensor]) -> bytes:
+    """The first bytes of a safetensors file holding ``ordered`` (in :func:`safetensors_order`): the header's
+    length (8 bytes, little endian) and the header, JSON padded with spaces to a multiple of 8, byte for
+    byte what ``safetensors.torch.save_file(..., metadata={"format": "pt"})`` writes."""
+    header: dict = {"__metadata__": SAFETENSORS_METADATA}
+    offset = 0
+    for entry in ordered:
+        header[entry.key] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+                             "data_offsets": [offset, offset + entry.nbytes]}
+        offset += entry.nbytes
+    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
+    text += b" " * (-len(text) % 8)
+    return struct.pack("<Q", len(text)) + text
+
+
+def write_rows(handle, entry: OutputTensor, rows: list[torch.Tensor]) -> None:
+    """Append ``entry``'s data: ``rows``, consecutive blocks of its first dimension (or the whole tensor)."""
+    written = 0
+    for block in rows:
+        block = block.detach().to("cpu", entry.dtype).contiguous().reshape(-1)
+        handle.write(block.view(torch.uint8).numpy())
+        written += block.numel() * block.element_size()
+    if written != entry.nbytes:
+        raise RuntimeError(f"tensor {entry.key!r} produced {written} bytes, its header says {entry.nbytes}")
+
+
+def stream_pretrained(directory: str | os.PathLike, config_dict: dict, outputs: list[OutputTensor],
+                      produce: Callable[[OutputTensor], list[torch.Tensor] | None], tokenizer_files: Iterable[Path],
+                      max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool = True) -> Exception | None:
+    """Write a transformers directory tensor by tensor: ``produce(entry)`` returns the entry's data (as row
+    blocks, see :func:`write_rows`) on the writer and is called in the same order on every rank (it may be
+    a collective that returns None off the writer). Only the writer writes, atomically (temp dir, then
+    rename, with the umask's permissions); an existing ``directory`` is replaced only if it is itself a
+    Hugging Face export (:func:`is_hf_export`).
+
+    Files follow :func:`plan_files` (model.safetensors, or transformers' shards
+    ``model-0000k-of-0000n.safetensors`` plus model.safetensors.index.json); each is written header first,
+    then each tensor as it is produced, so the writer holds one produced tensor at a time whatever the
+    shard size. Returns the writer's error (None on success) after every entry was produced, so that
+    collective producers on the other ranks never wait for a writer that gave up.
+    """
+    split = plan_files(outputs, max_shard_size)
+    by_key = {entry.key: entry for entry in outputs}
+    files = [(name, safetensors_order([by_key[key] for key in keys])) for name, keys in
+             split.filename_to_tensors.items()]
+    sequence = [entry for _, ordered in files for entry in ordered]
+    if not is_writer:
+        for entry in sequence:
+            produce(entry)
+        return None
+    produced = 0
+    try:
+        with staged_directory(directory, is_hf_export, EXPORT_KIND) as staging:
+            (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
+            for name, ordered in files:
+                with open(staging / name, "wb") as handle:
+                    handle.write(safetensors_header(ordered))
+                    for entry in ordered:
+                        rows = produce(entry)
+                        produced += 1
+                        write_rows(handle, entry, rows)
+                        del rows
+            if split.is_sharded:
+                index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+                (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+            for path in tokenizer_files:
+                shutil.copyfile(path, staging / Path(path).name)   # copyfile, not copy2: the umask sets the mode
+    except Exception as err:  # noqa: BLE001 - the other ranks still produce the rest: stay in step, then report
+        for entry in sequence[produced:]:
+            produce(entry)
+        return err
+    return None
+
+
+def hf_rows(pieces: list[torch.Tensor], param: torch.Tensor, spec: HFParam, entry: OutputTensor) -> list[torch.Tensor]:
+    """One output tensor in transformers' layout and ``entry.dtype``, from every TP rank's piece of it (zoo's
+    layout, rank order; one piece for a replicated parameter), as consecutive row blocks.
+
+    When the pieces are consecutive rows of the output (split along the file's first dimension, no stride:
+    the vocabulary rows, GPT-2's row-parallel Conv1D weights) they are written as they are, vocab padding
+    cut, one cast at a time: the merged tensor is never built. Otherwise they are merged first."""
+    key_spec = HFParam(entry.key, spec.transpose, spec.vocab_rows if entry.block is None else None)
+    if not is_tensor_parallel(param) or len(pieces) == 1:
+        return [to_hf_layout(pieces[0], key_spec)]
+    dim = param.partition_dim
+    stride = 1 if entry.block is not None else getattr(param, "partition_stride", 1)
+    file_dim = (param.dim() - 1 - dim) if spec.transpose else dim
+    if file_dim == 0 and stride == 1:
+        rows, left = [], entry.shape[0]
+        for piece in pieces:
+            piece = piece.t() if spec.transpose else piece
+            rows.append(piece[:max(min(left, piece.shape[0]), 0)])
+            left -= piece.shape[0]
+        return rows
+    merged = merge_shards(pieces, dim, stride)
+    pieces.clear()
+    return [to_hf_layout(merged, key_spec)]
+
+
+def model_producer(model: torch.nn.Module, param_map: dict[str, HFParam], parallel: ParallelState | None,
+                   is_writer: bool) -> Callable[[OutputTensor], list[torch.Tensor] | None]:
+    """``produce`` for :func:`stream_pretrained` from a live model: a collective over the TP group for a
+    sharded parameter (gathered to the writer only, :func:`zoo.parallel.gather.gather_to_first`), a local
+    read on the writer for a replicated one; None on every rank but the writer."""
+    params = dict(model.named_parameters())
+
+    def produce(entry: OutputTensor) -> list[torch.Tensor] | None:
+        param, spec = params[entry.name], param_map[entry.name]
+        local = local_block(param.detach(), param, spec, entry)
+        if is_tensor_parallel(param) and tp_size_of(parallel) > 1:
+            pieces = gather_to_first(local, parallel.tp_group)
+        else:
+            pieces = [local.cpu()] if is_writer else None
+        return None if pieces is None else hf_rows(pieces, param, spec, entry)
+
+    return produce
+
+
+def local_block(local: torch.Tensor, param: torch.Tensor, spec: HFParam, entry: OutputTensor) -> torch.Tensor:
+    """This rank's part of ``entry``: the whole local tensor, or one block of a fused parameter's shard
+    (each rank's shard stacks its piece of every block along the partition dim)."""
+    if entry.block is None:
+        return local
+    dim = param.partition_dim if is_tensor_parallel(param) else 0
+    return local.chunk(len(spec.fused), dim=dim)[entry.block]
 
 
 def read_config_json(directory: str | os.PathLike) -> dict:

@@ -1,8 +1,12 @@
 """``from_pretrained`` / ``save_pretrained`` in transformers' own layouts, shared by zoo's models.
 
 A model class provides ``config_from_hf(values)``, ``hf_param_map()`` and the class attributes
-below; loading builds the model on the meta device, materialises it and reads only this rank's
-slices; saving merges over tp (collective) and writes transformers' layout atomically.
+below. Loading builds the model on torch's meta device (``with torch.device("meta")``: no memory, no
+init; accelerate's ``init_empty_weights`` does the same but accelerate is not a dependency), then
+``to_empty`` allocates this rank's shards only and each is filled from its slices of the file, one
+tensor at a time: a rank's peak is its own shard plus one tensor. zoo's models hold no buffers
+(position ids and causal masks are made in ``forward``), so nothing else needs recreating. Saving
+streams tensor by tensor to one writer (:func:`zoo.models.hf_io.stream_pretrained`).
 """
 
 from __future__ import annotations
@@ -13,8 +17,10 @@ from pathlib import Path
 
 import torch
 
-from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, CheckpointFiles, HFParam, hf_state_dict, load_hf_weights,
-                              read_config_json, write_pretrained)
+from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, CheckpointFiles, HFParam, check_max_shard_size,
+                              check_pretrained_target, load_hf_weights, model_producer, output_tensors,
+                              read_config_json, stream_pretrained)
+from zoo.parallel.gather import first_error_everywhere, same_error_everywhere
 from zoo.parallel.layers import materialize_meta_module
 
 logger = logging.getLogger(__name__)
@@ -109,18 +115,37 @@ class HFPretrainedMixin:
     def save_pretrained(self, directory: str | os.PathLike, dtype: torch.dtype | None = None,
                         max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE) -> None:
         """Collective: write transformers' layout for this model type (merged over tp, vocab unpadded,
-        safetensors, tokenizer files); rank 0 writes, atomically. Weights above ``max_shard_size``
-        (bytes or e.g. "2GB") are split into transformers' indexed shards."""
-        state = hf_state_dict(self, self.hf_param_map(), self.parallel)
-        if dtype is not None:
-            state = {k: v.to(dtype) for k, v in state.items()}
-        if not _is_distributed() or torch.distributed.get_rank() == 0:
-            config = with_dtype(self.hf_config_dict(), dtype or next(self.parameters()).dtype)
-            write_pretrained(directory, config, state,
-                             tokenizer_files(getattr(self, "tokenizer_dir", self.default_tokenizer_dir)),
-                             max_shard_size)
-        if _is_distributed():
-            torch.distributed.barrier()
+        safetensors, tokenizer files). Weights above ``max_shard_size`` (bytes or e.g. "2GB") are split
+        into transformers' indexed shards.
+
+        Streams: every rank first checks ``directory`` and the size (a failure anywhere is raised everywhere
+        before any work); then the TP group of DP rank 0 gathers one tensor at a time to its first rank,
+        global rank 0 (TP groups are consecutive ranks), which casts it to ``dtype``, appends it to its file
+        and frees it; other DP replicas only wait. The writer's outcome (success, or its error as the same
+        sentence) reaches every rank."""
+        parallel = getattr(self, "parallel", None)
+        distributed = _is_distributed()
+        is_writer = not distributed or torch.distributed.get_rank() == 0
+        first_error_everywhere(_error_of(lambda: (check_pretrained_target(directory),
+                                                  check_max_shard_size(max_shard_size))))
+        takes_part = is_writer or (parallel is not None and parallel.dp_rank == 0 and parallel.tp_size > 1)
+        error = None
+        if takes_part:
+            param_map = self.hf_param_map()
+            outputs = output_tensors(self.named_parameters(), param_map, parallel, dtype)
+            config = with_dtype(self.hf_config_dict(), dtype or next(self.parameters()).dtype) if is_writer else {}
+            error = stream_pretrained(directory, config, outputs, model_producer(self, param_map, parallel, is_writer),
+                                      tokenizer_files(getattr(self, "tokenizer_dir", self.default_tokenizer_dir)),
+                                      max_shard_size, is_writer)
+        same_error_everywhere(error, src=0)
+
+
+def _error_of(check) -> Exception | None:
+    try:
+        check()
+    except Exception as err:  # noqa: BLE001 - handed to every rank by the agreement that follows
+        return err
+    return None
 
 
 def _match_key_prefix(table: dict[str, HFParam], file_keys: set[str],
