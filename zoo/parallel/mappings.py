@@ -36,7 +36,8 @@ reduce-scatter followed by an all-gather, so the bytes moved equal those of f an
 pooler): every rank then holds the same full gradient and keeps its own tokens of it.
 
 Collectives are called as ``torch.distributed.all_reduce`` / ``all_gather`` /
-``reduce_scatter_tensor`` (looked up at call time), so the tests can count them.
+``reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13), looked up at call time, so
+the tests can count them.
 """
 
 from __future__ import annotations
@@ -116,7 +117,9 @@ def _reduce_scatter_sequence(tensor: torch.Tensor, parallel: ParallelState) -> t
     rest = tensor.shape[2:]
     blocks = tensor.reshape(b, p, s // p, *rest).transpose(0, 1).reshape(p * b, s // p, *rest)  # (p*b, s/p, ...)
     out = torch.empty((b, s // p, *rest), dtype=tensor.dtype, device=tensor.device)
-    dist.reduce_scatter_tensor(out, blocks, group=parallel.tp_group)
+    # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single.
+    reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    reduce_scatter(out, blocks, group=parallel.tp_group)
     return out
 
 
