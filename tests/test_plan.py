@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from zoo.training.planner import (activation_bytes, layer_activation_bytes, main, output_activation_bytes,
-                                  parse_memory, peak_tflops_of, plan, state_bytes)
+from zoo.training.planner import (activation_bytes, attention_scores_bytes, layer_activation_bytes, main,
+                                  output_activation_bytes, parse_memory, peak_tflops_of, plan, state_bytes)
 
 REPO = Path(__file__).resolve().parent.parent
 # Shoeybi et al. 2019, Table 1: tp degree -> parameters (billions), all trained on 32 GB V100s.
@@ -92,6 +92,9 @@ def test_activation_bytes_of_l_layers_by_hand():
     assert activation_bytes(S, B, H, A, 3, 2, True, "full") == 3 * 64 + 1248
     # fp32 values, 1-byte masks: s b h (16 v + 2) + a s^2 b (2 v + 1) = 64 * 66 + 64 * 9
     assert activation_bytes(S, B, H, A, 1, 1, value_bytes=4) == 4800
+    # masks as wide as the values (torch's CPU dropout): s b h (16 v + 2 m) + a s^2 b (2 v + m) = 64 * 72 + 64 * 12
+    assert activation_bytes(S, B, H, A, 1, 1, value_bytes=4, mask_bytes=4) == 5376
+    assert attention_scores_bytes(S, B, A, 2) == 5 * 64 / 2
     with pytest.raises(ValueError, match="recompute 'some' is not a mode"):
         activation_bytes(S, B, H, A, 1, 1, recompute="some")
 
@@ -127,7 +130,34 @@ def test_a_cpu_fp32_plan_has_bytes_but_no_peak():
     assert (p.weights, p.gradients, p.optimizer) == (4 * p.params_per_rank, 4 * p.params_per_rank,
                                                      8 * p.params_per_rank)
     assert p.memory is None and p.fits is None and p.peak_tflops is None and p.seconds_per_iteration is None
-    assert p.activations_layers == activation_bytes(128, 4, 128, 4, 2, 2, value_bytes=4)
+    assert p.activations_layers == activation_bytes(128, 4, 128, 4, 2, 2, value_bytes=4, mask_bytes=4)
+    assert p.activations_attention_scores == 2 * attention_scores_bytes(128, 4, 4, 2, value_bytes=4, mask_bytes=4)
+
+
+def test_the_cpu_formula_is_what_a_zoo_layer_saves_for_backward():
+    """One GPT-2 layer in fp32 on CPU with dropout: the tensors autograd saves (parameters left out, the layer's
+    input counted) are the formula's bytes with fp32 masks, up to LayerNorm's per-row mean and rstd (two
+    LayerNorms x 2 x s b fp32), which the paper leaves out."""
+    import torch
+
+    from zoo.models import GPT2LMHeadModel, gpt2_config
+
+    s, b, h, a = 64, 2, 64, 4
+    torch.manual_seed(0)
+    layer = GPT2LMHeadModel(gpt2_config("gpt2-tiny", n_layer=1, n_embd=h, n_head=a)).transformer.h[0].train()
+    x = torch.randn(b, s, h, requires_grad=True)
+    saved = {}
+
+    def keep(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        layer(x, None, True)
+    params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
+    measured = sum(n for ptr, n in saved.items() if ptr not in params)
+    layer_norm_stats = 2 * 2 * s * b * 4
+    assert measured == layer_activation_bytes(s, b, h, a, value_bytes=4, mask_bytes=4) + layer_norm_stats
 
 
 def test_memory_sizes_and_the_shared_gpu_peak_table():

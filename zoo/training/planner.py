@@ -48,7 +48,6 @@ GPUS = (
 CPU = "cpu"
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
-MASK_BYTES = 1   # dropout masks are stored as bool
 
 
 def peak_tflops_of(device_name: str) -> float | None:
@@ -73,7 +72,7 @@ def _check_recompute(recompute: str) -> None:
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
-                           recompute: str = "none", *, value_bytes: int = 2) -> float:
+                           recompute: str = "none", *, value_bytes: int = 2, mask_bytes: int = 1) -> float:
     """Bytes one transformer layer keeps for its backward (Korthikanti et al. 2022, section 4).
 
     With 16-bit values (``value_bytes`` = 2) and 1-byte dropout masks the paper's totals are
@@ -86,25 +85,34 @@ def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_
     5 a s / h term. The parts: LayerNorm inputs 4sbh, the inputs of the QKV and first MLP GEMMs 2sbh
     each and two dropout masks 2sbh are replicated over TP ranks (10sbh, split only by sequence
     parallelism); Q, K, V, the output-projection input, the GeLU input and the second MLP GEMM's input
-    (24sbh) are split by tp; the attention scores, their softmax and dropout (5as^2b: two values and one
-    mask) are split by tp. For another value width v the same parts give 4v + 2, 12v and 2v + 1.
+    (24sbh) are split by tp; the attention scores' softmax, its dropout mask and the dropout's output
+    (5as^2b) are split by tp. For value width v and mask width m the same parts give 4v + 2m, 12v and
+    2v + m (torch keeps bool masks on CUDA, m = 1, but masks of the input's dtype on CPU, m = v).
     ``recompute="full"`` keeps only the layer's input: v s b h (divided by t with sequence parallelism).
     """
     _check_recompute(recompute)
-    v = value_bytes
+    v, m = value_bytes, mask_bytes
     if recompute == "full":
         return v * s * b * h / (t if sequence_parallel else 1)
-    replicated = (4 * v + 2 * MASK_BYTES) * s * b * h
+    replicated = (4 * v + 2 * m) * s * b * h
     split = 12 * v * s * b * h
-    attention_core = (2 * v + MASK_BYTES) * a * s * s * b
-    per_layer = (replicated if not sequence_parallel else replicated / t) + split / t
+    per_layer = (replicated / t if sequence_parallel else replicated) + split / t
     if recompute == "none":
-        per_layer += attention_core / t
+        per_layer += attention_scores_bytes(s, b, a, t, value_bytes=v, mask_bytes=m)
     return per_layer
 
 
+def attention_scores_bytes(s: int, b: int, a: int, t: int = 1, *, value_bytes: int = 2,
+                           mask_bytes: int = 1) -> float:
+    """The 5 a s^2 b / t of one layer in 16-bit: softmax output, dropout mask, dropout output,
+    (2v + m) a s^2 b / t. Selective recomputation does not keep them, nor does a fused attention kernel
+    (SDPA's flash or memory-efficient attention, which zoo's layers call): that kernel keeps the
+    output and a log-sum-exp per row instead."""
+    return (2 * value_bytes + mask_bytes) * a * s * s * b / t
+
+
 def activation_bytes(s: int, b: int, h: int, a: int, L: int, t: int = 1, sequence_parallel: bool = False,
-                     recompute: str = "none", *, value_bytes: int = 2) -> float:
+                     recompute: str = "none", *, value_bytes: int = 2, mask_bytes: int = 1) -> float:
     """Bytes the L transformer layers hold at the peak of a micro-batch's backward.
 
     Without recomputation or with selective recomputation: L times :func:`layer_activation_bytes`.
@@ -112,17 +120,18 @@ def activation_bytes(s: int, b: int, h: int, a: int, L: int, t: int = 1, sequenc
     recomputed briefly holds its whole working set again, one layer's activations without
     recomputation: L v s b h + s b h (34 + 5 a s / h) at t = 1 in 16-bit.
     """
-    kept = L * layer_activation_bytes(s, b, h, a, t, sequence_parallel, recompute, value_bytes=value_bytes)
+    widths = {"value_bytes": value_bytes, "mask_bytes": mask_bytes}
+    kept = L * layer_activation_bytes(s, b, h, a, t, sequence_parallel, recompute, **widths)
     if recompute != "full":
         return kept
-    return kept + layer_activation_bytes(s, b, h, a, t, sequence_parallel, "none", value_bytes=value_bytes)
+    return kept + layer_activation_bytes(s, b, h, a, t, sequence_parallel, "none", **widths)
 
 
 def output_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1, sequence_parallel: bool = False, *,
-                            value_bytes: int = 2, mlm_transform: bool = False) -> float:
+                            value_bytes: int = 2, mask_bytes: int = 1, mlm_transform: bool = False) -> float:
     """Bytes outside the layers that a micro-batch keeps for backward: embeddings, final LayerNorm, LM head.
 
-    - the embedding dropout mask, s b h bytes (Korthikanti section 4.3);
+    - the embedding dropout mask, m s b h bytes (Korthikanti section 4.3: s b h);
     - the final LayerNorm's input and the LM-head GEMM's input, v s b h each (section 4.3's 4sbh in 16-bit);
     - with ``mlm_transform`` (BERT's MLM head: dense, GeLU, LayerNorm before the decoder) their three
       inputs, 3 v s b h;
@@ -132,7 +141,7 @@ def output_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1, sequ
     for backward, (v + 4) s b V / t; Korthikanti counts the 4 s b V / t of fp32 logits.
     The embedding lookups themselves keep only the token ids.
     """
-    hidden_terms = MASK_BYTES * s * b * h + 2 * value_bytes * s * b * h
+    hidden_terms = mask_bytes * s * b * h + 2 * value_bytes * s * b * h
     if mlm_transform:
         hidden_terms += 3 * value_bytes * s * b * h
     if sequence_parallel:
@@ -159,7 +168,7 @@ def count_parameters(model_config, tp: int) -> ParameterCount:
 
     from zoo.parallel.layers import is_tensor_parallel
     from zoo.parallel.state import ParallelState
-    from zoo.training.families import build_model
+    from zoo.models.families import build_model
 
     grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
                          world_size=tp, rank=0)
@@ -205,6 +214,7 @@ class Plan:
     activations: int
     activations_layers: int
     activations_output: int
+    activations_attention_scores: int   # the part of ``activations`` a fused attention kernel does not keep
     total: int
     memory: int | None
     fits: bool | None
@@ -304,7 +314,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     GPU's memory. Raises ValueError/FileNotFoundError with one sentence on bad input.
     """
     from zoo.models import BertConfig
-    from zoo.training.families import shape_of
+    from zoo.models.families import shape_of
     from zoo.training.metrics import megatron_flops_per_iteration
 
     for name, value in (("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
@@ -337,10 +347,13 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     s, b, h = config.seq_length, config.ds_config["train_micro_batch_size_per_gpu"], shape.hidden
     heads = model_config.num_attention_heads if isinstance(model_config, BertConfig) else model_config.n_head
     padded_vocab = model_config.padded_vocab_size(tp)
-    value = DTYPE_BYTES[dtype]
-    layers_bytes = activation_bytes(s, b, h, heads, shape.layers, tp, False, recompute, value_bytes=value)
-    output_bytes = output_activation_bytes(s, b, h, padded_vocab, tp, False, value_bytes=value,
+    # torch keeps dropout masks as bool on GPUs and in the input's dtype on CPU (its unfused dropout)
+    widths = {"value_bytes": DTYPE_BYTES[dtype], "mask_bytes": DTYPE_BYTES[dtype] if spec is None else 1}
+    layers_bytes = activation_bytes(s, b, h, heads, shape.layers, tp, False, recompute, **widths)
+    output_bytes = output_activation_bytes(s, b, h, padded_vocab, tp, False, **widths,
                                            mlm_transform=isinstance(model_config, BertConfig))
+    scores_held = shape.layers if recompute == "none" else 1   # full recompute: the recomputed layer's only
+    scores_bytes = scores_held * attention_scores_bytes(s, b, heads, tp, **widths)
     activations = round(layers_bytes + output_bytes)
     total = weights + gradients + optimizer + activations
 
@@ -356,7 +369,8 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
                 vocab=shape.vocab, padded_vocab=padded_vocab, params_total=params.total,
                 params_per_rank=params.per_rank, weights=weights, gradients=gradients, optimizer=optimizer,
                 activations=activations, activations_layers=round(layers_bytes),
-                activations_output=round(output_bytes), total=total, memory=memory,
+                activations_output=round(output_bytes), activations_attention_scores=round(scores_bytes),
+                total=total, memory=memory,
                 fits=None if memory is None else total <= memory,
                 margin=None if memory is None else memory - total, flops_per_iteration=flops,
                 peak_tflops=peak, mfu=mfu, seconds_per_iteration=seconds)
@@ -383,6 +397,8 @@ def format_plan(p: Plan) -> str:
         f"    optimizer    {gb(p.optimizer):>12}",
         f"    activations  {gb(p.activations):>12}   per micro-batch: layers {gb(p.activations_layers)}, "
         f"embeddings/head/logits {gb(p.activations_output)}",
+        f"{'':32}(attention scores {gb(p.activations_attention_scores)} of it, which a fused attention "
+        "kernel does not keep)",
         f"    total        {gb(p.total):>12}",
     ]
     if p.memory is not None:
@@ -425,5 +441,6 @@ def main(argv: list[str] | None = None) -> None:
     print(result.to_json() if args.json else format_plan(result))
 
 
-__all__ = ["GPUS", "GpuSpec", "Plan", "activation_bytes", "count_parameters", "layer_activation_bytes", "main",
-           "output_activation_bytes", "parse_memory", "peak_tflops_of", "plan", "state_bytes"]
+__all__ = ["GPUS", "GpuSpec", "Plan", "activation_bytes", "attention_scores_bytes", "count_parameters",
+           "layer_activation_bytes", "main", "output_activation_bytes", "parse_memory", "peak_tflops_of", "plan",
+           "state_bytes"]
