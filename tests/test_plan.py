@@ -123,6 +123,20 @@ def test_zero_stages_divide_optimizer_then_gradients_and_fp32_keeps_no_master():
     assert state_bytes(100, "fp32", 2, 4) == (400, 100, 200)
 
 
+@pytest.mark.parametrize("overrides, recompute", [({"sequence_parallel": True}, "none"),
+                                                  ({"sequence_parallel": True, "recompute_granularity": "selective"},
+                                                   "selective")])
+def test_sequence_parallel_and_selective_recompute_come_from_the_model_overrides(tmp_path, overrides, recompute):
+    path = _config(tmp_path, tensor_parallel_size=8, model="gpt2-8.3b-32h", checkpoint_activations=False,
+                   model_overrides=overrides)
+    p = plan(path, 8)
+    assert p.sequence_parallel and p.recompute == recompute
+    assert p.activations_layers == activation_bytes(1024, 8, 3072, 32, 72, 8, True, recompute)
+    assert p.activations_output == output_activation_bytes(1024, 8, 3072, 51200, 8, True)
+    assert p.activations_attention_scores == (72 * attention_scores_bytes(1024, 8, 32, 8) if recompute == "none"
+                                              else 0)
+
+
 def test_a_cpu_fp32_plan_has_bytes_but_no_peak():
     """What the memory benchmark calls: fp32, no ZeRO, a CPU device."""
     p = plan(REPO / "ds_configs" / "cpu_demo.json", 2, gpu="cpu")

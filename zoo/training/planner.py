@@ -307,13 +307,14 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     """The per-rank memory and the iteration time of a run on ``num_gpus`` x ``num_nodes`` devices.
 
     ``source``: a RunConfig, a ds_config dict or the path of a ds_config JSON (its zoo block names the
-    model, tp, seq_length and checkpoint_activations; the DeepSpeed part the batch sizes, fp16/bf16/fp32
-    and the ZeRO stage). ``num_gpus`` is per node, as for the deepspeed launcher: world size =
-    num_gpus x num_nodes. ``gpu``: a name of :data:`GPUS` or ``"cpu"`` (no peak, so no timing, and no
+    model, tp, seq_length, checkpoint_activations and, in model_overrides, sequence_parallel and
+    recompute_granularity; the DeepSpeed part the batch sizes, fp16/bf16/fp32 and the ZeRO stage).
+    ``num_gpus`` is per node, as for the deepspeed launcher: world size = num_gpus x num_nodes. ``gpu``: a name of :data:`GPUS` or ``"cpu"`` (no peak, so no timing, and no
     memory unless ``gpu_memory`` is given). ``gpu_memory``: bytes or a size like "32GB"; by default the
     GPU's memory. Raises ValueError/FileNotFoundError with one sentence on bad input.
     """
     from zoo.models import BertConfig
+    from zoo.models.config import recompute_mode
     from zoo.models.families import shape_of
     from zoo.training.metrics import megatron_flops_per_iteration
 
@@ -340,19 +341,19 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
 
     dp = world // tp
     dtype, zero_stage = config.dtype_name, zero_stage_of(config.ds_config)
-    recompute = "full" if config.checkpoint_activations else "none"
+    recompute = recompute_mode(model_config) or "none"
+    sequence_parallel = bool(model_config.sequence_parallel) and tp > 1
     params = count_parameters(model_config, tp)
     weights, gradients, optimizer = state_bytes(params.per_rank, dtype, zero_stage, dp)
 
-    s, b, h = config.seq_length, config.ds_config["train_micro_batch_size_per_gpu"], shape.hidden
-    heads = model_config.num_attention_heads if isinstance(model_config, BertConfig) else model_config.n_head
+    s, b, h, heads = config.seq_length, config.ds_config["train_micro_batch_size_per_gpu"], shape.hidden, shape.heads
     padded_vocab = model_config.padded_vocab_size(tp)
     # torch keeps dropout masks as bool on GPUs and in the input's dtype on CPU (its unfused dropout)
     widths = {"value_bytes": DTYPE_BYTES[dtype], "mask_bytes": DTYPE_BYTES[dtype] if spec is None else 1}
-    layers_bytes = activation_bytes(s, b, h, heads, shape.layers, tp, False, recompute, **widths)
-    output_bytes = output_activation_bytes(s, b, h, padded_vocab, tp, False, **widths,
+    layers_bytes = activation_bytes(s, b, h, heads, shape.layers, tp, sequence_parallel, recompute, **widths)
+    output_bytes = output_activation_bytes(s, b, h, padded_vocab, tp, sequence_parallel, **widths,
                                            mlm_transform=isinstance(model_config, BertConfig))
-    scores_held = shape.layers if recompute == "none" else 1   # full recompute: the recomputed layer's only
+    scores_held = {"none": shape.layers, "selective": 0, "full": 1}[recompute]   # full: the recomputed layer's
     scores_bytes = scores_held * attention_scores_bytes(s, b, heads, tp, **widths)
     activations = round(layers_bytes + output_bytes)
     total = weights + gradients + optimizer + activations
@@ -364,7 +365,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     seconds = flops / (world * peak * 1e12 * mfu) if peak else None
     return Plan(model=config.model, config=config.ds_config_path, device=spec.name if spec else CPU,
                 world_size=world, num_nodes=num_nodes, tp=tp, dp=dp, dtype=dtype, zero_stage=zero_stage,
-                recompute=recompute, sequence_parallel=False, micro_batch=b, global_batch=global_batch,
+                recompute=recompute, sequence_parallel=sequence_parallel, micro_batch=b, global_batch=global_batch,
                 gradient_accumulation_steps=gas, seq_length=s, layers=shape.layers, hidden=h, heads=heads,
                 vocab=shape.vocab, padded_vocab=padded_vocab, params_total=params.total,
                 params_per_rank=params.per_rank, weights=weights, gradients=gradients, optimizer=optimizer,
@@ -386,7 +387,8 @@ def format_plan(p: Plan) -> str:
     lines = [
         f"plan: {p.model} from {p.config}: {p.world_size} x {p.device} on {p.num_nodes} node"
         f"{'s' if p.num_nodes > 1 else ''}, tp={p.tp} "
-        f"dp={p.dp}, {p.dtype}, ZeRO stage {p.zero_stage}, recompute {p.recompute}",
+        f"dp={p.dp}, {p.dtype}, ZeRO stage {p.zero_stage}, recompute {p.recompute}"
+        f"{', sequence parallel' if p.sequence_parallel else ''}",
         f"  batch: micro {p.micro_batch} x seq {p.seq_length}, global {p.global_batch} "
         f"({p.gradient_accumulation_steps} accumulation steps)",
         f"  model: {p.layers} layers, hidden {p.hidden}, {p.heads} heads, vocab {p.vocab} padded to {p.padded_vocab}",
