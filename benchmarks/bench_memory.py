@@ -8,7 +8,7 @@ growth of its resident set during
 - ``train step``: one training step through a DeepSpeed engine (fp32, no ZeRO, a client
   ``torch.optim.AdamW``, micro-batch 1 x the full 256 positions): weights + gradients + Adam's two
   moments + activations. This row counts from *before* ``from_pretrained`` (the weights are part
-  of it); the planner's prediction (``zoo/training/planner.py``, when present) is printed next to it;
+  of it); the planner's prediction (``zoo.training.planner.plan(...).total``) is printed next to it;
 - ``ds save``: ``engine.save_checkpoint`` of that engine (zoo's pretrain client state);
 - ``save_pretrained``: the collective that writes the merged transformers directory (rank 0 writes);
 
@@ -74,16 +74,18 @@ def peak_growth(operation, since: int | None = None) -> tuple[object, int]:
 
 # --------------------------------------------------------------------------- the planner hook
 def planner_prediction(config, tp: int, micro_batch: int, seq_length: int) -> int | None:
-    """Bytes per rank the planner (``zoo/training/planner.py``) predicts for one fp32 training step
-    without ZeRO (weights + gradients + Adam + activations), or None while there is no planner."""
+    """Bytes per rank that ``zoo.training.planner.plan`` predicts for this run (fp32, no ZeRO, tp ranks,
+    dp = 1, on the CPU): weights + gradients + Adam + activations; None if zoo has no planner."""
     try:
-        from zoo.training import planner
+        from zoo.training.planner import plan
     except ImportError:
         return None
-    predict = getattr(planner, "predict_step_bytes", None)   # PLANNER HOOK: the planner's entry point
-    if predict is None:
-        return None
-    return int(predict(config, tp=tp, micro_batch=micro_batch, seq_length=seq_length))
+    overrides = {"n_layer": config.n_layer, "n_embd": config.n_embd, "n_head": config.n_head,
+                 "n_positions": config.n_positions, "vocab_size": config.vocab_size}
+    ds = {"train_batch_size": micro_batch, "train_micro_batch_size_per_gpu": micro_batch,
+          "gradient_accumulation_steps": 1,
+          "zoo": {"model": "gpt2", "tensor_parallel_size": tp, "seq_length": seq_length, "model_overrides": overrides}}
+    return int(plan(ds, tp, gpu="cpu").total)
 
 
 # --------------------------------------------------------------------------- one rank
@@ -100,7 +102,7 @@ def rank_worker(workdir: Path, tp: int, rank: int, port: int, seq_length: int) -
 
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState
-    from zoo.training.engine import param_groups
+    from zoo.models.families import param_groups
     from zoo.training.pretrain import save_checkpoint
 
     torch.set_num_threads(1)
@@ -216,7 +218,7 @@ def print_table(config, model_bytes: int, rows: list[dict], exports: dict[int, i
               f"{planner:>8} {row['ds_save'] / model_bytes:>8.2f} {row['save_pretrained'] / model_bytes:>15.2f} "
               f"{export:>7}")
     if not any(row.get("planner") is not None for row in rows):
-        print("planner: zoo.training.planner.predict_step_bytes not found; the column stays empty")
+        print("planner: zoo.training.planner not found; the column stays empty")
 
 
 def main(argv=None) -> None:

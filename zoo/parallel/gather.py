@@ -25,17 +25,32 @@ import torch.distributed as dist
 USER_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
 
 
-def gather_to_first(tensor: torch.Tensor, group=None) -> list[torch.Tensor] | None:
+CHUNK_BYTES = 16 * 2 ** 20   # one collective moves at most this much per rank: the backends' own buffers stay small
+
+
+def gather_to_first(tensor: torch.Tensor, group=None, chunk_bytes: int = CHUNK_BYTES) -> list[torch.Tensor] | None:
     """Collective over ``group``: every rank's ``tensor`` (all of one shape and dtype), in group-rank
     order, on the group's first rank, as CPU tensors; None on the other ranks. Without a process group
-    (or in a group of one) it is ``[tensor]`` on the CPU."""
+    (or in a group of one) it is ``[tensor]`` on the CPU.
+
+    A tensor above ``chunk_bytes`` goes in blocks of rows (dim 0), each gathered straight into its place
+    in the first rank's buffers, so the backend's transient buffers (gloo flattens a gather's outputs)
+    hold one block per rank, not a second copy of the whole tensor."""
     if not dist.is_available() or not dist.is_initialized() or dist.get_world_size(group) == 1:
         return [tensor.detach().cpu()]
     tensor = tensor.detach().contiguous()
     is_first = dist.get_rank(group) == 0
     buffers = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))] if is_first else None
-    dist.gather(tensor, gather_list=buffers, dst=dist.get_global_rank(group, 0) if group is not None else 0,
-                group=group)
+    dst = dist.get_global_rank(group, 0) if group is not None else 0
+    row_bytes = tensor[0].numel() * tensor.element_size() if tensor.dim() > 0 and len(tensor) > 0 else 0
+    rows = max(chunk_bytes // row_bytes, 1) if row_bytes else max(len(tensor) if tensor.dim() else 1, 1)
+    if tensor.dim() == 0:
+        dist.gather(tensor, gather_list=buffers, dst=dst, group=group)
+    else:
+        for start in range(0, max(len(tensor), 1), rows):
+            block = tensor[start:start + rows]
+            targets = [buffer[start:start + rows] for buffer in buffers] if is_first else None
+            dist.gather(block, gather_list=targets, dst=dst, group=group)
     if not is_first:
         return None
     pieces = []
