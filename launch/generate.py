@@ -76,12 +76,13 @@ def run(args: argparse.Namespace, texts: list[str], config):
     import torch.distributed as dist
 
     from zoo.data import load_gpt2_tokenizer
-    from zoo.eval.runner import _join_process_group, _single_device, launched_distributed, transformers_directory
+    from zoo.distributed import join_process_group, launched_distributed, single_device
+    from zoo.eval.runner import transformers_directory
     from zoo.inference import generate_text
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState
 
-    device = _join_process_group(args.local_rank) if launched_distributed() else _single_device()
+    device = join_process_group(args.local_rank) if launched_distributed() else single_device()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     ps = ParallelState.initialize(args.tensor_parallel_size or world)
     hf_dir = transformers_directory(args.load)
@@ -145,7 +146,7 @@ def _leave_process_group() -> None:
         return
     import torch.distributed as dist
 
-    from zoo.eval.runner import launched_distributed
+    from zoo.distributed import launched_distributed
 
     if launched_distributed() and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()

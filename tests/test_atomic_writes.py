@@ -236,7 +236,7 @@ def test_loss_plot_and_evaluation_results_honour_the_umask(tmp_path, umask, monk
 
     results = {"task": "lambada", "strict": True, "accuracy": 0.5, "correct": 1, "total": 2,
                "multi_token_targets": 0, "truncated": 0}
-    monkeypatch.setattr(runner, "evaluate", lambda args: results)
+    monkeypatch.setattr(runner, "evaluate_checkpoint", lambda args: results)
     out = tmp_path / "new" / "lambada.json"
     runner.main(["--task", "lambada", "--data", "unused", "--load", "unused", "--out", str(out)])
     assert json.loads(out.read_text()) == results and mode(out) == 0o666 & ~umask
@@ -252,7 +252,7 @@ def evaluate_cli(capsys, monkeypatch, out) -> str:
     def forbidden(args):
         raise AssertionError("the evaluation started before --out was checked")
 
-    monkeypatch.setattr(runner, "evaluate", forbidden)
+    monkeypatch.setattr(runner, "evaluate_checkpoint", forbidden)
     with pytest.raises(SystemExit) as exit_info:
         runner.main(["--task", "wikitext", "--data", "unused", "--load", "unused", "--out", str(out)])
     assert exit_info.value.code == 2

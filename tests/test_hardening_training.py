@@ -239,7 +239,7 @@ def _hostile_worker(rank, world_size, data_path, bad_data_path, root):
 
     import torch.distributed as dist
 
-    from zoo.training.agreement import raise_on_any_rank
+    from zoo.distributed import raise_on_any_rank
     from zoo.training.pretrain import pretrain
 
     def fail_on_rank_1(error):

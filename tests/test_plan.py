@@ -179,7 +179,7 @@ def test_memory_sizes_and_the_shared_gpu_peak_table():
     assert parse_memory("1.5GB") == 1_500_000_000 and parse_memory("4096") == 4096
     assert peak_tflops_of("Tesla V100-SXM2-32GB") == 125.0 and peak_tflops_of("NVIDIA H100 PCIe") == 756.0
     assert peak_tflops_of("NVIDIA H100 80GB HBM3") == 989.4 and peak_tflops_of("cpu") is None
-    from zoo.training import smoke
+    from zoo import smoke
 
     assert smoke.peak_tflops_of is peak_tflops_of and not hasattr(smoke, "PEAK_TFLOPS")
 

@@ -123,7 +123,7 @@ def _fp16_worker(rank, world_size):
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.training.grad_norm import current_loss_scale
-    from zoo.training.pretrain import param_groups
+    from zoo.models.families import param_groups
 
     # DeepSpeed refuses fp16 on this CPU by a capability check (no native fp16 units), although torch
     # computes fp16 on CPU. Overriding the check runs DeepSpeed's real FP16_Optimizer with dynamic loss
@@ -374,7 +374,8 @@ def _pretrained_worker(rank, world_size, data_path, hf_dir, save):
 
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.parallel import ParallelState, model_parallel_seed
-    from zoo.training.engine import fp32_master_weight_error, param_groups, refresh_fp32_master_weights
+    from zoo.models.families import param_groups
+    from zoo.training.engine import fp32_master_weight_error, refresh_fp32_master_weights
     from zoo.training.pretrain import pretrain
 
     result = {"first": pretrain(run_config(data_path, save, 2, 2, 2, train_iters=1, pretrained=hf_dir,

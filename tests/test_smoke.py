@@ -35,7 +35,7 @@ def test_smoke_script_passes_every_check_through_the_deepspeed_launcher(tmp_path
 
 
 def _smoke_exit_code(rank, world_size, argv):
-    from zoo.training.smoke import main
+    from zoo.smoke import main
 
     return main(argv)
 
@@ -46,7 +46,7 @@ def test_a_failed_check_exits_1():
 
 
 def test_a_bad_flag_is_one_sentence_and_exit_2(capsys):
-    from zoo.training.smoke import main
+    from zoo.smoke import main
 
     assert main(["--model", "bert-tiny"]) == 2
     err = capsys.readouterr().err

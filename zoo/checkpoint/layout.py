@@ -2,7 +2,7 @@
 partition tags at a given tp degree, built on the meta device without processes or memory.
 
 A checkpoint is GPT-2 (``GPT2LMHeadModel``) or BERT (``BertForPreTraining``, pre-norm or post-norm):
-the training models of :mod:`zoo.training.families`. Each parameter's ``partition_dim`` and
+the pretraining models of :mod:`zoo.models.families`. Each parameter's ``partition_dim`` and
 ``partition_stride`` and its ``hf_param_map()`` entry (transformers key, vocab rows) say how its
 shards merge and split; that is all the exporter and the tp resharder need.
 """
@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from zoo.models.config import BertConfig, GPT2Config
+from zoo.models.families import build_model, family_of
 from zoo.parallel.state import ParallelState
 
 ModelConfig = GPT2Config | BertConfig
@@ -28,18 +29,16 @@ def layout_only_state(tp_size: int, tp_rank: int = 0) -> ParallelState:
 
 
 def family_name(config: ModelConfig) -> str:
-    return "BERT" if isinstance(config, BertConfig) else "GPT-2"
+    return family_of(config).display_name
 
 
 def embedding_key(config: ModelConfig) -> str:
-    """The vocab-parallel word embedding's name in the training model's state dict."""
-    return "bert.embeddings.word_embeddings.weight" if isinstance(config, BertConfig) else "transformer.wte.weight"
+    """The vocab-parallel word embedding's name in the pretraining model's state dict."""
+    return family_of(config).embedding_key
 
 
 def layout_model(config: ModelConfig, tp_size: int, tp_rank: int = 0) -> torch.nn.Module:
     """The training model of one TP rank on the meta device: names, local shapes and partition tags."""
-    from zoo.training.families import build_model
-
     with torch.device("meta"):
         return build_model(config, layout_only_state(tp_size, tp_rank))
 

@@ -15,7 +15,7 @@ from rank 0. The same rule applies to the weights, to Adam's ``exp_avg``/``exp_a
 master weights of fp16 training, whichever of DeepSpeed's non-ZeRO optimizer layouts holds them:
 
 * fp32: the torch optimizer's state dict, one entry per parameter in
-  :func:`zoo.training.engine.param_groups` order;
+  :func:`zoo.models.families.param_groups` order;
 * fp16 with an unfused optimizer (``FP16_UnfusedOptimizer``): the same inside
   ``optimizer_state_dict`` plus ``fp32_groups``, per-parameter fp32 masters;
 * fp16 with a fused optimizer (``FP16_Optimizer``): one flat fp32 master and one flat Adam state per
@@ -43,6 +43,7 @@ from zoo.atomic import check_output_directory, staged_directory
 from zoo.checkpoint.files import (MODEL_STATES, MODEL_STATES_RE, OPTIMIZER_PARTITION_GLOB, check_rank_files,
                                   model_states_path, read_model_states, tp_size_of_states)
 from zoo.checkpoint.layout import check_layout, checked_layout_model, recover_config
+from zoo.models.families import param_groups
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.utils import merge_shards, shard_tensor
 
@@ -101,8 +102,6 @@ class TensorResharder:
 # --------------------------------------------------------------------------- optimizer layouts
 def optimizer_groups(layout: torch.nn.Module) -> list[list[str]]:
     """Parameter names per optimizer group, in the order zoo hands them to DeepSpeed."""
-    from zoo.training.engine import param_groups
-
     names = {id(param): name for name, param in layout.named_parameters()}
     return [[names[id(param)] for param in group["params"]] for group in param_groups(layout, 0.0)]
 

@@ -27,7 +27,6 @@ import re
 import time
 from contextlib import ExitStack
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np

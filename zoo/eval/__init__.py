@@ -6,7 +6,6 @@ tokenizer; they are collective over the tp x dp grid. ``zoo.eval.runner`` is the
 ``launch/evaluate.py``.
 """
 
-from zoo.eval.collectives import dp_block, dp_sum, vocab_parallel_argmax
 from zoo.eval.lambada import LambadaExample, LambadaResult, build_example, evaluate_lambada, split_last_word
 from zoo.eval.sources import read_lambada, read_wikitext
 from zoo.eval.wikitext import (Window, WikitextResult, count_original_tokens, evaluate_wikitext, plan_windows,
@@ -14,6 +13,6 @@ from zoo.eval.wikitext import (Window, WikitextResult, count_original_tokens, ev
 
 __all__ = [
     "LambadaExample", "LambadaResult", "Window", "WikitextResult", "build_example", "count_original_tokens",
-    "dp_block", "dp_sum", "evaluate_lambada", "evaluate_wikitext", "plan_windows", "read_lambada",
-    "read_wikitext", "split_last_word", "validate_window", "vocab_parallel_argmax", "wikitext_detokenize",
+    "evaluate_lambada", "evaluate_wikitext", "plan_windows", "read_lambada", "read_wikitext", "split_last_word",
+    "validate_window", "wikitext_detokenize",
 ]

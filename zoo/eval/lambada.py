@@ -12,7 +12,7 @@ may be several BPE tokens:
 
 accuracy = correct / passages.
 
-The arg-max over the vocabulary is vocab-parallel (``zoo.eval.collectives.vocab_parallel_argmax``):
+The arg-max over the vocabulary is vocab-parallel (``zoo.parallel.argmax.vocab_parallel_argmax``):
 a local max and index per TP shard and two all-reduces of one scalar per target token, so the
 logits are never gathered. Passages longer than the model's context lose the start of their
 context (left truncation); ``truncated`` counts them.
@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from zoo.eval.collectives import dp_block, dp_sum, vocab_parallel_argmax
+from zoo.distributed import dp_block, dp_sum
+from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.eval.wikitext import model_device
 from zoo.parallel.state import ParallelState
 

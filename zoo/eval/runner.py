@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from zoo.atomic import check_writable_directory, write_text_atomic
+from zoo.distributed import join_process_group, launched_distributed, raise_on_any_rank, single_device
 from zoo.eval.wikitext import DEFAULT_OVERLAP
 
 TASKS = ("wikitext", "lambada")
@@ -57,12 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def launched_distributed() -> bool:
-    """True under the deepspeed launcher or torchrun, which set RANK and WORLD_SIZE."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
-
-
-def evaluate(args: argparse.Namespace) -> dict[str, Any]:
+def evaluate_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     """Run one evaluation (collective when launched distributed); every rank returns the results."""
     import torch.distributed as dist
 
@@ -74,7 +70,7 @@ def evaluate(args: argparse.Namespace) -> dict[str, Any]:
     from zoo.parallel import ParallelState
 
     data = read_wikitext(args.data, args.split) if args.task == "wikitext" else read_lambada(args.data, args.split)
-    device = _join_process_group(args.local_rank) if launched_distributed() else _single_device()
+    device = join_process_group(args.local_rank) if launched_distributed() else single_device()
     ps = ParallelState.initialize(args.tensor_parallel_size)
     hf_dir = transformers_directory(args.load)
     model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=DTYPES[args.dtype]).to(device).eval()
@@ -109,15 +105,14 @@ def transformers_directory(load: str) -> str:
     key = hashlib.sha1(f"{root.resolve()}:{tag}:{(root / tag).stat().st_mtime_ns if (root / tag).exists() else 0}"
                        .encode()).hexdigest()[:16]
     target = export_cache_path() / key
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        try:
+
+    def export_on_local_rank_zero() -> None:
+        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
             make_private_directory(target.parent)
             if not (target / "config.json").is_file():
                 export_checkpoint(load, target)
-        except Exception as err:  # noqa: BLE001 - every rank must hear of it, whatever happened
-            first_failure((type(err).__name__, str(err)))
-            raise
-    raise_failure(first_failure(None), "exporting the checkpoint")
+
+    raise_on_any_rank(export_on_local_rank_zero)
     return str(target)
 
 
@@ -142,29 +137,6 @@ def make_private_directory(cache: Path) -> None:
                      "to another directory.")
 
 
-def first_failure(failure: tuple[str, str] | None) -> tuple[str, str] | None:
-    """Collective when distributed (every rank calls it once): the first rank's ``(exception name,
-    message)`` among those that failed, or None when none did."""
-    import torch.distributed as dist
-
-    if not (dist.is_available() and dist.is_initialized()):
-        return failure
-    failures = [None] * dist.get_world_size()
-    dist.all_gather_object(failures, failure)
-    return next((f for f in failures if f is not None), None)
-
-
-def raise_failure(failure: tuple[str, str] | None, what: str) -> None:
-    """Raise another rank's failure here: a user error as the same one-sentence ``ValueError`` or
-    ``FileNotFoundError``, anything else as a ``RuntimeError`` naming it."""
-    if failure is None:
-        return
-    kind, message = failure
-    if kind in ("FileNotFoundError", "ValueError"):
-        raise (FileNotFoundError if kind == "FileNotFoundError" else ValueError)(message)
-    raise RuntimeError(f"{what} failed on another rank ({kind}: {message}).")
-
-
 def check_output_file(path: str | os.PathLike) -> Path:
     """Prove, before evaluating, that the results can be written to ``path`` (a file, not a directory)."""
     path = Path(path)
@@ -172,26 +144,6 @@ def check_output_file(path: str | os.PathLike) -> Path:
         raise ValueError(f"--out {path} is a directory; pass a file path such as {path / 'results.json'}.")
     check_writable_directory(path.parent, "--out's directory")
     return path
-
-
-def _join_process_group(local_rank: int) -> str:
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
-
-    from zoo.training.pretrain import share_cpu_threads
-
-    deepspeed.init_distributed()
-    share_cpu_threads()
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        accelerator.set_device(local_rank)
-    return accelerator.current_device_name()
-
-
-def _single_device() -> str:
-    from deepspeed.accelerator import get_accelerator
-
-    return get_accelerator().current_device_name()
 
 
 def format_results(results: dict[str, Any]) -> str:
@@ -228,7 +180,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     try:
         if args.out:
             check_output_file(args.out)   # on every rank, before any work: no collective to agree on
-        results = evaluate(args)
+        results = evaluate_checkpoint(args)
         is_writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
         if is_writer:
             print(format_results(results))

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from zoo.eval.collectives import dp_block, dp_sum
+from zoo.distributed import dp_block, dp_sum
 from zoo.parallel import vocab_parallel_cross_entropy
 from zoo.parallel.state import ParallelState
 

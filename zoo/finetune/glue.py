@@ -34,6 +34,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
+from zoo.finetune.examples import PairExample
 from zoo.finetune.hub_names import TASK_EXAMPLES, is_hub_name
 from zoo.finetune.skips import SkippedExamples
 
@@ -42,16 +43,6 @@ QQP_LABELS = ("0", "1")  # is_duplicate: not duplicate, duplicate
 
 MNLI_SPLIT_FILES = {"train": "train.tsv", "dev_matched": "dev_matched.tsv", "dev_mismatched": "dev_mismatched.tsv"}
 QQP_SPLIT_FILES = {"train": "train.tsv", "dev": "dev.tsv", "test": "test.tsv"}
-
-
-@dataclass(frozen=True)
-class PairExample:
-    """One sentence-pair classification example; ``label`` indexes the task's label tuple."""
-
-    guid: str
-    text_a: str
-    text_b: str
-    label: int
 
 
 @dataclass(frozen=True)

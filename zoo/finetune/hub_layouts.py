@@ -34,11 +34,9 @@ from pathlib import Path
 
 import datasets
 
-from zoo.finetune.glue import PairExample
+from zoo.finetune.examples import PairExample, RaceExample, SquadExample, make_race_example, make_squad_example
 from zoo.finetune.hub_names import TASK_EXAMPLES, is_hub_name, split_hub_name
-from zoo.finetune.race import RaceExample, make_race_example
 from zoo.finetune.skips import SkippedExamples
-from zoo.finetune.squad import SquadExample, make_squad_example
 
 _SHARD_NAME = re.compile(r"^(?P<split>\w+?)-\d{5}-of-\d{5}\.parquet$")
 _NUMBERED_NAME = re.compile(r"^\d+\.parquet$")

@@ -22,47 +22,19 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
+from zoo.finetune.examples import ANSWER_LETTERS, RaceExample, make_race_example
 from zoo.finetune.glue import as_class_ids
 from zoo.finetune.hub_names import is_hub_name
 from zoo.finetune.skips import SkippedExamples
 
 RACE_SPLITS = ("train", "dev", "test")
 RACE_LEVELS = ("middle", "high")
-ANSWER_LETTERS = ("A", "B", "C", "D")
-
-
-@dataclass(frozen=True)
-class RaceExample:
-    """One RACE question with its article and four options; ``label`` indexes ``options``."""
-
-    guid: str
-    level: str  # "middle" or "high"
-    article: str
-    question: str
-    options: tuple[str, str, str, str]
-    label: int
-
-
-def make_race_example(
-    guid: str, level: str, article: str, question: str, options, answer, skipped: SkippedExamples,
-) -> RaceExample | None:
-    """The example, or None (counted in ``skipped``) when its options or answer are malformed."""
-    four_texts = isinstance(options, (list, tuple)) and len(options) == len(ANSWER_LETTERS)
-    if not four_texts or not all(isinstance(option, str) for option in options):
-        skipped.skip(guid, "question(s) without exactly 4 text options")
-        return None
-    if answer not in ANSWER_LETTERS:
-        skipped.skip(guid, "answer letter(s) outside A-D")
-        return None
-    return RaceExample(guid=guid, level=level, article=article, question=question,
-                       options=tuple(options), label=ANSWER_LETTERS.index(answer))
 
 
 def read_race_file(path: str | os.PathLike, split: str, level: str, skipped: SkippedExamples) -> list[RaceExample]:

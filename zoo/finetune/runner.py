@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import write_text_atomic
+from zoo.distributed import means_over_dp, share_cpu_threads, single_process_env
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict, parse_args
 from zoo.finetune.tasks import EvalSet, Task, get_task
 
@@ -102,9 +103,9 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     from zoo.models.hf_io import read_config_json
     from zoo.models.bert import BertConfig
     from zoo.parallel import ParallelState, model_parallel_seed
-    from zoo.training.engine import param_groups, refresh_fp32_master_weights
+    from zoo.models.families import param_groups
+    from zoo.training.engine import refresh_fp32_master_weights
     from zoo.training.metrics import MetricsLogger, plot_loss
-    from zoo.training.pretrain import means_over_dp, share_cpu_threads
 
     task = get_task(config.task)
     # Everything a user can get wrong in files and flags is checked before any process group starts.
@@ -125,12 +126,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
 
     deepspeed.init_distributed()
     share_cpu_threads()
-    world = dist.get_world_size()
-    tp = config.tensor_parallel_size or world
-    if world % tp:
-        raise ValueError(f"tensor-parallel size {tp} does not divide the world size {world}; pass "
-                         f"--tensor-parallel-size {math.gcd(tp, world)} or launch a multiple of {tp} processes.")
-    ps = ParallelState.initialize(tp)
+    ps = ParallelState.initialize(config.tensor_parallel_size or dist.get_world_size())
     model_parallel_seed(config.seed, ps)
     is_writer = dist.get_rank() == 0
 
@@ -229,20 +225,6 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     logger.summary({"best/" + task.main_metric: best["score"], "best/epoch": best["epoch"]})
     logger.close()
     return results
-
-
-def single_process_env() -> None:
-    """Let ``python finetune/<task>.py`` (e.g. under ``wandb agent``) run as a world of one: without a
-    launcher's variables, set the ones ``torch.distributed`` reads, on a free loopback port."""
-    if "RANK" in os.environ or "OMPI_COMM_WORLD_RANK" in os.environ:
-        return
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_SIZE="1", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
 
 
 def main(task: str, argv=None) -> None:

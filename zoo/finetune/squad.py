@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 
+from zoo.finetune.examples import SquadExample, make_squad_example
 from zoo.finetune.hub_names import is_hub_name
 from zoo.finetune.skips import SkippedExamples
 
@@ -41,17 +42,6 @@ if TYPE_CHECKING:
 SQUAD_FILES = {"1.1": ("train-v1.1.json", "dev-v1.1.json"), "2.0": ("train-v2.0.json", "dev-v2.0.json")}
 
 Offset = tuple[int, int] | None
-
-
-@dataclass(frozen=True)
-class SquadExample:
-    """One question on one context; ``answers`` are (text, character start) pairs."""
-
-    qid: str
-    question: str
-    context: str
-    answers: tuple[tuple[str, int], ...]
-    is_impossible: bool = False
 
 
 @dataclass
@@ -75,37 +65,6 @@ class SquadFeatures:
 
     def __len__(self) -> int:
         return len(self.example_index)
-
-
-def make_squad_example(
-    qid: str,
-    question: str,
-    context: str,
-    answers: Sequence[tuple[str, int]],
-    is_impossible: bool,
-    skipped: SkippedExamples,
-    seen_ids: set[str],
-) -> SquadExample | None:
-    """The example, or None (counted in ``skipped``) when it is malformed."""
-    if qid in seen_ids:
-        skipped.skip(qid, "duplicate question id(s)")
-        return None
-    if is_impossible and answers:
-        skipped.skip(qid, "impossible question(s) with answers")
-        return None
-    if not is_impossible and not answers:
-        skipped.skip(qid, "answerable question(s) without answers")
-        return None
-    for text, start in answers:
-        if not isinstance(text, str) or not text.strip():
-            skipped.skip(qid, "empty answer text(s)")
-            return None
-        if not isinstance(start, int) or start < 0 or context[start : start + len(text)] != text:
-            skipped.skip(qid, "answer_start(s) not pointing at the answer text in the context")
-            return None
-    seen_ids.add(qid)
-    return SquadExample(qid=qid, question=question, context=context,
-                        answers=tuple((text, start) for text, start in answers), is_impossible=is_impossible)
 
 
 def _not_squad(path: Path) -> ValueError:

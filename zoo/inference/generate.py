@@ -5,7 +5,7 @@ One decoding step on a batch of b left-padded sequences:
     prefill  (step 0):  logits = model(prompt ids (b, L), mask, positions, use_cache) -> cache of L keys
     decode   (step t):  logits = model(last token (b, 1), mask (b, L + t), position, cache) -> cache + 1
     choose:             greedy: the arg-max over the vocabulary, taken across the TP shards without
-                        gathering the logits (zoo.eval.collectives.vocab_parallel_argmax);
+                        gathering the logits (zoo.parallel.argmax.vocab_parallel_argmax);
                         sampling: the full-vocabulary logits of the last position are gathered (identical
                         on every TP rank), filtered (temperature, top-k, top-p) and sampled with the
                         sequence's own generator, seeded identically on every rank from (seed, index)
@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 
 from zoo.data.tokenizers import GPT2_EOD_TOKEN_ID
-from zoo.eval.collectives import dp_block, vocab_parallel_argmax
+from zoo.distributed import dp_block
+from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.inference.sampling import check_sampling_settings, filter_logits, sample
 from zoo.parallel.state import ParallelState, tp_size_of
 

@@ -60,12 +60,7 @@ class ParallelState:
             )
         world_size = dist.get_world_size()
         rank = dist.get_rank()
-        if world_size % tp_size != 0:
-            fits = [t for t in range(1, world_size + 1) if world_size % t == 0]
-            raise ValueError(
-                f"tensor-parallel size {tp_size} does not divide the world size {world_size}; "
-                f"use one of {fits} or launch a multiple of {tp_size} processes."
-            )
+        check_grid(tp_size, world_size)
         dp_size = world_size // tp_size
 
         tp_group = None
@@ -136,6 +131,14 @@ class ParallelState:
     def __repr__(self) -> str:  # groups are opaque handles; keep the repr readable
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
                 f"dp={self.dp_rank}/{self.dp_size})")
+
+
+def check_grid(tp_size: int, world_size: int) -> None:
+    """The one check of the rank grid: ``tp_size`` must divide ``world_size`` (one sentence if not)."""
+    if tp_size < 1 or world_size % tp_size != 0:
+        fits = [t for t in range(1, world_size + 1) if world_size % t == 0]
+        raise ValueError(f"tensor-parallel size {tp_size} does not divide the world size {world_size}; pass "
+                         f"--tensor-parallel-size one of {fits} or launch a multiple of {tp_size} processes.")
 
 
 def tp_size_of(parallel: ParallelState | None) -> int:

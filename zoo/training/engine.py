@@ -1,9 +1,6 @@
 """What zoo hands to ``deepspeed.initialize`` and what it checks on the engine afterwards.
 
-* :func:`param_groups`: the optimizer's parameter groups. Their order (decayed matrices, then biases
-  and LayerNorms, each in ``named_parameters`` order) is also the index order of the optimizer state in
-  DeepSpeed checkpoints, which the tp resharder (:mod:`zoo.checkpoint.reshard`) relies on; it is the
-  same at every tp degree because the module structure is.
+* The optimizer's parameter groups come from :func:`zoo.models.families.param_groups`.
 * :func:`refresh_fp32_master_weights`: the known mixed-precision pitfall. DeepSpeed's fp16/bf16
   optimizers (FP16_Optimizer, FP16_UnfusedOptimizer, BF16_Optimizer, ZeRO) keep fp32 master copies
   made from the module's weights at ``deepspeed.initialize``; weights loaded into the module after
@@ -14,23 +11,8 @@
 
 from __future__ import annotations
 
-from typing import Any
 
 import torch
-
-
-def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict[str, Any]]:
-    """Decoupled weight decay on matrices only; none on biases and LayerNorm (Megatron, GPT-2)."""
-    decay, no_decay = [], []
-    for name, param in model.named_parameters():
-        (no_decay if param.dim() < 2 or "ln_" in name else decay).append(param)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
-def optimizer_param_names(model: torch.nn.Module) -> list[str]:
-    """Parameter names in the optimizer's index order (the keys of its state dict's ``state``)."""
-    names = {id(param): name for name, param in model.named_parameters()}
-    return [names[id(param)] for group in param_groups(model, 0.0) for param in group["params"]]
 
 
 def refresh_fp32_master_weights(engine) -> bool:

@@ -6,7 +6,6 @@ does data parallelism, loss scaling, clipping, the optimizer, the LR schedule an
 
 from __future__ import annotations
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -16,31 +15,20 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import check_writable_directory, write_text_atomic
-from zoo.training.agreement import raise_on_any_rank
-from zoo.training.engine import param_groups, refresh_fp32_master_weights
-from zoo.training.families import (build_dataset, build_model, default_corpus, extra_metrics, model_forward_kwargs,
-                                   pretrained_model, shape_of)
+from zoo.distributed import means_over_dp, raise_on_any_rank, share_cpu_threads
+from zoo.models.families import build_model, param_groups, shape_of
+from zoo.training.engine import refresh_fp32_master_weights
+from zoo.training.families import build_dataset, default_corpus, forward_with_metrics, pretrained_model
 from zoo.training.grad_norm import current_loss_scale, global_grad_norm
 from zoo.training.metrics import MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss
-from zoo.training.resume import checkpoint_dir, checkpoint_to_load
+from zoo.checkpoint.files import CHECKPOINT_SUBDIR
+from zoo.training.resume import checkpoint_to_load
 from zoo.training.run_config import (RunConfig, build_parser, clipped_warmup_warning, deepspeed_dict, load_run_config,
                                      lr_schedule, schedule_change_warning, validate_for_world)
 
-CHECKPOINT_SUBDIR = "checkpoints"
 
 
-def share_cpu_threads() -> None:
-    """On CPU, give each local rank its share of the cores (as torchrun does with OMP_NUM_THREADS=1);
-    the deepspeed launcher leaves every rank at all cores, which oversubscribes them 2x at 2 ranks."""
-    from deepspeed.accelerator import get_accelerator
-
-    if get_accelerator().device_name() != "cpu" or os.environ.get("OMP_NUM_THREADS"):
-        return
-    local_ranks = int(os.environ.get("LOCAL_SIZE") or os.environ.get("LOCAL_WORLD_SIZE") or 1)
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
-
-
-__all__ = ["pretrain", "main", "param_groups", "checkpoint_dir", "checkpoint_to_load", "reseed_tp_rng"]
+__all__ = ["pretrain", "main", "reseed_tp_rng"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -134,18 +122,7 @@ class PretrainingData:
                                           for k in range(count)])
 
 
-def means_over_dp(sums: dict[str, torch.Tensor], count: int, ps, device=None) -> dict[str, float]:
-    """Per-key means over ``count`` micro-batches and the DP ranks, in one all-reduce on ``device``
-    (the engine's: NCCL reduces only accelerator tensors)."""
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in sums.values()]) / count
-    if ps.dp_size > 1:
-        stacked = stacked.to(device) if device is not None else stacked
-        dist.all_reduce(stacked, group=ps.dp_group)
-        stacked /= ps.dp_size
-    return dict(zip(sums, stacked.tolist()))
-
-
-def evaluate(engine, data: PretrainingData, config: RunConfig, ps) -> dict[str, float]:
+def validation_means(engine, data: PretrainingData, config: RunConfig, ps) -> dict[str, float]:
     """Validation means over ``eval_iters`` micro-batches and the DP ranks: "loss", plus BERT's
     "mlm_loss", "sop_loss" and "sop_acc"."""
     engine.eval()
@@ -153,8 +130,8 @@ def evaluate(engine, data: PretrainingData, config: RunConfig, ps) -> dict[str, 
     batches = data.micro_batches(data.valid, 0, config.eval_iters)
     with torch.no_grad():
         for batch in batches:
-            output = engine(**model_forward_kwargs(batch, engine.device))
-            for key, value in {"loss": output.loss.detach().float(), **extra_metrics(output, batch)}.items():
+            _, metrics = forward_with_metrics(engine, batch, engine.device)
+            for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value.cpu()
     engine.train()
     return means_over_dp(sums, config.eval_iters, ps, engine.device)
@@ -229,12 +206,12 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
         start = time.perf_counter()
         step_sums: dict[str, torch.Tensor] = {}
         for micro_step, batch in enumerate(data.micro_batches(data.train, consumed, gas)):
-            output = engine(**model_forward_kwargs(batch, engine.device))
+            output, metrics = forward_with_metrics(engine, batch, engine.device)
             engine.backward(output.loss)
             if micro_step == gas - 1 and not config_uses_mixed_precision(ds_config):
                 fp32_grad_norm = global_grad_norm(engine.module, ps)  # DeepSpeed discards it in fp32
             engine.step()
-            for key, value in {"loss": output.loss.detach().float(), **extra_metrics(output, batch)}.items():
+            for key, value in metrics.items():
                 step_sums[key] = step_sums.get(key, 0.0) + value.cpu()
         iteration += 1
         consumed += global_batch
@@ -267,7 +244,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
             window, window_steps, window_time = {}, 0, 0.0
 
         if config.eval_interval and (iteration % config.eval_interval == 0 or iteration == config.train_iters):
-            validation = evaluate(engine, data, config, ps)
+            validation = validation_means(engine, data, config, ps)
             val_loss = validation["loss"]
             extras = {f"val_{key}": value for key, value in validation.items() if key != "loss"}
             logger.log({"iteration": iteration, "split": "valid", "val_loss": val_loss,

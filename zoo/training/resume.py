@@ -1,6 +1,6 @@
 """Finding and checking the checkpoint a ``--load`` run resumes from, before DeepSpeed reads it.
 
-Every check runs on every rank and is agreed across ranks (:func:`zoo.training.agreement.raise_on_any_rank`),
+Every check runs on every rank and is agreed across ranks (:func:`zoo.distributed.raise_on_any_rank`),
 so a checkpoint that one rank cannot read (a truncated ``mp_rank_01_model_states.pt``) or that holds
 another model shape ends the run with the same sentence on every rank, never with one rank's traceback
 and a transport error on the others.
@@ -14,27 +14,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zoo.checkpoint.files import (CHECKPOINT_SUBDIR, LATEST_FILE, model_states_path, rank_files_tp, read_model_states,
+from zoo.checkpoint.files import (checkpoints_root, model_states_path, rank_files_tp, read_model_states,
                                   tag_directory)
-from zoo.training.agreement import raise_on_any_rank
+from zoo.distributed import raise_on_any_rank
 
-__all__ = ["checkpoint_dir", "checkpoint_to_load", "check_rank_states", "model_config_differences"]
+__all__ = ["checkpoint_to_load", "check_rank_states", "model_config_differences"]
 
 # How a pretraining run picks another checkpoint when `latest` names a missing one (it has no --tag).
 LATEST_FIX = ("write the tag of a complete checkpoint ({tags}) into {latest}, or start the run without --load")
 # Model-config keys a resumed run may change: they are not part of the weights' shapes or meaning.
 FREE_ON_RESUME = ("initializer_range",)
-
-
-def checkpoint_dir(path: str | os.PathLike) -> Path:
-    """Accept either a run directory (holding checkpoints/) or the checkpoints directory itself."""
-    path = Path(path)
-    if (path / CHECKPOINT_SUBDIR).is_dir():
-        return path / CHECKPOINT_SUBDIR
-    if (path / LATEST_FILE).is_file():
-        return path
-    raise FileNotFoundError(f"no DeepSpeed checkpoint under {path}; pass a run directory written with --save "
-                            "(it holds checkpoints/latest).")
 
 
 def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any] | None = None) -> tuple[Path, str]:
@@ -48,7 +37,7 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
     from zoo.checkpoint.reshard import ensure_resharded, resharded_directory
 
     def locate() -> tuple[Path, Path, int]:
-        root = checkpoint_dir(load)
+        root = checkpoints_root(load)
         tag_dir = tag_directory(root, fix=LATEST_FIX)
         return root, tag_dir, rank_files_tp(tag_dir)
 

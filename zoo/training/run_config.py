@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from zoo.parallel.state import check_grid
 from zoo.models.presets import model_config
 
 
@@ -207,10 +208,7 @@ def _json_kind(value) -> str:
 def validate_for_world(config: RunConfig, world_size: int) -> int:
     """Batch sizes against the data-parallel size; returns the gradient-accumulation steps."""
     tp = config.tensor_parallel_size
-    if world_size % tp != 0:
-        fits = [t for t in range(1, world_size + 1) if world_size % t == 0]
-        raise ValueError(f"tensor_parallel_size {tp} does not divide the {world_size} launched processes; "
-                         f"pass --tensor-parallel-size one of {fits} or launch a multiple of {tp} processes.")
+    check_grid(tp, world_size)
     dp = world_size // tp
     global_batch = config.ds_config["train_batch_size"]
     micro = config.ds_config["train_micro_batch_size_per_gpu"]

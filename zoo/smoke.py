@@ -106,7 +106,7 @@ def setup(args: argparse.Namespace) -> Smoke:
     from deepspeed.accelerator import get_accelerator
 
     from zoo.parallel import ParallelState
-    from zoo.training.pretrain import share_cpu_threads
+    from zoo.distributed import share_cpu_threads
 
     deepspeed.init_distributed()
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
@@ -189,7 +189,7 @@ def ds_config(smoke: Smoke, precision: str) -> dict:
 def engine_for(smoke: Smoke, model, precision: str):
     import deepspeed
 
-    from zoo.training.engine import param_groups
+    from zoo.models.families import param_groups
 
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01),
                                            config=ds_config(smoke, precision), mpu=smoke.parallel)

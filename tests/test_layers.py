@@ -1,0 +1,171 @@
+"""The package layers form a DAG, and no import cycle exists anywhere in zoo/.
+
+Every import counts, function-local ones included: a function-local upward import is a cycle that
+only waits for the function to be called. The layers, lowest first (a package may import its own
+layer's package and any package of a lower layer; packages of one layer are independent):
+
+    zoo.atomic                                   (imports nothing from zoo)
+    zoo.parallel
+    zoo.distributed
+    zoo.models | zoo.data
+    zoo.checkpoint
+    zoo.training | zoo.eval | zoo.inference
+    zoo.finetune | zoo.smoke
+    scripts: launch/, finetune/, benchmarks/     (nothing in zoo imports them)
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+LAYERS: list[set[str]] = [
+    {"zoo.atomic"},
+    {"zoo.parallel"},
+    {"zoo.distributed"},
+    {"zoo.models", "zoo.data"},
+    {"zoo.checkpoint"},
+    {"zoo.training", "zoo.eval", "zoo.inference"},
+    {"zoo.finetune", "zoo.smoke"},
+]
+
+
+def module_name(path: Path, root: Path = ROOT) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path, as_module: str | None = None) -> set[str]:
+    """Absolute names of the zoo modules ``path`` imports (relative imports resolved); ``as_module``
+    names the file when it is read from elsewhere."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    name = as_module or module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {name for name in found if name == "zoo" or name.startswith("zoo.")}
+
+
+def zoo_files() -> list[Path]:
+    return sorted((ROOT / "zoo").rglob("*.py"))
+
+
+def layer_of(module: str) -> tuple[int, str] | None:
+    """(layer index, the layer package) of a zoo module, or None for the root package itself."""
+    for index, layer in enumerate(LAYERS):
+        for package in layer:
+            if module == package or module.startswith(package + "."):
+                return index, package
+    return None
+
+
+def violations_of(path: Path, as_module: str | None = None) -> list[str]:
+    """The imports of one file that do not go to a lower layer (or its own package)."""
+    name = as_module or module_name(path)
+    mine = layer_of(name)
+    if mine is None:
+        return []
+    problems = []
+    for imported in sorted(imports_of(path, as_module=name)):
+        theirs = layer_of(imported)
+        if theirs is not None and theirs[1] != mine[1] and theirs[0] >= mine[0]:
+            problems.append(f"{name} imports {imported} ({theirs[1]} is not below {mine[1]})")
+    return problems
+
+
+def layer_violations(files: list[Path]) -> list[str]:
+    return [problem for path in files for problem in violations_of(path)]
+
+
+def import_cycle(files: list[Path], root: Path = ROOT) -> list[str] | None:
+    """One import cycle among the modules of ``files`` (function-local imports count), or None."""
+    known = {module_name(path, root) for path in files}
+    graph = {}
+    for path in files:
+        me = module_name(path, root)
+        targets = set()
+        for name in imports_of(path, as_module=me):
+            # "from zoo.x import y" names zoo.x.y: a module if it exists, else an attribute of zoo.x.
+            while name not in known and "." in name:
+                name = name.rpartition(".")[0]
+            if name in known and name != me:
+                targets.add(name)
+        graph[me] = targets
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> list[str] | None:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state and (found := visit(nxt)):
+                return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state and (found := visit(node)):
+            return found
+    return None
+
+
+def test_every_zoo_package_has_a_layer():
+    packages = {module_name(p).split(".")[1] for p in zoo_files() if module_name(p) != "zoo"}
+    assert all(layer_of(f"zoo.{package}") for package in packages), packages
+
+
+def test_layers_import_only_lower_layers():
+    problems = layer_violations(zoo_files())
+    assert not problems, "\n".join(problems)
+
+
+def test_no_import_cycle():
+    cycle = import_cycle(zoo_files())
+    assert cycle is None, " -> ".join(cycle)
+
+
+def test_zoo_never_imports_the_scripts():
+    for path in zoo_files():
+        text = path.read_text()
+        for script_dir in ("launch", "benchmarks"):
+            assert f"import {script_dir}" not in text and f"from {script_dir}" not in text, path
+
+
+@pytest.mark.parametrize("upward", ["from zoo.training.pretrain import pretrain",
+                                    "def f():\n    from zoo.finetune import runner\n"])
+def test_the_contract_catches_an_upward_import(tmp_path, upward):
+    """The check is not vacuous: an upward import added to a checkpoint module is reported."""
+    original = ROOT / "zoo" / "checkpoint" / "files.py"
+    copy = tmp_path / "files.py"
+    copy.write_text(original.read_text() + "\n" + upward + "\n")
+    problems = violations_of(copy, as_module=module_name(original))
+    assert any("is not below zoo.checkpoint" in problem for problem in problems), problems
+
+
+def test_the_cycle_check_catches_a_cycle(tmp_path):
+    """The cycle search is not vacuous: two modules importing each other at top level are found."""
+    package = tmp_path / "zoo" / "pkg"
+    package.mkdir(parents=True)
+    (package / "a.py").write_text("from zoo.pkg import b\n")
+    (package / "b.py").write_text("def f():\n    import zoo.pkg.a\n")
+    files = sorted(package.glob("*.py"))
+    cycle = import_cycle(files, root=tmp_path)
+    assert cycle is not None and set(cycle) == {"zoo.pkg.a", "zoo.pkg.b"}
