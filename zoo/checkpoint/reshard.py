@@ -27,8 +27,9 @@ global_steps/global_samples/skipped_steps and zoo's client state (iteration, con
 states, model config). The client state gains ``resharded_from`` so that ``pretrain`` re-seeds the
 TP RNG tracker (its stream is per TP rank and has no counterpart at another tp).
 
-ZeRO and BF16_Optimizer checkpoints partition the optimizer state over data parallelism in separate
-``*_optim_states.pt`` files; they are refused with a one-sentence error.
+ZeRO-1/2 and BF16_Optimizer checkpoints partition the optimizer state over data parallelism in separate
+``*_optim_states.pt`` files; :mod:`zoo.checkpoint.zero_reshard` merges and re-partitions those for a new
+tp x dp layout (``reshard_checkpoint(..., new_dp=...)``), through the same per-tensor rule.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from zoo.atomic import check_output_directory, staged_directory
-from zoo.checkpoint.files import (MODEL_STATES, MODEL_STATES_RE, OPTIMIZER_PARTITION_GLOB, check_rank_files,
+from zoo.checkpoint.files import (MODEL_STATES, MODEL_STATES_RE, check_rank_files,
                                   model_states_path, read_model_states, tp_size_of_states)
 from zoo.checkpoint.layout import check_layout, checked_layout_model, recover_config
 from zoo.models.families import param_groups
@@ -52,10 +53,11 @@ SOURCE_RECORD = "resharded_from.json"
 RESHARDED_KIND = "resharded checkpoint copy"
 
 
-def resharded_directory(checkpoints: Path, tag: str, tp_size: int) -> Path:
-    """Where the tp = ``tp_size`` copy of checkpoint ``tag`` lives: a sibling of the tags, so it is
-    found again (and reused) by every later resume at that tp."""
-    return Path(checkpoints) / RESHARDED_SUBDIR / f"{tag}-tp{tp_size}"
+def resharded_directory(checkpoints: Path, tag: str, tp_size: int, dp_size: int | None = None) -> Path:
+    """Where the tp = ``tp_size`` (x dp = ``dp_size``, for ZeRO checkpoints) copy of checkpoint ``tag``
+    lives: a sibling of the tags, so it is found again (and reused) by every later resume at that layout."""
+    suffix = f"-tp{tp_size}" if dp_size is None else f"-tp{tp_size}-dp{dp_size}"
+    return Path(checkpoints) / RESHARDED_SUBDIR / f"{tag}{suffix}"
 
 
 # --------------------------------------------------------------------------- tensors
@@ -250,22 +252,28 @@ class OptimizerResharder:
 
 
 # --------------------------------------------------------------------------- the whole checkpoint
-def reshard_checkpoint(tag_dir: str | Path, new_tp: int, out: str | Path) -> Path:
+def reshard_checkpoint(tag_dir: str | Path, new_tp: int, out: str | Path, new_dp: int | None = None) -> Path:
     """Write the checkpoint of ``tag_dir`` (any tp) laid out for ``new_tp`` into ``out``, atomically.
 
-    One process, whatever the number of processes that wrote or will read it. Peak memory is one new
+    A ZeRO/BF16 checkpoint (optimizer partitions over dp) also needs the new ``new_dp``. One process,
+    whatever the number of processes that wrote or will read it. Peak memory (non-ZeRO) is one new
     rank's state plus one master tensor at a time: the old files are memory-mapped.
     """
+    from zoo.checkpoint.zero_reshard import partition_files, write_zero_resharded
+
     tag_dir, out = Path(tag_dir), Path(out)
     check_output_directory(out, is_resharded_copy, RESHARDED_KIND)
     first_path = model_states_path(tag_dir, 0)
     first = read_model_states(first_path)
     old_tp = tp_size_of_states(first, first_path)
     check_rank_files(tag_dir, old_tp)
-    partitions = sorted(p.name for p in tag_dir.glob(OPTIMIZER_PARTITION_GLOB))
-    if partitions:
-        raise ValueError(f"{tag_dir} keeps its optimizer state in ZeRO/BF16 partitions ({partitions[0]}), which zoo "
-                         f"cannot reshard; resume it at its own tp={old_tp}.")
+    partitions = partition_files(tag_dir)
+    if partitions is not None and new_dp is None:
+        raise ValueError(f"{tag_dir} keeps its optimizer state in ZeRO/BF16 partitions over dp={partitions.dp_size}; "
+                         "pass the new data-parallel degree (new_dp) to reshard it.")
+    if partitions is not None and partitions.tp_size != old_tp:
+        raise ValueError(f"{tag_dir} holds optimizer partitions of tp={partitions.tp_size} but model states of "
+                         f"tp={old_tp}; the tag mixes files of two checkpoints, re-save it.")
     config, _ = recover_config(first, old_tp, first_path)
     tensors = TensorResharder(config, old_tp, new_tp, first_path)
     paths = [model_states_path(tag_dir, rank) for rank in range(old_tp)]
@@ -278,6 +286,12 @@ def reshard_checkpoint(tag_dir: str | Path, new_tp: int, out: str | Path) -> Pat
     optimizers = OptimizerResharder(tensors) if isinstance(first.get("optimizer"), dict) else None
 
     with staged_directory(out, is_resharded_copy, RESHARDED_KIND) as staging:
+        if partitions is not None:
+            write_zero_resharded(tag_dir, partitions, tensors, sources, new_dp, staging,
+                                 lambda rank: new_rank_states(sources, paths, tensors, None, rank, tag_dir))
+            (staging / SOURCE_RECORD).write_text(json.dumps(source_record(tag_dir, old_tp, new_tp, new_dp),
+                                                            indent=2) + "\n")
+            return out
         for rank in range(new_tp):
             states = new_rank_states(sources, paths, tensors, optimizers, rank, tag_dir)
             torch.save(states, staging / MODEL_STATES.format(rank))
@@ -305,10 +319,13 @@ def new_rank_states(sources: list[dict[str, Any]], paths: list[Path], tensors: T
     return states
 
 
-def source_record(tag_dir: Path, old_tp: int, new_tp: int) -> dict[str, Any]:
+def source_record(tag_dir: Path, old_tp: int, new_tp: int, new_dp: int | None = None) -> dict[str, Any]:
     """What a resharded copy was made from: the source files' sizes and modification times."""
     files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(tag_dir.iterdir()) if p.is_file()}
-    return {"source": str(tag_dir.resolve()), "from_tp": old_tp, "to_tp": new_tp, "files": files}
+    record = {"source": str(tag_dir.resolve()), "from_tp": old_tp, "to_tp": new_tp, "files": files}
+    if new_dp is not None:
+        record["to_dp"] = new_dp
+    return record
 
 
 def is_resharded_copy(directory: Path) -> bool:
@@ -321,12 +338,15 @@ def is_resharded_copy(directory: Path) -> bool:
         return False
     if not isinstance(saved, dict) or not {"source", "from_tp", "to_tp"} <= saved.keys():
         return False
+    from zoo.checkpoint.zero_reshard import OPTIM_STATES_RE
+
     others = [entry for entry in Path(directory).iterdir() if entry.name != SOURCE_RECORD]
-    return all(entry.is_file() and MODEL_STATES_RE.fullmatch(entry.name) for entry in others)
+    return all(entry.is_file() and (MODEL_STATES_RE.fullmatch(entry.name) or OPTIM_STATES_RE.fullmatch(entry.name))
+               for entry in others)
 
 
-def is_current(out: Path, tag_dir: Path, new_tp: int) -> bool:
-    """``out`` is a finished resharded copy of the present files of ``tag_dir`` at ``new_tp``."""
+def is_current(out: Path, tag_dir: Path, new_tp: int, new_dp: int | None = None) -> bool:
+    """``out`` is a finished resharded copy of the present files of ``tag_dir`` at ``new_tp`` (x ``new_dp``)."""
     record = out / SOURCE_RECORD
     if not record.is_file():
         return False
@@ -334,13 +354,13 @@ def is_current(out: Path, tag_dir: Path, new_tp: int) -> bool:
         saved = json.loads(record.read_text())
     except json.JSONDecodeError:
         return False
-    current = source_record(tag_dir, saved.get("from_tp", 0), new_tp)
+    current = source_record(tag_dir, saved.get("from_tp", 0), new_tp, new_dp)
     return saved == current and all(model_states_path(out, r).is_file() for r in range(new_tp))
 
 
-def ensure_resharded(tag_dir: str | Path, new_tp: int, out: str | Path) -> Path:
+def ensure_resharded(tag_dir: str | Path, new_tp: int, out: str | Path, new_dp: int | None = None) -> Path:
     """:func:`reshard_checkpoint` unless ``out`` already holds a current copy."""
     tag_dir, out = Path(tag_dir), Path(out)
-    if is_current(out, tag_dir, new_tp):
+    if is_current(out, tag_dir, new_tp, new_dp):
         return out
-    return reshard_checkpoint(tag_dir, new_tp, out)
+    return reshard_checkpoint(tag_dir, new_tp, out, new_dp)

@@ -4,6 +4,11 @@ Every check runs on every rank and is agreed across ranks (:func:`zoo.distribute
 so a checkpoint that one rank cannot read (a truncated ``mp_rank_01_model_states.pt``) or that holds
 another model shape ends the run with the same sentence on every rank, never with one rank's traceback
 and a transport error on the others.
+
+A checkpoint written at another layout is resharded once, by rank 0, into a copy the run then loads
+with its ordinary ds_config: another tp (:mod:`zoo.checkpoint.reshard`), and for ZeRO-1/2 and BF16
+checkpoints, whose optimizer state is partitioned over dp, another tp or dp
+(:mod:`zoo.checkpoint.zero_reshard`; DeepSpeed itself refuses a new dp for those).
 """
 
 from __future__ import annotations
@@ -26,31 +31,75 @@ LATEST_FIX = ("write the tag of a complete checkpoint ({tags}) into {latest}, or
 FREE_ON_RESUME = ("initializer_range",)
 
 
-def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any] | None = None) -> tuple[Path, str]:
-    """The (DeepSpeed load directory, tag) to resume from at this run's tp degree, checked on every rank.
+def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any] | None = None,
+                       engine=None) -> tuple[Path, str]:
+    """The (DeepSpeed load directory, tag) to resume from at this run's layout, checked on every rank.
 
-    When the checkpoint named by ``latest`` was written at another tp, rank 0 writes (or reuses) a copy
-    resharded for this tp under ``<checkpoints>/resharded/<tag>-tp<N>/`` and every rank reads that.
-    Each rank proves it can read its own model-states file, and that the file's recorded model config
-    equals ``model_config`` (this run's ``hf_config_dict()``), before any rank loads anything.
+    When the checkpoint named by ``latest`` was written at another tp (or, for a ZeRO/BF16 checkpoint,
+    another tp x dp), rank 0 writes (or reuses) a resharded copy under
+    ``<checkpoints>/resharded/<tag>-tp<N>[-dp<M>]/`` and every rank reads that. Each rank proves it can
+    read its own model-states file, and that the file's recorded model config equals ``model_config``
+    (this run's ``hf_config_dict()``), before any rank loads anything. With ``engine`` (this run's
+    DeepSpeed engine), a checkpoint whose optimizer files the engine would not read (ZeRO partitions
+    for a non-ZeRO run, bf16 partitions for an fp32 one, ...) is refused in one sentence.
     """
     from zoo.checkpoint.reshard import ensure_resharded, resharded_directory
+    from zoo.checkpoint.zero_reshard import partition_files
 
-    def locate() -> tuple[Path, Path, int]:
+    def locate() -> tuple[Path, Path, int, Any]:
         root = checkpoints_root(load)
         tag_dir = tag_directory(root, fix=LATEST_FIX)
-        return root, tag_dir, rank_files_tp(tag_dir)
+        source_tp = rank_files_tp(tag_dir)
+        partitions = partition_files(tag_dir)
+        if engine is not None:
+            check_optimizer_files(partitions, engine_optimizer_files(engine), load)
+        return root, tag_dir, source_tp, partitions
 
-    root, tag_dir, source_tp = raise_on_any_rank(locate)
-    if source_tp == ps.tp_size:
+    root, tag_dir, source_tp, partitions = raise_on_any_rank(locate)
+    same_dp = partitions is None or partitions.dp_size == ps.dp_size
+    if source_tp == ps.tp_size and same_dp:
         raise_on_any_rank(lambda: check_rank_states(tag_dir, ps.tp_rank, model_config, load))
         return root, tag_dir.name
     # The shape first (from rank 0's file, every rank), so that no copy of another model is resharded.
     raise_on_any_rank(lambda: check_rank_states(tag_dir, 0, model_config, load))
-    target = resharded_directory(root, tag_dir.name, ps.tp_size)
-    raise_on_any_rank(lambda: ensure_resharded(tag_dir, ps.tp_size, target) if dist.get_rank() == 0 else None)
+    new_dp = None if partitions is None else ps.dp_size
+    target = resharded_directory(root, tag_dir.name, ps.tp_size, new_dp)
+    raise_on_any_rank(lambda: ensure_resharded(tag_dir, ps.tp_size, target, new_dp) if dist.get_rank() == 0
+                      else None)
     raise_on_any_rank(lambda: check_rank_states(target, ps.tp_rank, model_config, load))
     return target.parent, target.name
+
+
+def engine_optimizer_files(engine) -> str | None:
+    """Which optimizer files a DeepSpeed engine reads: None (model states), "zero_pp_rank" or
+    "bf16_zero_pp_rank" partitions, or "stage3" (which zoo does not reshard)."""
+    stage = engine.zero_optimization_stage()
+    if stage >= 3:
+        return "stage3"
+    partitioned = stage in (1, 2) or type(engine.optimizer).__name__ == "BF16_Optimizer"
+    if not partitioned:
+        return None
+    return "bf16_zero_pp_rank" if engine.bfloat16_enabled() else "zero_pp_rank"
+
+
+def check_optimizer_files(partitions, wanted: str | None, load: str | os.PathLike) -> None:
+    """The checkpoint's optimizer files are the kind this run's engine reads."""
+    have = None if partitions is None else f"{partitions.prefix}zero_pp_rank"
+    if have == wanted:
+        return
+    if wanted == "stage3":
+        raise ValueError(f"--load {load} holds a {describe_files(have)} checkpoint, which a ZeRO stage 3 run cannot "
+                         "load; resume it with zero_optimization stage 1 or 2 (or none) in the ds_config.")
+    raise ValueError(f"--load {load} holds a {describe_files(have)} checkpoint but this run's ds_config reads "
+                     f"{describe_files(wanted)} checkpoints; resume it with the zero_optimization stage and bf16 "
+                     "setting it was written with (or start a new run without --load).")
+
+
+def describe_files(kind: str | None) -> str:
+    return {None: "non-ZeRO (optimizer in mp_rank_XX_model_states.pt)",
+            "zero_pp_rank": "ZeRO-partitioned fp32/fp16 (zero_pp_rank_*_optim_states.pt)",
+            "bf16_zero_pp_rank": "bf16 ZeRO/BF16-optimizer-partitioned (bf16_zero_pp_rank_*_optim_states.pt)"}.get(
+        kind, str(kind))
 
 
 def check_rank_states(tag_dir: Path, tp_rank: int, model_config: dict[str, Any] | None,

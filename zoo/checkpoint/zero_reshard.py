@@ -1,0 +1,245 @@
+"""Reshard a ZeRO-1/2 (or BF16_Optimizer) checkpoint of zoo to another tp x dp layout.
+
+DeepSpeed's ZeRO stages 1 and 2 and its BF16_Optimizer keep the optimizer state in one file per
+(dp rank, tp rank): ``[bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt``. For each optimizer
+group (zoo's :func:`zoo.models.families.param_groups` order, recorded as ``param_shapes`` in the
+model-states files) the group's parameters are flattened in order, padded to a multiple of
+2 x dp, and dp rank d owns the d-th equal slice: its fp32 master weights
+(``single_partition_of_fp32_groups``, the padding stripped) and its Adam moments
+(``base_optimizer_state``, padded). DeepSpeed itself refuses to load such a checkpoint at another dp
+("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is not currently
+supported") and zoo's non-ZeRO resharder cannot read it.
+
+How: for every old TP rank, the dp slices of each group are concatenated (padding cut) and split by
+``param_shapes`` into per-parameter tensors (fp32 master, exp_avg, exp_avg_sq); each parameter is then
+resharded along its TP dimension by :class:`zoo.checkpoint.reshard.TensorResharder` (fused-QKV stride,
+vocab padding cut and re-added), regrouped in the new layout's parameter order, flattened, padded and
+sliced for the new dp exactly as DeepSpeed lays a fresh run out. The files written are an ordinary
+checkpoint of the new layout, so the run loads them with its usual ds_config (no ``load_universal``).
+
+Why not DeepSpeed's universal checkpoint (``ds_to_universal`` + ``"checkpoint": {"load_universal": true}``):
+loading one needs ``load_universal`` in the ds_config before ``deepspeed.initialize`` and model-states
+files at the new tp (DeepSpeed still reads ``mp_rank_XX_model_states.pt`` of the new rank), needs the
+model to publish per-pattern universal-checkpoint info (including the per-rank [q|k|v] stride of zoo's
+fused QKV as sub-parameter shapes), and converts through one file per parameter and state. zoo already
+knows every parameter's partition dim, stride and vocab rows (the same table the export and the non-ZeRO
+resharder use), so one pass over the partition files gives the new layout directly, through the same
+``--load`` and ``checkpoint_to_load`` as the non-ZeRO case.
+
+Layouts it cannot convert are refused in one sentence before anything is written: ZeRO stage 3, a
+checkpoint written with ``zero_optimization.parameter_alignment`` (per-parameter padding), partition
+files missing for a (dp, tp) rank, or a model that cannot be laid out at the new tp.
+
+Memory: the partition files are memory-mapped; the old checkpoint's fp32 state (master and two
+moments, merged per TP rank) and one new TP rank's merged state are held while its dp partitions are
+written: about 3 + 3/tp_new fp32 copies of the model, in the one process that reshards.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.checkpoint.files import MODEL_STATES, first_line, model_states_path
+
+OPTIM_STATES_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
+OPTIM_STATES = "{prefix}zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
+ALIGNMENT_FACTOR = 2   # DeepSpeed's nccl_start_alignment_factor: groups are padded to a multiple of 2 x dp
+OPTIMIZER = "optimizer_state_dict"
+FP32 = "single_partition_of_fp32_groups"
+BASE = "base_optimizer_state"
+PADDINGS = "group_paddings"
+ALIGNMENT_PADDINGS = "param_alignment_paddings"
+MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+@dataclass(frozen=True)
+class PartitionFiles:
+    """The optimizer partition files of one checkpoint tag: their name prefix, dp and tp degrees."""
+    prefix: str   # "" for ZeRO-1/2, "bf16_" when written with bf16 enabled
+    dp_size: int
+    tp_size: int
+
+    def path(self, tag_dir: Path, dp_rank: int, tp_rank: int) -> Path:
+        return Path(tag_dir) / OPTIM_STATES.format(prefix=self.prefix, dp=dp_rank, tp=tp_rank)
+
+
+def partition_files(tag_dir: Path) -> PartitionFiles | None:
+    """The ZeRO/BF16 partition files of ``tag_dir`` (None when the optimizer state is in the model-states
+    files), checked complete: every (dp, tp) pair of one prefix, nothing else."""
+    found = [m for p in Path(tag_dir).iterdir() if (m := OPTIM_STATES_RE.fullmatch(p.name))]
+    if not found:
+        return None
+    prefixes = {m.group(1) or "" for m in found}
+    if len(prefixes) > 1:
+        raise ValueError(f"{tag_dir} mixes bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files; keep the files of "
+                         "one checkpoint only.")
+    dp = max(int(m.group(2)) for m in found) + 1
+    tp = max(int(m.group(3)) for m in found) + 1
+    files = PartitionFiles(prefixes.pop(), dp, tp)
+    for d in range(dp):
+        for t in range(tp):
+            if not files.path(tag_dir, d, t).is_file():
+                raise FileNotFoundError(f"{files.path(tag_dir, d, t)} is missing from a checkpoint partitioned over "
+                                        f"dp={dp} x tp={tp}; copy every *_optim_states.pt of the tag.")
+    return files
+
+
+def read_partition(path: Path) -> dict[str, Any]:
+    """One (dp, tp) rank's optimizer partition, memory-mapped."""
+    try:
+        # weights_only=False: DeepSpeed pickles its loss scaler object and enums here. Only load trusted files.
+        states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+        raise ValueError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated, "
+                         "re-save it.") from None
+    optimizer = states.get(OPTIMIZER) if isinstance(states, dict) else None
+    if not isinstance(optimizer, dict) or not {FP32, BASE, PADDINGS} <= optimizer.keys():
+        raise ValueError(f"{path} is not a DeepSpeed ZeRO stage 1/2 or BF16 optimizer partition (ZeRO stage 3 "
+                         "checkpoints cannot be resharded); resume it at its own layout.")
+    if any(any(group) for group in optimizer.get(ALIGNMENT_PADDINGS) or []):
+        raise ValueError(f"{path} was written with zero_optimization.parameter_alignment (per-parameter padding), "
+                         "which zoo cannot reshard; resume it at its own layout.")
+    return states
+
+
+def group_layout(param_shapes: list[dict[str, torch.Size]]) -> list[list[tuple[str, torch.Size]]]:
+    return [[(name, torch.Size(shape)) for name, shape in group.items()] for group in param_shapes]
+
+
+# --------------------------------------------------------------------------- merging one TP rank's dp partitions
+def merged_tp_rank(partitions: list[dict[str, Any]], groups: list[list[tuple[str, torch.Size]]],
+                   paths: list[Path]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
+    """({state: {parameter name: tensor}} for 'master', 'exp_avg', 'exp_avg_sq'; scalars such as step)
+    of one TP rank, from its dp partitions."""
+    by_state: dict[str, dict[str, torch.Tensor]] = {"master": {}, **{key: {} for key in MOMENTS}}
+    scalars: dict[str, Any] = {}
+    for g, group in enumerate(groups):
+        total = sum(shape.numel() for _, shape in group)
+        flats: dict[str, list[torch.Tensor]] = {key: [] for key in by_state}
+        for partition, path in zip(partitions, paths):
+            optimizer = partition[OPTIMIZER]
+            state = optimizer[BASE]["state"][optimizer[BASE]["param_groups"][g]["params"][0]]
+            padded = state["exp_avg"].numel()
+            keep = padded - optimizer[PADDINGS][g]
+            flats["master"].append(optimizer[FP32][g].reshape(-1).narrow(0, 0, keep))
+            for key in MOMENTS:
+                flats[key].append(state[key].reshape(-1).narrow(0, 0, keep))
+            for key, value in state.items():
+                if key not in MOMENTS:
+                    scalars.setdefault(key, value)
+        for key, pieces in flats.items():
+            flat = torch.cat(pieces)
+            if flat.numel() != total:
+                raise ValueError(f"the optimizer partitions {paths[0].name}... hold {flat.numel()} elements of group "
+                                 f"{g} but its parameters have {total}; the files are not one checkpoint, re-save it.")
+            offset = 0
+            for name, shape in group:
+                by_state[key][name] = flat.narrow(0, offset, shape.numel()).view(shape)
+                offset += shape.numel()
+    return by_state, scalars
+
+
+# --------------------------------------------------------------------------- partitioning for the new dp
+def partition_bounds(total: int, dp_size: int) -> tuple[int, list[int]]:
+    """(partition size, padding of each dp rank) of a group of ``total`` elements, as DeepSpeed lays it out."""
+    alignment = ALIGNMENT_FACTOR * dp_size
+    size = math.ceil(total / alignment) * alignment // dp_size
+    paddings = [min(size, max(0, (rank + 1) * size - total)) for rank in range(dp_size)]
+    return size, paddings
+
+
+def slice_mappings(group: list[tuple[str, torch.Size]], start: int, size: int) -> OrderedDict:
+    """DeepSpeed's ``param_slice_mappings`` of one group's partition [start, start + size)."""
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    mappings, offset = OrderedDict(), 0
+    for name, shape in group:
+        lo, hi = max(offset, start), min(offset + shape.numel(), start + size)
+        if lo < hi:
+            mappings[name] = fragment_address(numel=hi - lo, start=lo - start)
+        offset += shape.numel()
+    return mappings
+
+
+def new_partitions(template: dict[str, Any], merged: dict[str, dict[str, torch.Tensor]], scalars: dict[str, Any],
+                   groups: list[list[tuple[str, torch.Size]]], dp_size: int) -> list[dict[str, Any]]:
+    """The ``dp_size`` partition files of one new TP rank, from its merged per-parameter state."""
+    flats = {key: [torch.cat([by_name[name].reshape(-1) for name, _ in group]) for group in groups]
+             for key, by_name in merged.items()}
+    bounds = [partition_bounds(flat.numel(), dp_size) for flat in flats["master"]]
+    template_optimizer = template[OPTIMIZER]
+    out = []
+    for rank in range(dp_size):
+        fp32, state, mappings = [], {}, []
+        for g, (group, (size, paddings)) in enumerate(zip(groups, bounds)):
+            start, keep = rank * size, size - paddings[rank]
+            fp32.append(flats["master"][g].narrow(0, start, keep).clone())
+            entry = dict(scalars)
+            for key in MOMENTS:
+                moment = flats[key][g].new_zeros(size)
+                moment[:keep] = flats[key][g].narrow(0, start, keep)
+                entry[key] = moment
+            state[g] = entry
+            mappings.append(slice_mappings(group, start, size))
+        base_groups = [{**group, "params": [g]} for g, group in enumerate(template_optimizer[BASE]["param_groups"])]
+        optimizer = {**template_optimizer, FP32: fp32, BASE: {"state": state, "param_groups": base_groups},
+                     PADDINGS: [paddings[rank] for _, paddings in bounds],
+                     "partition_count": [dp_size] * len(groups), "param_slice_mappings": mappings}
+        if ALIGNMENT_PADDINGS in template_optimizer:
+            optimizer[ALIGNMENT_PADDINGS] = [[0] * len(group) for group in groups]
+        out.append({**template, OPTIMIZER: optimizer})
+    return out
+
+
+# --------------------------------------------------------------------------- the whole tag
+def write_zero_resharded(tag_dir: Path, files: PartitionFiles, tensors, model_states: list[dict[str, Any]],
+                         new_dp: int, staging: Path, new_model_states) -> None:
+    """Write every new (tp, dp) rank's model-states and partition files into ``staging``.
+
+    ``tensors`` is the :class:`~zoo.checkpoint.reshard.TensorResharder` of old -> new tp;
+    ``new_model_states(rank)`` gives new TP rank ``rank``'s model-states dict (module resharded).
+    """
+    old_groups = group_layout(model_states[0]["param_shapes"])
+    new_groups = new_group_layout(tensors.new)
+    check_group_names(old_groups, new_groups, tag_dir)
+    merged_old, scalars = [], {}
+    for t in range(files.tp_size):
+        paths = [files.path(tag_dir, d, t) for d in range(files.dp_size)]
+        partitions = [read_partition(path) for path in paths]
+        if t == 0:
+            template = partitions[0]
+        groups = group_layout(model_states[t]["param_shapes"])
+        by_state, scalars = merged_tp_rank(partitions, groups, paths)
+        merged_old.append(by_state)
+    for rank in range(tensors.new_tp):
+        merged = {key: {name: tensors.reshard(name, [old[key][name] for old in merged_old], rank)
+                        for group in new_groups for name, _ in group} for key in merged_old[0]}
+        for d, partition in enumerate(new_partitions(template, merged, scalars, new_groups, new_dp)):
+            torch.save(partition, staging / OPTIM_STATES.format(prefix=files.prefix, dp=d, tp=rank))
+        del merged
+        states = new_model_states(rank)
+        states["param_shapes"] = [OrderedDict(group) for group in new_groups]
+        states["dp_world_size"] = new_dp
+        torch.save(states, staging / MODEL_STATES.format(rank))
+
+
+def new_group_layout(layout: torch.nn.Module) -> list[list[tuple[str, torch.Size]]]:
+    from zoo.checkpoint.reshard import optimizer_groups
+
+    shapes = {name: param.shape for name, param in layout.named_parameters()}
+    return [[(name, shapes[name]) for name in group] for group in optimizer_groups(layout)]
+
+
+def check_group_names(old: list[list[tuple[str, torch.Size]]], new: list[list[tuple[str, torch.Size]]],
+                      tag_dir: Path) -> None:
+    if [[name for name, _ in group] for group in old] != [[name for name, _ in group] for group in new]:
+        raise ValueError(f"the optimizer groups recorded in {model_states_path(tag_dir, 0)} (param_shapes) are not "
+                         "zoo's parameter groups of this model; the checkpoint was not written by this version of zoo's "
+                         "pretrain and cannot be resharded.")
