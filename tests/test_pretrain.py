@@ -250,7 +250,7 @@ def test_cli_layout_error_exits_2_from_the_script(tmp_path):
     proc = subprocess.run([sys.executable, *args, "--tensor-parallel-size", "3"],
                           env=_single_process_env(free_port()), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
-    assert "tensor_parallel_size 3 does not divide the 1 launched processes" in proc.stderr
+    assert "tensor-parallel size 3 does not divide the world size 1" in proc.stderr
     assert not (tmp_path / "r").exists()
 
 
