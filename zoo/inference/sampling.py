@@ -9,6 +9,11 @@ and a softmax afterwards renormalises over the kept tokens:
     top-p p:        sort p_i = softmax(z)_i descending; keep the shortest prefix whose mass is >= p
                     (token i is kept iff the mass strictly before it is < p; the top token always is)
 
+Top-k and top-p are transformers' own ``TopKLogitsWarper`` and ``TopPLogitsWarper``: generation
+gathers the full vocabulary's logits before choosing (one (b, V) all-gather per step), so the
+warpers apply unchanged. Temperature stays here: transformers' ``TemperatureLogitsWarper`` divides in
+the logits' dtype, and an fp16/bf16 model or a small temperature would overflow to inf and NaN.
+
 The settings are checked in one place (:func:`check_sampling_settings`, used by the filters and by
 ``GenerationConfig``): a NaN, an infinity or a value out of range would otherwise surface as
 "probability tensor contains inf, nan or element < 0" at the first sampled token. Temperature
@@ -70,25 +75,26 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 
 
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    """Keep the k largest logits of each row (and any tied with the k-th); k = 0 or k >= V keeps all."""
+    """Keep the k largest logits of each row (and any tied with the k-th); k = 0 or k >= V keeps all.
+    transformers' ``TopKLogitsWarper`` does the filtering."""
+    from transformers.generation.logits_process import TopKLogitsWarper
+
     check_top_k(k)
     if k == 0 or k >= logits.shape[-1]:
         return logits
-    kth = torch.topk(logits, k, dim=-1).values[..., -1:]                    # (b, 1)
-    return logits.masked_fill(logits < kth, float("-inf"))
+    return TopKLogitsWarper(top_k=k)(None, logits)
 
 
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
-    """Keep the smallest set of most probable tokens whose probability mass is >= p; p = 1 keeps all."""
+    """Keep the smallest set of most probable tokens whose probability mass is >= p; p = 1 keeps all.
+    transformers' ``TopPLogitsWarper`` does the filtering (in float32 at least, like the softmax after it)."""
+    from transformers.generation.logits_process import TopPLogitsWarper
+
     check_top_p(p)
     if p == 1.0:
         return logits
-    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)     # (b, V)
-    probs = torch.softmax(sorted_logits.float(), dim=-1)                   # (b, V)
-    mass_before = torch.cumsum(probs, dim=-1) - probs                      # (b, V) exclusive prefix sums
-    drop_sorted = mass_before >= p                                         # the top token: mass 0 < p, kept
-    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)   # back to vocabulary order
-    return logits.masked_fill(drop, float("-inf"))
+    wide = logits if logits.dtype == torch.float64 else logits.float()
+    return TopPLogitsWarper(top_p=float(p))(None, wide).to(logits.dtype)
 
 
 def filter_logits(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
