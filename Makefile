@@ -1,9 +1,18 @@
 # The two commands of the README:  `make demo`  and  `make test`.
-# Both create ./.venv on first use. On a machine with no importable torch the CPU wheel
-# torch==2.13.0 is installed first, so pip never pulls a multi-GB CUDA build there.
+# Both create ./.venv on first use. On a machine without NVIDIA GPUs and with no importable torch the
+# CPU wheel torch==2.13.0 is installed first, so pip never pulls a multi-GB CUDA build there.
+# On a GPU node (nvidia-smi lists a GPU) the venv sees the system's site-packages, so a CUDA torch
+# installed there is used as it is; without one, pip installs PyPI's (CUDA) torch; and setup stops
+# if the torch it ends with cannot use the GPUs, rather than letting a run fall back to the CPU.
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+GPU_NODE := $(shell nvidia-smi -L 2>/dev/null | grep -q GPU && echo yes)
+VENV_FLAGS := $(if $(GPU_NODE),--system-site-packages,)
+CPU_TORCH := "torch==2.13.0"
+GPU_TORCH := "torch>=2.4,<2.15"
+TORCH_SPEC := $(if $(GPU_NODE),$(GPU_TORCH),$(CPU_TORCH))
+CHECK_CUDA := import sys, torch; sys.exit(0 if torch.cuda.is_available() else "error: nvidia-smi lists GPUs but torch " + torch.__version__ + " cannot use them; install a CUDA build of torch in the system Python or in $(VENV), then run make again.")
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
@@ -15,8 +24,9 @@ setup-test: $(VENV)/.zoo-test-installed
 
 # --no-compile: pip would byte-compile every installed file (a minute here); the demo imports few.
 $(VENV)/.zoo-installed: setup.cfg pyproject.toml
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile "torch==2.13.0"
+	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
+	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile $(TORCH_SPEC)
+	$(if $(GPU_NODE),$(PY) -c '$(CHECK_CUDA)')
 	$(PY) -m pip install -q --no-compile -e .
 	touch $@
 
