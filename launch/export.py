@@ -1,7 +1,7 @@
 """Export a zoo DeepSpeed checkpoint (GPT-2 or BERT), trained at any tp degree, to a transformers directory:
 GPT2LMHeadModel, MegatronBertForPreTraining (pre-norm BERT) or BertForPreTraining (post-norm BERT).
 
-    python launch/export.py --load runs/demo --out runs/demo/hf [--tag iter_0000300] [--dtype fp16|bf16|fp32]
+    python launch/export.py --load runs/demo --out runs/demo/hf [--tag iter_0000300] [--dtype float16|bfloat16|float32]
 """
 
 from zoo.checkpoint.deepspeed_export import main

@@ -19,7 +19,8 @@ import os
 import sys
 from pathlib import Path
 
-DTYPES = ("float32", "bfloat16", "float16")
+from zoo.dtypes import add_dtype_argument, torch_dtype
+
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: the world size")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
-    parser.add_argument("--dtype", choices=DTYPES, default="float32")
+    add_dtype_argument(parser, "float32", "weights and activations of the model")
     parser.add_argument("--output", default=None, help="also write the completions here as JSONL")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                         help=argparse.SUPPRESS)     # passed by the deepspeed launcher
@@ -72,7 +73,6 @@ def generation_config(args: argparse.Namespace):
 
 def run(args: argparse.Namespace, texts: list[str], config):
     """Load, generate (collective), and return every prompt's TextCompletion on every rank."""
-    import torch
     import torch.distributed as dist
 
     from zoo.data import load_gpt2_tokenizer
@@ -86,7 +86,7 @@ def run(args: argparse.Namespace, texts: list[str], config):
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     ps = ParallelState.initialize(args.tensor_parallel_size or world)
     hf_dir = transformers_directory(args.load)
-    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=getattr(torch, args.dtype)).to(device).eval()
+    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=torch_dtype(args.dtype)).to(device).eval()
     tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
     return generate_text(model, tokenizer, texts, config, ps, batch_size=args.batch_size)
 

@@ -35,6 +35,7 @@ from zoo.checkpoint.files import (CHECKPOINT_SUBDIR, LATEST_FILE, check_rank_fil
                                   model_states_path, read_model_states, tag_directory, tags_in, tp_size_of_states)
 from zoo.checkpoint.layout import (check_layout, checked_layout_model, embedding_key, layout_model,
                                    layout_only_state, recover_config)
+from zoo.dtypes import add_dtype_argument, torch_dtype
 from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, OutputTensor, check_pretrained_target, hf_rows,
                               local_block, output_tensors, stream_pretrained, to_hf_layout)
 from zoo.models.pretrained import tokenizer_files, with_dtype
@@ -45,7 +46,6 @@ __all__ = [  # the locating and layout helpers are re-exported for callers of th
     "CHECKPOINT_SUBDIR", "LATEST_FILE", "ExportResult", "checkpoints_root", "export_checkpoint", "layout_model",
     "layout_only_state", "main", "merged_hf_state", "merged_master", "tag_directory", "tags_in"]
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
 
 
 @dataclass(frozen=True)
@@ -162,8 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
     parser.add_argument("--out", required=True,
                         help="output directory: new, empty, or a previous export (replaced atomically)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default=None,
-                        help="dtype of the written weights (default: the checkpoint's)")
+    add_dtype_argument(parser, None, "dtype of the written weights (default: the checkpoint's)")
     parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
                         help="split the weights into indexed shards above this size, e.g. 2GB")
     return parser
@@ -173,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     size = int(args.max_shard_size) if str(args.max_shard_size).isdigit() else args.max_shard_size
     try:
-        result = export_checkpoint(args.load, args.out, args.tag, DTYPES.get(args.dtype), size)
+        result = export_checkpoint(args.load, args.out, args.tag, torch_dtype(args.dtype), size)
     except (ValueError, FileNotFoundError) as err:
         print(f"error: {err}", file=sys.stderr)
         sys.exit(2)

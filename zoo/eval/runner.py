@@ -23,14 +23,12 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from zoo.atomic import check_writable_directory, write_text_atomic
 from zoo.distributed import join_process_group, launched_distributed, raise_on_any_rank, single_device
 from zoo.eval.wikitext import DEFAULT_OVERLAP
+from zoo.dtypes import add_dtype_argument, torch_dtype
 
 TASKS = ("wikitext", "lambada")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,7 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--split", default="test", help="split to take from a saved DatasetDict")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
-    parser.add_argument("--dtype", choices=sorted(DTYPES), default="float32")
+    add_dtype_argument(parser, "float32", "weights and activations of the model")
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     parser.add_argument("--wandb-project", default=None, help="also log the results to this W&B project")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
@@ -73,7 +71,7 @@ def evaluate_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     device = join_process_group(args.local_rank) if launched_distributed() else single_device()
     ps = ParallelState.initialize(args.tensor_parallel_size)
     hf_dir = transformers_directory(args.load)
-    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=DTYPES[args.dtype]).to(device).eval()
+    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=torch_dtype(args.dtype)).to(device).eval()
     tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
     progress = ps.rank == 0
     if args.task == "wikitext":
