@@ -236,7 +236,7 @@ FAKE_MODEL = dict(TINY_MODEL, n_positions=32)   # n_positions differs from the p
 
 
 def layout_state(tp: int, rank: int):
-    from zoo.checkpoint.deepspeed_export import layout_only_state
+    from zoo.checkpoint.layout import layout_only_state
 
     return layout_only_state(tp, rank)
 

@@ -31,10 +31,9 @@ from pathlib import Path
 
 import torch
 
-from zoo.checkpoint.files import (CHECKPOINT_SUBDIR, LATEST_FILE, check_rank_files, checkpoints_root,
-                                  model_states_path, read_model_states, tag_directory, tags_in, tp_size_of_states)
-from zoo.checkpoint.layout import (check_layout, checked_layout_model, embedding_key, layout_model,
-                                   layout_only_state, recover_config)
+from zoo.checkpoint.files import (check_rank_files, model_states_path, read_model_states, tag_directory,
+                                  tp_size_of_states)
+from zoo.checkpoint.layout import check_layout, checked_layout_model, embedding_key, recover_config
 from zoo.dtypes import add_dtype_argument, torch_dtype
 from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, OutputTensor, check_pretrained_target, hf_rows,
                               local_block, output_tensors, stream_pretrained, to_hf_layout)
@@ -42,9 +41,7 @@ from zoo.models.pretrained import tokenizer_files, with_dtype
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.utils import merge_shards
 
-__all__ = [  # the locating and layout helpers are re-exported for callers of the former single module
-    "CHECKPOINT_SUBDIR", "LATEST_FILE", "ExportResult", "checkpoints_root", "export_checkpoint", "layout_model",
-    "layout_only_state", "main", "merged_hf_state", "merged_master", "tag_directory", "tags_in"]
+__all__ = ["ExportResult", "export_checkpoint", "main", "merged_hf_state", "merged_master"]
 
 
 

@@ -94,7 +94,8 @@ def transformers_directory(load: str) -> str:
     (collective; an export error reaches every rank as the same sentence)."""
     import hashlib
 
-    from zoo.checkpoint.deepspeed_export import checkpoints_root, export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
+    from zoo.checkpoint.files import checkpoints_root
 
     if (Path(load) / "config.json").is_file():
         return str(load)
