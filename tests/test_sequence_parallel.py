@@ -8,7 +8,9 @@ One spawn per tp (2 and 4) checks, with sequence_parallel=True set through ``fro
   reduce-scatters of b*s*h forward, the reverse backward, no activation all-reduce inside a layer;
   the LayerNorm / row-bias gradients cost one small all-reduce each); selective and full
   recomputation give bit-for-bit the losses of no recomputation over 5 AdamW steps with dropout on;
-  a sequence length that tp does not divide is one ValueError.
+  a sequence length that tp does not divide is one ValueError; key/value-cached decoding (and
+  ``logits_to_keep``) of an SP model gives the logits of the model without SP; the finetuning heads
+  (sequence classification, QA) on an SP encoder give the float64 gradients of no SP (<= 1e-9).
 At tp = 1 sequence parallelism is a no-op (same losses bit for bit, no spawn needed).
 """
 
@@ -211,6 +213,47 @@ def _train_losses(ps, recompute, steps: int = 5):
     return losses, calls
 
 
+def _heads_with_and_without_sp(ps, directory):
+    """The finetuning heads on an SP encoder: float64 loss and every gradient as without SP."""
+    from zoo.models.bert_heads import BertForQuestionAnswering, BertForSequenceClassification
+
+    ids, token_types, mask, _, _ = bert_batch()
+    inputs = dict(attention_mask=mask, token_type_ids=token_types)
+    errors = {}
+    for cls, labels in ((BertForSequenceClassification, dict(labels=torch.tensor([0, 2, 1]))),
+                        (BertForQuestionAnswering, dict(start_positions=torch.tensor([1, 11, 4]),
+                                                        end_positions=torch.tensor([3, 11, 6])))):
+        runs = []
+        for sp in (False, True):
+            model = cls.from_pretrained(directory, parallel=ps, num_labels=3, sequence_parallel=sp).double()
+            model(ids, **inputs, **labels).loss.backward()
+            runs.append(zoo_grads(model, ps))
+        # The QA loss is a softmax over positions, so the gradients summed over positions vanish: the last
+        # LayerNorm's bias gradient (and the key bias, as always) is zero in exact arithmetic.
+        zero = ("attention.self.key.bias",) + (("layer.1.output.LayerNorm.bias",) if cls is BertForQuestionAnswering
+                                               else ())
+        errors.update({k.replace("grad64:", f"grad64:{cls.__name__}.", 1): v
+                       for k, v in float64_grad_errors(runs[1], runs[0], analytically_zero=zero).items()})
+    return errors
+
+
+def _decoding_without_sp(ps):
+    """An SP model decodes with a key/value cache (and scores with logits_to_keep) as one without SP."""
+    from zoo.models import GPT2LMHeadModel
+
+    ids = gpt2_batch()[0][:, :SEQ - 1]           # 11 tokens: not divisible by 2, fine without SP
+    outs = []
+    for sp in (False, True):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(tiny_zoo_config().replace(sequence_parallel=sp), parallel=ps).eval()
+        with torch.no_grad():
+            first = model(ids, use_cache=True)
+            step = model(ids[:, :1], past_key_values=first.past_key_values, use_cache=True)
+            last = model(torch.cat([ids, ids[:, :1]], dim=1), logits_to_keep=1)
+        outs.append((first.logits, step.logits, last.logits))
+    return max(rel_err(a, b) for a, b in zip(*outs))
+
+
 def _indivisible_error(ps):
     from zoo.models import BertConfig, BertForPreTraining, GPT2LMHeadModel
 
@@ -240,6 +283,8 @@ def _worker(rank, world_size, dirs):
         results["collectives"] = {n: _collectives(ps, n) for n in (1, 3)}
         results["recompute"] = {r: _train_losses(ps, r) for r in (None, "selective", "full")}
         results["indivisible"] = _indivisible_error(ps)
+        results["decoding"] = _decoding_without_sp(ps)
+        results["heads"] = _heads_with_and_without_sp(ps, dirs["post-norm"])
     return results
 
 
@@ -310,6 +355,19 @@ def test_indivisible_sequence_is_one_sentence(runs):
         assert message is not None, "no ValueError"
         assert f"sequence length {SEQ + 1}" in message and "tensor-parallel size 2" in message, message
         assert message.count(". ") == 0 and message.endswith("."), message
+
+
+def test_finetuning_heads_on_a_sequence_parallel_encoder(runs):
+    for rank, results in enumerate(runs[2]):
+        errors = results["heads"]
+        assert any("qa_outputs" in k for k in errors) and any("classifier" in k for k in errors)
+        failures = tolerance_failures(errors, REL_TOL)
+        assert not failures, f"rank {rank}: {failures}"
+
+
+def test_cached_decoding_runs_without_sequence_parallelism(runs):
+    for rank, results in enumerate(runs[2]):
+        assert results["decoding"] <= REL_TOL, f"rank {rank}: {results['decoding']:.3e}"
 
 
 def test_tp1_is_a_no_op_and_config_stays_out_of_config_json():

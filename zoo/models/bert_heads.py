@@ -6,6 +6,11 @@ starting checkpoint lacks (a pretraining or bare-encoder directory) is drawn fro
 with ``head_seed``, so every TP rank starts from the same head without any communication.
 Checkpoints use transformers' classes: ``BertFor*`` (post-norm) or ``MegatronBertFor*`` (pre-norm),
 keys ``bert.*`` + ``classifier.*`` / ``qa_outputs.*``.
+
+Sequence parallelism (``sequence_parallel=True``, e.g. as a ``from_pretrained`` keyword) acts inside
+the encoder: :meth:`BertModel.forward` all-gathers its output along the sequence (backward: each rank
+keeps its own tokens' gradient, the heads being replicated), so the heads run as without it. The
+sequence length must then divide by tp.
 """
 
 from __future__ import annotations

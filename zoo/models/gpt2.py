@@ -126,8 +126,9 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
 
     ``config.sequence_parallel`` (tp > 1, Korthikanti et al. 2022): the full-sequence forward keeps
     this rank's s/p tokens up to the LM head, whose input is all-gathered along the sequence in place
-    of f (backward: reduce-scatter), as in Megatron; logits and loss are unchanged. Cached decoding and
-    ``logits_to_keep`` run without it.
+    of f (backward: reduce-scatter), as in Megatron; logits and loss are unchanged. Key/value-cached
+    decoding runs without it (whatever the length); with ``logits_to_keep`` (no cache) the hidden states
+    are all-gathered before the head is applied to the kept positions.
     """
 
     base_prefix = "transformer."   # OpenAI-converted gpt2 checkpoints store keys without it
