@@ -5,8 +5,9 @@ One spawn per tp (2 and 4) checks, with sequence_parallel=True set through ``fro
   float32 logits and loss max|zoo - ref| / max|ref| <= 1e-5 and gradients <= 1e-5 x their layer's
   largest; float64 logits, loss and every gradient <= 1e-9 relative;
 - at tp = 2 only: the collectives of one GPT-2 training step (per layer two all-gathers and two
-  reduce-scatters of b*s*h forward, the reverse backward, no activation all-reduce inside a layer;
-  the LayerNorm / row-bias gradients cost one small all-reduce each); selective and full
+  reduce-scatters of b*s*h forward, the reverse backward plus the two all-gathers that re-gather the
+  column-parallel GEMMs' saved s/p inputs, no activation all-reduce inside a layer; the LayerNorm /
+  row-bias gradients cost one small all-reduce each); selective and full
   recomputation give bit-for-bit the losses of no recomputation over 5 AdamW steps with dropout on;
   a sequence length that tp does not divide is one ValueError; key/value-cached decoding (and
   ``logits_to_keep``) of an SP model gives the logits of the model without SP; the finetuning heads
@@ -313,8 +314,9 @@ def _kinds(calls):
 
 
 def test_collectives_per_layer(runs):
-    """Two all-gathers + two reduce-scatters of b*s*h per layer forward, the reverse backward (plus one
-    all-reduce of the LayerNorm / row-bias gradients each, 2h or h elements); no activation all-reduce."""
+    """Two all-gathers + two reduce-scatters of b*s*h per layer forward, the reverse backward plus two
+    re-gathers (and one all-reduce of the LayerNorm / row-bias gradients each, 2h or h elements); no
+    activation all-reduce."""
     h, bs = HIDDEN, BATCH * SEQ
     for rank, results in enumerate(runs[2]):
         by_depth = results["collectives"]
@@ -324,8 +326,8 @@ def test_collectives_per_layer(runs):
             per_layer = {key: n for key, n in per_layer.items() if n}
             if phase == "forward":
                 expected = {("all_gather", "activation"): 2, ("reduce_scatter", "activation"): 2}
-            else:   # ln_1 and ln_2 (weight + bias in one), attention and MLP row-parallel biases
-                expected = {("reduce_scatter", "activation"): 2, ("all_gather", "activation"): 2,
+            else:   # the reverse + 2 re-gathers; ln_1, ln_2 (weight + bias in one) and the 2 row biases
+                expected = {("reduce_scatter", "activation"): 2, ("all_gather", "activation"): 2 + 2,
                             ("all_reduce", 2 * h): 2, ("all_reduce", h): 2}
             assert per_layer == expected, f"rank {rank} {phase}: {per_layer}"
         # The whole step outside the layers: the embedding's vocab-parallel all-reduce (forward) is the only
@@ -333,8 +335,8 @@ def test_collectives_per_layer(runs):
         one = _kinds(by_depth[1]["forward"])
         assert one == {("all_reduce", "activation"): 1, ("all_gather", "activation"): 2 + 1,
                        ("reduce_scatter", "activation"): 2, ("all_reduce", bs): 1, ("all_reduce", 2 * bs): 1}, one
-        back = _kinds(by_depth[1]["backward"])
-        assert back == {("reduce_scatter", "activation"): 2 + 1, ("all_gather", "activation"): 2 + 1,
+        back = _kinds(by_depth[1]["backward"])   # + LM head (reduce-scatter, re-gather), scatter (all-gather)
+        assert back == {("reduce_scatter", "activation"): 2 + 1, ("all_gather", "activation"): 4 + 2,
                         ("all_reduce", 2 * h): 2 + 1, ("all_reduce", h): 2}, back
 
 

@@ -9,8 +9,9 @@ input and output are this rank's tokens, (b, s/p, h), split along the sequence (
 residual dropout and the residual adds run on those s/p tokens; each column-parallel GEMM all-gathers
 its input along the sequence (backward: reduce-scatter) in place of f, and each row-parallel GEMM
 reduce-scatters its output (backward: all-gather) in place of g. Per layer that is two all-gathers and
-two reduce-scatters forward, two reduce-scatters and two all-gathers backward, and no activation
-all-reduce; the LayerNorm parameters and the row-parallel biases get their gradients summed over the
+two reduce-scatters forward, two reduce-scatters and two all-gathers backward, plus two all-gathers
+in backward that re-gather the column-parallel GEMMs' inputs (they keep only their s/p tokens, the
+paper's section 4.2.2), and no activation all-reduce; the LayerNorm parameters and the row-parallel biases get their gradients summed over the
 TP group (one small all-reduce each, in backward). Residual dropout then draws from the TP-rank
 stream, since every rank holds other tokens. The option is a no-op at tp = 1 and is decided per call
 (the models turn it off for key/value-cached decoding).

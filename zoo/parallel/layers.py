@@ -24,10 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.parallel.mappings import (all_reduce_grads_of_replicated, copy_to_tp_region,
-                                   gather_from_sequence_parallel_region, gather_from_tp_region,
-                                   reduce_from_tp_region, reduce_scatter_to_sequence_parallel_region,
-                                   scatter_to_tp_region)
+from zoo.parallel.mappings import (_gather_sequence, _reduce_scatter_sequence, all_reduce_grads_of_replicated,
+                                   copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+                                   reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
 from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
 from zoo.parallel.utils import divide, pad_vocab_size, shard_tensor, vocab_range
 
@@ -58,6 +57,36 @@ def is_sequence_parallel(param: torch.Tensor) -> bool:
 def sequence_parallel_in_use(parallel: ParallelState | None, sequence_parallel: bool) -> bool:
     """Sequence parallelism takes effect only with more than one TP rank."""
     return bool(sequence_parallel) and tp_size_of(parallel) > 1
+
+
+class _LinearWithSequenceGather(torch.autograd.Function):
+    """Y = AG(X_i) W^T + b keeping only X_i (b, s/p, in) for backward (Korthikanti et al. 2022, 4.2.2):
+    backward all-gathers X again for dW = dY^T AG(X_i) and reduce-scatters dX = dY W along the sequence."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, parallel):
+        ctx.parallel = parallel
+        ctx.has_bias = bias is not None
+        ctx.save_for_backward(x, weight)
+        return F.linear(_gather_sequence(x, parallel), weight, bias)      # (b, s, out / p)
+
+    @staticmethod
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        x_full = _gather_sequence(x, ctx.parallel)                        # (b, s, in), again
+        grad_input = _reduce_scatter_sequence(grad.matmul(weight), ctx.parallel)   # (b, s/p, in)
+        grad_2d = grad.reshape(-1, grad.shape[-1])
+        grad_weight = grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]))
+        grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
+        return grad_input, grad_weight, grad_bias, None
+
+
+def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                                parallel: ParallelState) -> torch.Tensor:
+    """F.linear(all-gather of ``x`` along the sequence, weight, bias) for a tensor-parallel weight, keeping
+    only this rank's (b, s/p, in) tokens for backward: an all-gather forward and another in backward,
+    a reduce-scatter of the input gradient (the conjugate of the gather)."""
+    return _LinearWithSequenceGather.apply(x, weight, bias, parallel)
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):
@@ -111,6 +140,8 @@ class ColumnParallelLinear(nn.Module):
 
     ``sequence_parallel``: the input is this rank's tokens (b, s/p, in) and f is replaced by an
     all-gather along the sequence (backward: reduce-scatter of the input gradient), Y_i = AG(X) A_i + b_i.
+    Only the s/p local tokens are kept for backward, which all-gathers them again for the weight
+    gradient (the paper's section 4.2.2), so the GEMM's saved input shrinks with tp too.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
@@ -149,11 +180,11 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool | None = None) -> torch.Tensor:
         use = self.sequence_parallel if sequence_parallel is None else sequence_parallel
-        if sequence_parallel_in_use(self.parallel, use):
-            x = gather_from_sequence_parallel_region(x, self.parallel)   # (b, s/p, in) -> (b, s, in)
+        if sequence_parallel_in_use(self.parallel, use):           # (b, s/p, in) -> (b, s, out / p)
+            y = linear_with_sequence_gather(x, self.weight, self.bias, self.parallel)
         else:
             x = copy_to_tp_region(x, self.parallel)                 # f
-        y = F.linear(x, self.weight, self.bias)                 # (..., out / p)
+            y = F.linear(x, self.weight, self.bias)                 # (..., out / p)
         if self.gather_output:
             y = gather_from_tp_region(y, self.parallel)         # (..., out)
         return y
@@ -283,13 +314,14 @@ class VocabParallelEmbedding(nn.Module):
         unpadded vocabulary (for inspection and generation; the loss never needs it).
         With ``sequence_parallel`` ``hidden`` is this rank's tokens (b, s/p, h) and f is replaced by an
         all-gather along the sequence (backward: reduce-scatter), as Megatron does before its output
-        layer: the vocab-parallel cross-entropy needs every position's logits of its vocab shard.
+        layer: the vocab-parallel cross-entropy needs every position's logits of its vocab shard. Only
+        the local tokens are kept for backward (see :class:`ColumnParallelLinear`).
         """
-        if sequence_parallel_in_use(self.parallel, sequence_parallel):
-            hidden = gather_from_sequence_parallel_region(hidden, self.parallel)   # (b, s, h)
+        if sequence_parallel_in_use(self.parallel, sequence_parallel):   # (b, s/p, h) -> (b, s, V_padded / p)
+            logits = linear_with_sequence_gather(hidden, self.weight, None, self.parallel)
         else:
             hidden = copy_to_tp_region(hidden, self.parallel)    # f
-        logits = F.linear(hidden, self.weight)                   # (..., V_padded / p)
+            logits = F.linear(hidden, self.weight)               # (..., V_padded / p)
         if gather_output:
             logits = gather_from_tp_region(logits, self.parallel)[..., :self.vocab_size]  # (..., V)
         return logits

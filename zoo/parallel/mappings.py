@@ -31,7 +31,9 @@ The all-gather and the reduce-scatter are each other's transpose, so the gather 
 column-parallel GEMM (replacing f) and the reduce-scatter that leaves a row-parallel GEMM
 (replacing g) form the conjugate pair of the paper's Figure 5: per block one all-gather and one
 reduce-scatter forward, one reduce-scatter and one all-gather backward. An all-reduce is a
-reduce-scatter followed by an all-gather, so the bytes moved equal those of f and g.
+reduce-scatter followed by an all-gather, so the bytes moved equal those of f and g. (The
+column-parallel layers add one all-gather in backward: they keep only their s/p input tokens and
+gather them again for the weight gradient, section 4.2.2; see ``zoo.parallel.layers``.)
 ``tensor_parallel_output_grad=False`` is for a gather whose consumer is replicated (the BERT
 pooler): every rank then holds the same full gradient and keeps its own tokens of it.
 
