@@ -255,8 +255,8 @@ def test_missing_rank_file_and_zero_partitions_are_refused(tmp_path):
 
     synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
     (tmp_path / "tp2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"keeps its optimizer state in ZeRO/BF16 partitions .* resume it at its own "
-                                         r"tp=2") as err:
+    with pytest.raises(ValueError, match=r"keeps its optimizer state in ZeRO/BF16 partitions over dp=1; pass the new "
+                                         r"data-parallel degree") as err:
         reshard_checkpoint(tmp_path / "tp2", 4, tmp_path / "tp4")
     one_sentence(err)
     (tmp_path / "tp2" / "mp_rank_01_model_states.pt").unlink()
