@@ -22,13 +22,12 @@ import os
 import re
 import sys
 import time
-from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 
-CORPUS = Path(__file__).resolve().parent.parent / "zoo" / "assets" / "corpora" / "wiki-sample.jsonl.gz"
+from zoo.assets import BUNDLED_CORPUS as CORPUS
 
 
 def wikitext_tokenize(paragraph: str) -> str:

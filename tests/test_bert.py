@@ -188,9 +188,9 @@ def _minilm_worker(rank, world_size, directory):
     from zoo.models import BertModel
     from zoo.parallel import ParallelState
 
-    from zoo.models.pretrained import ASSETS
+    from zoo.assets import BERT_TOKENIZER_DIR
 
-    tokenizer = transformers.BertTokenizerFast.from_pretrained(ASSETS / "bert-base-uncased")  # bundled vocab
+    tokenizer = transformers.BertTokenizerFast.from_pretrained(BERT_TOKENIZER_DIR)  # bundled vocab
     batch = tokenizer(["Megatron-LM splits every layer across GPUs.", "A short one."], padding=True,
                       return_tensors="pt")
     ref_model = transformers.BertModel.from_pretrained(directory).eval()

@@ -148,7 +148,7 @@ def no_dropout():
 def parity_ids(smoke: Smoke) -> torch.Tensor:
     import transformers
 
-    from zoo.models.gpt2 import GPT2_TOKENIZER_DIR
+    from zoo.assets import GPT2_TOKENIZER_DIR
 
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER_DIR))
     return torch.tensor([tokenizer(PARITY_TEXT)["input_ids"]], device=smoke.device)   # (1, s)
@@ -326,7 +326,7 @@ def check_generation(smoke: Smoke, model) -> bool:
     import transformers
 
     from zoo.inference import GenerationConfig, generate
-    from zoo.models.gpt2 import GPT2_TOKENIZER_DIR
+    from zoo.assets import GPT2_TOKENIZER_DIR
 
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER_DIR))
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]

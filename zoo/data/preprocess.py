@@ -39,10 +39,10 @@ from typing import Sequence
 
 import numpy as np
 
+from zoo.assets import BUNDLED_CORPUS
 from zoo.data.indexed_dataset import IndexedDatasetBuilder, dataset_exists
 from zoo.data.tokenizers import load_gpt2_tokenizer
 
-BUNDLED_CORPUS = Path(__file__).resolve().parent.parent / "assets" / "corpora" / "wiki-sample.jsonl.gz"
 _COMPRESSION = (".gz", ".bz2", ".xz", ".zst")
 _LOADERS = ((".txt", "text"), (".jsonl", "json"), (".json", "json"), (".parquet", "parquet"))
 

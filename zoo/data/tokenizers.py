@@ -5,11 +5,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-GPT2_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "gpt2"
+from zoo.assets import BERT_TOKENIZER_DIR, GPT2_TOKENIZER_DIR
+
 GPT2_EOD_TOKEN_ID = 50256  # "<|endoftext|>", appended after every document
-
-
-BERT_TOKENIZER_DIR = Path(__file__).resolve().parent.parent / "assets" / "bert-base-uncased"
 
 
 def _load_fast_tokenizer(class_name: str, path, default: Path, needs: tuple[str, ...]):

@@ -11,7 +11,8 @@ from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
 from zoo.models.config import BertConfig, recompute_mode
 from zoo.models.hf_io import HFParam
-from zoo.models.pretrained import ASSETS, HFPretrainedMixin
+from zoo.assets import BERT_TOKENIZER_DIR
+from zoo.models.pretrained import HFPretrainedMixin
 from zoo.models.transformer import (TransformerLayer, attention_bias, region_dropout, run_layers,
                                     sequence_parallel_for)
 from zoo.parallel import VocabParallelEmbedding, mark_tensor_parallel, scaled_init_std, vocab_parallel_cross_entropy
@@ -89,7 +90,7 @@ class _BertCheckpoints(HFPretrainedMixin):
 
     base_prefix = "bert."
     ignorable_keys = _BERT_BUFFERS
-    default_tokenizer_dir = ASSETS / "bert-base-uncased"
+    default_tokenizer_dir = BERT_TOKENIZER_DIR
     hf_architecture = "Model"
 
     @classmethod

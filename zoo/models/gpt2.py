@@ -8,7 +8,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from zoo.models.config import GPT2Config, recompute_mode
 from zoo.models.hf_io import HFParam
-from zoo.models.pretrained import ASSETS, HFPretrainedMixin
+from zoo.assets import GPT2_TOKENIZER_DIR
+from zoo.models.pretrained import HFPretrainedMixin
 from zoo.models.transformer import (TransformerLayer, attention_bias, region_dropout, run_layers,
                                     sequence_parallel_for)
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std, vocab_parallel_cross_entropy
@@ -16,7 +17,6 @@ from zoo.parallel.layers import SequenceParallelLayerNorm
 from zoo.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from zoo.parallel.state import ParallelState, tp_size_of
 
-GPT2_TOKENIZER_DIR = ASSETS / "gpt2"
 
 
 class GPT2Model(nn.Module):

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from zoo.assets import ASSETS_DIR
 from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, CheckpointFiles, HFParam, check_max_shard_size,
                               check_pretrained_target, load_hf_weights, model_producer, output_tensors,
                               read_config_json, stream_pretrained)
@@ -24,7 +25,6 @@ from zoo.parallel.gather import first_error_everywhere, same_error_everywhere
 from zoo.parallel.layers import materialize_meta_module
 
 logger = logging.getLogger(__name__)
-ASSETS = Path(__file__).resolve().parent.parent / "assets"
 TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
                         "special_tokens_map.json")
 
@@ -58,7 +58,7 @@ class HFPretrainedMixin:
     ignorable_keys: tuple[str, ...] = ()
     ignorable_prefixes: tuple[str, ...] = ()
     new_param_prefixes: tuple[str, ...] = ()
-    default_tokenizer_dir: Path = ASSETS
+    default_tokenizer_dir: Path = ASSETS_DIR
 
     @classmethod
     def config_from_hf(cls, values: dict):
