@@ -119,7 +119,8 @@ def synthetic_checkpoint(tag_dir: Path, tp: int, kind: str) -> dict[str, dict[st
     (zero in the vocab padding, as training leaves them) in the optimizer layout ``kind``; returns the
     masters (zoo layout, padded at tp) of each of them, by parameter name."""
     from zoo.checkpoint.layout import layout_model
-    from zoo.checkpoint.reshard import flatten, optimizer_groups
+    from zoo.checkpoint.layout import optimizer_groups
+    from zoo.checkpoint.reshard import flatten
     from zoo.models import GPT2Config
     from zoo.parallel import is_tensor_parallel
     from zoo.parallel.utils import shard_tensor

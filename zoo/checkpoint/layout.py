@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from zoo.models.config import BertConfig, GPT2Config
-from zoo.models.families import build_model, family_of
+from zoo.models.families import build_model, family_of, param_groups
 from zoo.parallel.state import ParallelState
 
 ModelConfig = GPT2Config | BertConfig
@@ -41,6 +41,12 @@ def layout_model(config: ModelConfig, tp_size: int, tp_rank: int = 0) -> torch.n
     """The training model of one TP rank on the meta device: names, local shapes and partition tags."""
     with torch.device("meta"):
         return build_model(config, layout_only_state(tp_size, tp_rank))
+
+
+def optimizer_groups(layout: torch.nn.Module) -> list[list[str]]:
+    """Parameter names per optimizer group, in the order zoo hands them to DeepSpeed."""
+    names = {id(param): name for name, param in layout.named_parameters()}
+    return [[names[id(param)] for param in group["params"]] for group in param_groups(layout, 0.0)]
 
 
 def checked_layout_model(config: ModelConfig, tp_size: int, path: Path | str) -> torch.nn.Module:

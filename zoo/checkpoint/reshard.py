@@ -43,8 +43,8 @@ import torch
 from zoo.atomic import check_output_directory, staged_directory
 from zoo.checkpoint.files import (MODEL_STATES, MODEL_STATES_RE, check_rank_files,
                                   model_states_path, read_model_states, tp_size_of_states)
-from zoo.checkpoint.layout import check_layout, checked_layout_model, recover_config
-from zoo.models.families import param_groups
+from zoo.checkpoint.layout import check_layout, checked_layout_model, optimizer_groups, recover_config
+from zoo.checkpoint.zero_reshard import OPTIM_STATES_RE, partition_files, write_zero_resharded
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.utils import merge_shards, shard_tensor
 
@@ -102,12 +102,6 @@ class TensorResharder:
 
 
 # --------------------------------------------------------------------------- optimizer layouts
-def optimizer_groups(layout: torch.nn.Module) -> list[list[str]]:
-    """Parameter names per optimizer group, in the order zoo hands them to DeepSpeed."""
-    names = {id(param): name for name, param in layout.named_parameters()}
-    return [[names[id(param)] for param in group["params"]] for group in param_groups(layout, 0.0)]
-
-
 def torch_state_by_name(state_dict: dict[str, Any], groups: list[list[str]], path: Path,
                         shapes: dict[str, torch.Size]) -> dict[str, dict[str, Any]]:
     """A torch optimizer state dict as ``{parameter name: its state entry}``.
@@ -259,8 +253,6 @@ def reshard_checkpoint(tag_dir: str | Path, new_tp: int, out: str | Path, new_dp
     whatever the number of processes that wrote or will read it. Peak memory (non-ZeRO) is one new
     rank's state plus one master tensor at a time: the old files are memory-mapped.
     """
-    from zoo.checkpoint.zero_reshard import partition_files, write_zero_resharded
-
     tag_dir, out = Path(tag_dir), Path(out)
     check_output_directory(out, is_resharded_copy, RESHARDED_KIND)
     first_path = model_states_path(tag_dir, 0)
@@ -338,8 +330,6 @@ def is_resharded_copy(directory: Path) -> bool:
         return False
     if not isinstance(saved, dict) or not {"source", "from_tp", "to_tp"} <= saved.keys():
         return False
-    from zoo.checkpoint.zero_reshard import OPTIM_STATES_RE
-
     others = [entry for entry in Path(directory).iterdir() if entry.name != SOURCE_RECORD]
     return all(entry.is_file() and (MODEL_STATES_RE.fullmatch(entry.name) or OPTIM_STATES_RE.fullmatch(entry.name))
                for entry in others)

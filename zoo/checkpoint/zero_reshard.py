@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from zoo.checkpoint.files import MODEL_STATES, first_line, model_states_path
+from zoo.checkpoint.layout import optimizer_groups
 
 OPTIM_STATES_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 OPTIM_STATES = "{prefix}zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
@@ -231,8 +232,7 @@ def write_zero_resharded(tag_dir: Path, files: PartitionFiles, tensors, model_st
 
 
 def new_group_layout(layout: torch.nn.Module) -> list[list[tuple[str, torch.Size]]]:
-    from zoo.checkpoint.reshard import optimizer_groups
-
+    """(name, shape) of every parameter per optimizer group, in the order DeepSpeed's partitions hold them."""
     shapes = {name: param.shape for name, param in layout.named_parameters()}
     return [[(name, shapes[name]) for name in group] for group in optimizer_groups(layout)]
 
