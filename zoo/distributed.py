@@ -4,12 +4,15 @@
   for ``python script.py``), :func:`share_cpu_threads` (CPU ranks split the cores).
 * Data parallelism: :func:`dp_block` (this DP rank's contiguous block of items) and the DP sums and
   means (:func:`dp_sum`, :func:`means_over_dp`), one all-reduce each.
+* Host-side agreement: :func:`host_group` (a gloo group next to NCCL, so that small flags agreed every
+  iteration never synchronise the accelerator), :func:`agree_max`, and :func:`run_on_first_rank` for
+  work only rank 0 does while the others wait (its wait gets a timeout sized from the work).
 * Agreement: :func:`raise_on_any_rank`. A rank that raises while its peers go on into a collective
   leaves them hung, or dying with a transport error ("Connection closed by peer") that names neither
   the problem nor the fix. The rule: run the step that may fail (reading a file, a batch, a writability
   check) on every rank, then agree on the outcome before any collective that would hang::
 
-      batches = raise_on_any_rank(lambda: [data.micro_batch_at(...) for k in range(gas)])
+      batches = raise_on_any_rank(lambda: [batch_or_raise(next(loader)) for k in range(gas)])
 
   Each rank runs ``fn``; one all-reduce of a failure flag follows (the common, successful case costs
   that one scalar collective). When any rank failed, the failures are gathered and every rank raises
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import os
 import socket
+from datetime import timedelta
 from collections.abc import Sequence
 from typing import Callable, TypeVar
 
@@ -48,18 +52,42 @@ def share_cpu_threads() -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_ranks))
 
 
+def visible_nvidia_gpus() -> int:
+    """How many NVIDIA GPU device nodes this machine exposes (/dev/nvidia0, ...), whatever torch can use."""
+    from pathlib import Path
+
+    return sum(1 for path in Path("/dev").glob("nvidia[0-9]*") if path.name[6:].isdigit())
+
+
+def check_accelerator_matches_machine(gpus: int | None = None) -> None:
+    """Refuse to run on the CPU on a machine with GPUs, unless the user chose the CPU (DS_ACCELERATOR=cpu):
+    a CPU build of torch on a GPU node would otherwise train, slowly and silently, on the host."""
+    from deepspeed.accelerator import get_accelerator
+
+    gpus = visible_nvidia_gpus() if gpus is None else gpus
+    if gpus and get_accelerator().device_name() == "cpu" and os.environ.get("DS_ACCELERATOR") != "cpu":
+        raise ValueError(f"this machine has {gpus} NVIDIA GPU(s) but torch {torch.__version__} cannot use them, so "
+                         "DeepSpeed chose the CPU; install a CUDA build of torch (`make setup` uses the system's "
+                         "torch on a GPU node), or set DS_ACCELERATOR=cpu to run on the CPU on purpose.")
+
+
 def launched_distributed() -> bool:
     """Started by a launcher (deepspeed, torchrun, mpirun): the process-group variables are set."""
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def join_process_group(local_rank: int) -> str:
-    """Join the launcher's process group (NCCL on GPUs, gloo on CPU), bind this rank's device and
-    return its name."""
+def join_process_group(local_rank: int, timeout: timedelta | None = None) -> str:
+    """Join the launcher's process group (NCCL on GPUs, gloo on CPU), bind this rank's device at once
+    (before anything seeds or allocates on it) and return its name. ``timeout`` bounds every collective
+    of the group (DeepSpeed's default, 10 minutes or ``$DEEPSPEED_TIMEOUT``, when None): a rank that
+    never arrives ends the job with the backend's timeout error instead of a hang."""
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    deepspeed.init_distributed()
+    if timeout is None:
+        deepspeed.init_distributed()
+    else:
+        deepspeed.init_distributed(timeout=timeout)
     share_cpu_threads()
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
@@ -162,3 +190,70 @@ def collective_device(group=None) -> torch.device:
     from deepspeed.accelerator import get_accelerator
 
     return torch.device(get_accelerator().current_device_name())
+
+
+# ------------------------------------------------------------------------------ host-side agreement
+
+# Rank 0's own work (resharding a checkpoint, exporting one) moves this many bytes per second at least,
+# on the slowest shared filesystem we plan for; the waiting ranks' timeout is sized from it.
+SLOWEST_BYTES_PER_S = 20e6
+WAIT_MARGIN = timedelta(minutes=10)
+
+
+def host_group(timeout: timedelta | None = None):
+    """A gloo group of the whole world for agreements on host flags (stop requests, data errors): its
+    all-reduce runs on the CPU, so agreeing every iteration never waits for the accelerator's queue to
+    drain. On a gloo world it is the world group itself. Collective: every rank calls it once."""
+    if dist.get_backend() == "gloo" and timeout is None:
+        return dist.group.WORLD
+    kwargs = {} if timeout is None else {"timeout": timeout}
+    return dist.new_group(backend="gloo", **kwargs)
+
+
+def agree_max(values: Sequence[int], group=None) -> list[int]:
+    """Element-wise maximum of small integers over ``group`` (one all-reduce on the group's device; on
+    :func:`host_group`, the host). Identity without a process group."""
+    if not dist.is_available() or not dist.is_initialized():
+        return [int(v) for v in values]
+    flags = torch.tensor([int(v) for v in values], dtype=torch.int64, device=collective_device(group))
+    dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=group)
+    return flags.tolist()
+
+
+def first_rank_timeout(work_bytes: int) -> timedelta:
+    """How long the other ranks wait for rank 0 to process ``work_bytes`` of checkpoint: the bytes at
+    :data:`SLOWEST_BYTES_PER_S` (read and written, so twice), plus :data:`WAIT_MARGIN`; at least the
+    margin. An 8.3B fp16 checkpoint with its optimizer state (~116 GB) gets about 3 h 20 min."""
+    return timedelta(seconds=2 * work_bytes / SLOWEST_BYTES_PER_S) + WAIT_MARGIN
+
+
+def run_on_first_rank(fn: Callable[[], T], work_bytes: int, first=None) -> T | None:
+    """``fn()`` on the first rank (global rank 0, or the ranks for which ``first()`` is true) while the
+    others wait; a failure reaches every rank as in :func:`raise_on_any_rank`.
+
+    The approach to the watchdog: the wait is an agreement on a fresh gloo (host) group whose timeout
+    fits the work (:func:`first_rank_timeout`), not a collective of the NCCL group, whose watchdog
+    (10 minutes by default) would kill the waiting ranks while rank 0 still reshards or exports a
+    checkpoint of a hundred gigabytes. Returns ``fn()``'s result on the ranks that ran it, None on the
+    others. Collective: every rank calls it with the same ``work_bytes``.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        return fn()
+    runs_here = first() if first is not None else dist.get_rank() == 0
+    group = dist.new_group(backend="gloo", timeout=first_rank_timeout(work_bytes))
+    try:
+        return raise_on_any_rank(lambda: fn() if runs_here else None, group=group)
+    finally:
+        dist.destroy_process_group(group)
+
+
+def directory_bytes(path: str | os.PathLike) -> int:
+    """Total size of the files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                continue
+    return total

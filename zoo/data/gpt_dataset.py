@@ -233,17 +233,73 @@ class DistributedPretrainingSampler:
             yield list(range(start, start + self.micro_batch_size))
 
 
+class SampleFailure:
+    """What a DataLoader worker returns instead of a batch when reading one of its samples raised: the
+    error travels to the training process unchanged (a DataLoader would re-raise it with its own
+    traceback text in the message), so it can be agreed across ranks as the same sentence."""
+
+    def __init__(self, error: Exception):
+        self.error = error
+
+
+class _FailuresAsValues(torch.utils.data.Dataset):
+    def __init__(self, dataset):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, i):
+        try:
+            return self.dataset[i]
+        except Exception as err:  # noqa: BLE001 - handed to the training process, raised there
+            return SampleFailure(err)
+
+
+def stack_samples(samples: list) -> dict[str, torch.Tensor] | SampleFailure:
+    """A micro-batch: each key's samples stacked; the first failed sample instead, if any."""
+    failure = next((s for s in samples if isinstance(s, SampleFailure)), None)
+    if failure is not None:
+        return failure
+    return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+
+
+def batch_or_raise(batch: dict[str, torch.Tensor] | SampleFailure) -> dict[str, torch.Tensor]:
+    """The micro-batch, or the error of its failed sample raised here."""
+    if isinstance(batch, SampleFailure):
+        raise batch.error
+    return batch
+
+
+def ignore_stop_signals(worker_id: int) -> None:
+    """A worker leaves SIGTERM/SIGUSR1 to its training process, which stops at an iteration boundary
+    with a checkpoint (a launcher signals the whole process tree); the worker ends with its parent."""
+    import signal
+
+    for signum in (signal.SIGTERM, signal.SIGUSR1):
+        signal.signal(signum, signal.SIG_IGN)
+
+
 def build_pretraining_dataloader(
     dataset: torch.utils.data.Dataset,
     micro_batch_size: int,
     consumed_samples: int = 0,
     parallel=None,
     num_workers: int = 0,
+    pin_memory: bool = False,
 ) -> torch.utils.data.DataLoader:
-    """DataLoader over ``dataset`` for this rank of ``parallel`` (a ParallelState; None = one process)."""
+    """DataLoader over ``dataset`` for this rank of ``parallel`` (a ParallelState; None = one process).
+
+    ``num_workers`` processes read (and, for BERT, mask) the next micro-batches while the model trains;
+    ``pin_memory`` (on an accelerator) lets the device copy run without blocking. A sample that fails to
+    read yields a :class:`SampleFailure` batch; :func:`batch_or_raise` raises its error unchanged."""
     dp_rank = parallel.dp_rank if parallel is not None else 0
     dp_size = parallel.dp_size if parallel is not None else 1
     sampler = DistributedPretrainingSampler(len(dataset), micro_batch_size, dp_rank, dp_size, consumed_samples)
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers, pin_memory=False
+        _FailuresAsValues(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,
+        collate_fn=stack_samples, worker_init_fn=ignore_stop_signals if num_workers else None,
+        # its own generator: a new iterator (each validation pass, each resume) draws the workers' base
+        # seed from it, never from the global torch RNG that dropout and a checkpoint's RNG state use
+        generator=torch.Generator().manual_seed(0),
     )

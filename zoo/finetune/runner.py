@@ -19,7 +19,6 @@ import json
 import math
 import os
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import write_text_atomic
-from zoo.distributed import means_over_dp, share_cpu_threads, single_process_env
+from zoo.distributed import single_process_env
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict, parse_args
 from zoo.finetune.tasks import EvalSet, Task, get_task
 
@@ -53,7 +52,7 @@ def rank_micro_batches(batch: torch.Tensor, ps, micro: int) -> list[torch.Tensor
 
 
 def _to_device(tensors: dict[str, torch.Tensor], rows, device) -> dict[str, torch.Tensor]:
-    return {k: v[rows].to(device) for k, v in tensors.items()}
+    return {k: v[rows].to(device, non_blocking=True) for k, v in tensors.items()}
 
 
 @torch.no_grad()
@@ -96,15 +95,10 @@ def check_inputs_fit(config: FinetuneConfig, model_config, tokenizer, tokenizer_
 
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
     """Run one finetuning job; returns the results also written to ``results.json``."""
-    import deepspeed
-    from tqdm import tqdm
-
     from zoo.data.tokenizers import load_bert_tokenizer
     from zoo.models.hf_io import read_config_json
     from zoo.models.bert import BertConfig
-    from zoo.parallel import ParallelState, model_parallel_seed
-    from zoo.models.families import param_groups
-    from zoo.training.engine import refresh_fp32_master_weights
+    from zoo.training.loop import LoopPlugins, LoopState, TrainingLoop, join, setup_engine
     from zoo.training.metrics import MetricsLogger, plot_loss
 
     task = get_task(config.task)
@@ -124,10 +118,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                                 f"the metric the best model is chosen by ({task.main_metric}); add it (the layouts "
                                 "are listed in zoo/finetune/tasks.py and the README).")
 
-    deepspeed.init_distributed()
-    share_cpu_threads()
-    ps = ParallelState.initialize(config.tensor_parallel_size or dist.get_world_size())
-    model_parallel_seed(config.seed, ps)
+    ps = join(config.tensor_parallel_size, config.seed)
     is_writer = dist.get_rank() == 0
 
     overrides = {}
@@ -144,80 +135,55 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     steps_per_epoch = num_train // config.batch_size if config.epochs > 0 else 0
     total_steps = int(math.ceil(config.epochs * steps_per_epoch))
     ds_config = deepspeed_dict(config, ps.dp_size, total_steps)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, model_parameters=param_groups(model, config.weight_decay), config=ds_config, mpu=ps)
-    refresh_fp32_master_weights(engine)   # a guard: the weights were loaded before initialize, so masters match
+    # a guard: the weights were loaded before initialize, so the masters match them already
+    engine = setup_engine(model, ds_config, ps, config.weight_decay, refresh_masters=True)
     micro = engine.train_micro_batch_size_per_gpu()
 
     run_dir = Path(config.save)
     logger = MetricsLogger(run_dir, is_writer, config.wandb_project or os.environ.get("WANDB_PROJECT"),
                            wandb_config={**config.to_dict(), "deepspeed": ds_config})
-    best: dict[str, Any] = {}
-    history: list[dict[str, Any]] = []
+    tracker = BestTracker(task, run_dir, is_writer, save_model=config.epochs > 0)
+    loop: TrainingLoop
 
-    def evaluate(epoch: float, step: int) -> None:
-        metrics, files = {}, {}
-        for eval_set in data.eval_sets:
-            outputs = run_eval_set(engine, eval_set, task, ps, config.eval_batch_size)
-            scores, contents = eval_set.score(outputs)
-            metrics.update({f"{eval_set.name}/{k}": v for k, v in scores.items()})
-            files.update({f"{eval_set.name}.{ext}": text for ext, text in contents.items()})
+    def evaluate(state: LoopState) -> None:
+        step = state.iteration
+        epoch = min(step / steps_per_epoch, config.epochs) if steps_per_epoch else 0
+        metrics, files = evaluate_all_sets(engine, data.eval_sets, task, ps, config.eval_batch_size)
         event = {"iteration": step, "epoch": epoch, "split": "dev", **metrics}
         logger.log(event)
-        history.append(event)
         if is_writer:
             shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
             print(f"epoch {epoch:g} (step {step}): {shown}", flush=True)
-        score = metrics.get(task.main_metric)
-        if not best or score > best["score"]:
-            best.update(score=score, epoch=epoch, step=step, metrics=metrics)
-            if is_writer:
-                for name, text in files.items():
-                    _atomic_write(run_dir / "predictions" / name, text)
-            if config.epochs > 0:
-                engine.module.save_pretrained(run_dir / "best")
+        tracker.update(event, metrics, files, engine)
 
-    progress = tqdm(total=total_steps, disable=not is_writer, desc=f"finetune {config.task}", unit="step",
-                    dynamic_ncols=True, file=sys.stdout)
-    step, window, window_time = 0, [], 0.0
-    last: dict[str, Any] = {}
-    epoch = 0
-    while step < total_steps:
-        for batch in global_batches(num_train, config.batch_size, epoch, config.seed):
-            if step >= total_steps:
-                break
-            start = time.perf_counter()
-            losses = []
-            for rows in rank_micro_batches(batch, ps, micro):
-                output = engine(**_to_device(data.train, rows, engine.device))
-                engine.backward(output.loss)
-                engine.step()
-                losses.append(output.loss.detach().float().cpu())
-            loss = means_over_dp({"loss": torch.stack(losses).sum()}, len(losses), ps, engine.device)["loss"]
-            step += 1
-            window.append(loss)
-            window_time += time.perf_counter() - start
-            progress.update(1)
-            if step % config.log_interval == 0 or step == total_steps:
-                last = {"iteration": step, "epoch": step / steps_per_epoch, "loss": float(np.mean(window)),
-                        "lr": engine.get_lr()[0], "step_time_s": window_time / len(window),
-                        "samples_per_s": config.batch_size * len(window) / window_time}
-                logger.log(last)
-                if is_writer:
-                    progress.write(f"step {step}/{total_steps} | loss {last['loss']:.4f} | lr {last['lr']:.3e} | "
-                                   f"{last['samples_per_s']:.1f} samples/s")
-                window, window_time = [], 0.0
-        epoch += 1
-        evaluate(min(step / steps_per_epoch, config.epochs), step)
-    progress.close()
+    def log(state: LoopState, means: dict[str, float], window) -> dict[str, Any]:
+        event = {"iteration": state.iteration, "epoch": state.iteration / steps_per_epoch, "loss": means["loss"],
+                 "lr": engine.get_lr()[0], "step_time_s": window.step_time,
+                 "samples_per_s": config.batch_size * window.steps / window.seconds}
+        logger.log(event)
+        loop.write(f"step {state.iteration}/{total_steps} | loss {event['loss']:.4f} | lr {event['lr']:.3e} | "
+                   f"{event['samples_per_s']:.1f} samples/s")
+        return event
+
+    batches = EpochBatches(num_train, config.batch_size, config.seed, steps_per_epoch)
+    plugins = LoopPlugins(
+        total_iterations=total_steps, samples_per_iteration=config.batch_size, log_interval=config.log_interval,
+        micro_batches=lambda state: [{k: v[rows] for k, v in data.train.items()}
+                                     for rows in rank_micro_batches(batches.at(state.iteration), ps, micro)],
+        forward=forward_with_loss, log=log,
+        is_evaluation_step=lambda step: step % steps_per_epoch == 0 or step == total_steps,
+        evaluate=evaluate)
+    loop = TrainingLoop(engine, ps, plugins, progress_desc=f"finetune {config.task}", is_writer=is_writer)
+    state = loop.run(LoopState())
     if total_steps == 0:
-        evaluate(0, 0)
+        evaluate(state)
 
+    best, history = tracker.best, tracker.history
     results = {"task": config.task, "main_metric": task.main_metric, "best": best, "final": history[-1],
-               "train_loss": last.get("loss"), "steps": step, "config": config.to_dict()}
+               "train_loss": state.last_event.get("loss"), "steps": state.iteration, "config": config.to_dict()}
     if is_writer:
         _atomic_write(run_dir / "results.json", json.dumps(results, indent=2, default=str) + "\n")
-        if step:
+        if state.iteration:
             plot_loss(run_dir)
         print(f"best {task.main_metric} {best['score']:.4f} at epoch {best['epoch']:g}; results in "
               f"{run_dir / 'results.json'}, predictions in {run_dir / 'predictions'}"
@@ -225,6 +191,61 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     logger.summary({"best/" + task.main_metric: best["score"], "best/epoch": best["epoch"]})
     logger.close()
     return results
+
+
+def forward_with_loss(engine, inputs: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """A task head's forward on the device batch; its loss is the one metric, left on the device."""
+    output = engine(**inputs)
+    return output, {"loss": output.loss.detach().float()}
+
+
+class EpochBatches:
+    """Global batch ``step`` of the run: batch ``step % steps_per_epoch`` of epoch ``step // steps_per_epoch``
+    (:func:`global_batches`, drawn once per epoch)."""
+
+    def __init__(self, num_examples: int, batch_size: int, seed: int, steps_per_epoch: int):
+        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
+        self.steps_per_epoch = steps_per_epoch
+        self.epoch, self.batches = None, []
+
+    def at(self, step: int) -> torch.Tensor:
+        epoch = step // self.steps_per_epoch
+        if epoch != self.epoch:
+            self.epoch, self.batches = epoch, global_batches(self.num_examples, self.batch_size, epoch, self.seed)
+        return self.batches[step % self.steps_per_epoch]
+
+
+def evaluate_all_sets(engine, eval_sets: list[EvalSet], task: Task, ps, batch_size: int):
+    """Scores of every eval set (``"<set>/<metric>"``) and the prediction files (``"<set>.<ext>"``)."""
+    metrics, files = {}, {}
+    for eval_set in eval_sets:
+        outputs = run_eval_set(engine, eval_set, task, ps, batch_size)
+        scores, contents = eval_set.score(outputs)
+        metrics.update({f"{eval_set.name}/{k}": v for k, v in scores.items()})
+        files.update({f"{eval_set.name}.{ext}": text for ext, text in contents.items()})
+    return metrics, files
+
+
+class BestTracker:
+    """The evaluation history and the best evaluation by the task's main metric: on a new best, its
+    prediction files (writer) and the model (``save_pretrained``, collective) are saved."""
+
+    def __init__(self, task: Task, run_dir: Path, is_writer: bool, save_model: bool):
+        self.task, self.run_dir, self.is_writer, self.save_model = task, run_dir, is_writer, save_model
+        self.best: dict[str, Any] = {}
+        self.history: list[dict[str, Any]] = []
+
+    def update(self, event: dict[str, Any], metrics: dict[str, Any], files: dict[str, str], engine) -> None:
+        self.history.append(event)
+        score = metrics.get(self.task.main_metric)
+        if self.best and not score > self.best["score"]:
+            return
+        self.best = {"score": score, "epoch": event["epoch"], "step": event["iteration"], "metrics": metrics}
+        if self.is_writer:
+            for name, text in files.items():
+                _atomic_write(self.run_dir / "predictions" / name, text)
+        if self.save_model:
+            engine.module.save_pretrained(self.run_dir / "best")
 
 
 def main(task: str, argv=None) -> None:

@@ -72,12 +72,10 @@ def build_dataset(config: GPT2Config | BertConfig, indexed, seq_length: int, see
                       vocab_size=config.vocab_size)
 
 
-def forward_with_metrics(model, batch: dict[str, torch.Tensor],
-                         device) -> tuple[Any, dict[str, torch.Tensor]]:
-    """One forward of ``model`` (the engine) on ``batch`` moved to ``device``, and the per-micro-batch
-    metrics to average over a logging window, all computed on ``device`` from the same device copy:
-    "loss", plus BERT's MLM and SOP losses and SOP accuracy."""
-    inputs = {key: value.to(device) for key, value in batch.items()}
+def forward_with_metrics(model, inputs: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+    """One forward of ``model`` (the engine) on ``inputs`` (the batch's device copy), and the
+    per-micro-batch metrics to average over a logging window, all computed on the device from that
+    same copy and left there: "loss", plus BERT's MLM and SOP losses and SOP accuracy."""
     output = model(**inputs)
     return output, {"loss": output.loss.detach().float(), **extra_metrics(output, inputs)}
 

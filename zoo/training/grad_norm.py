@@ -9,23 +9,24 @@ import torch.distributed as dist
 from zoo.parallel.layers import is_tensor_parallel
 
 
-def global_grad_norm(model: torch.nn.Module, parallel) -> float:
-    """Collective over the TP group. Gradients are assumed already averaged over data parallelism."""
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
+def global_grad_norm(model: torch.nn.Module, parallel) -> torch.Tensor:
+    """Collective over the TP group. Gradients are assumed already averaged over data parallelism.
+
+    Returns a float64 scalar on the gradients' device: the squared norms are summed there and nothing
+    is copied to the host, so the caller decides when to synchronise (once per log interval)."""
+    sharded, replicated = [], []
     for param in model.parameters():
         if param.grad is None:
             continue
-        squared = param.grad.detach().double().pow(2).sum().cpu()
-        if is_tensor_parallel(param):
-            sharded += squared
-        else:
-            replicated += squared
+        squared = param.grad.detach().double().pow(2).sum()
+        (sharded if is_tensor_parallel(param) else replicated).append(squared)
+    device = next(model.parameters()).device
+    sharded_sum = torch.stack(sharded).sum() if sharded else torch.zeros((), dtype=torch.float64, device=device)
+    replicated_sum = (torch.stack(replicated).sum() if replicated
+                      else torch.zeros((), dtype=torch.float64, device=device))
     if parallel is not None and parallel.tp_size > 1:
-        sharded = sharded.to(next(model.parameters()).device)
-        dist.all_reduce(sharded, group=parallel.tp_group)
-        sharded = sharded.cpu()
-    return float((sharded + replicated).sqrt())
+        dist.all_reduce(sharded_sum, group=parallel.tp_group)
+    return (sharded_sum + replicated_sum).sqrt()
 
 
 def current_loss_scale(optimizer) -> float:

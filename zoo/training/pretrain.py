@@ -6,8 +6,10 @@ does data parallelism, loss scaling, clipping, the optimizer, the LR schedule an
 
 from __future__ import annotations
 
+import atexit
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -15,11 +17,12 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import check_writable_directory, write_text_atomic
-from zoo.distributed import means_over_dp, raise_on_any_rank, share_cpu_threads
-from zoo.models.families import build_model, param_groups, shape_of
-from zoo.training.engine import refresh_fp32_master_weights
+from zoo.distributed import host_group, means_over_dp, raise_on_any_rank
+from zoo.models.families import build_model, shape_of
 from zoo.training.families import build_dataset, default_corpus, forward_with_metrics, pretrained_model
 from zoo.training.grad_norm import current_loss_scale, global_grad_norm
+from zoo.training.loop import (LoopPlugins, LoopState, StopConditions, TrainingLoop, join, pin_memory_here,
+                               setup_engine, to_device)
 from zoo.training.metrics import MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR
 from zoo.training.resume import checkpoint_to_load
@@ -28,7 +31,7 @@ from zoo.training.run_config import (RunConfig, build_parser, clipped_warmup_war
 
 
 
-__all__ = ["pretrain", "main", "reseed_tp_rng"]
+__all__ = ["pretrain", "main", "reseed_tp_rng", "save_checkpoint"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -75,14 +78,17 @@ def reseed_tp_rng(seed: int, iteration: int, ps) -> None:
 
 
 class PretrainingData:
-    """Train/valid datasets of the model's family and the rank's micro-batches at a given consumed-samples position.
+    """Train/valid datasets of the model's family and this rank's micro-batches through DataLoaders.
 
     Global sample order is fixed by the seed; a global batch of ``G`` samples is split into ``gas``
-    micro-steps of ``micro * dp`` samples, and DP rank r reads its own ``micro`` of each. TP ranks of a
-    group share a DP rank and so read the same samples.
+    micro-steps of ``micro * dp`` samples, and DP rank r reads its own ``micro`` of each
+    (:class:`zoo.data.gpt_dataset.DistributedPretrainingSampler`). TP ranks of a group share a DP rank
+    and so read the same samples. ``workers`` processes read (and mask, for BERT) the next micro-batches
+    while the model trains; batches are pinned on an accelerator.
     """
 
-    def __init__(self, config: RunConfig, model_config, ps, micro_batch: int, global_batch: int):
+    def __init__(self, config: RunConfig, model_config, ps, micro_batch: int, global_batch: int,
+                 workers: int, pin_memory: bool, agreement_group=None):
         prefix = config.data_path
         if prefix is None:  # bundled corpus: preprocess once on rank 0, the others wait for its outcome
             raise_on_any_rank(lambda: default_corpus(model_config, progress=True) if dist.get_rank() == 0 else None)
@@ -90,8 +96,21 @@ class PretrainingData:
         self.is_bundled_corpus = config.data_path is None
         self.ps = ps
         self.micro_batch = micro_batch
+        self.workers = workers if can_start_workers() else 0
+        self.pin_memory = pin_memory
+        self.agreement_group = agreement_group
         self.indexed, self.train, self.valid = raise_on_any_rank(
             lambda: self._datasets(config, model_config, prefix, global_batch))
+        self._train_batches = None
+        # Workers ignore SIGTERM (a launcher signals the whole process tree; the training process stops at
+        # an iteration boundary instead), so multiprocessing's exit handler, which terminates them with
+        # SIGTERM, would wait for them forever: they are shut down before it runs, on every way out.
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Shut the workers down (dropping the last reference to an iterator ends its workers)."""
+        self._train_batches = None
+        atexit.unregister(self.close)
 
     def _datasets(self, config: RunConfig, model_config, prefix: str, global_batch: int):
         from zoo.data import IndexedDataset
@@ -105,53 +124,65 @@ class PretrainingData:
                                   config.eval_iters * self.micro_batch * self.ps.dp_size)
         return indexed, train, valid
 
-    def _stack(self, dataset, indices) -> dict[str, torch.Tensor]:
-        samples = [dataset[i % len(dataset)] for i in indices]
-        return {key: torch.stack([s[key] for s in samples]) for key in samples[0]}
+    def loader(self, dataset, first_global_sample: int):
+        from zoo.data.gpt_dataset import build_pretraining_dataloader
 
-    def micro_batch_at(self, dataset, first_global_sample: int) -> dict[str, torch.Tensor]:
-        start = first_global_sample + self.ps.dp_rank * self.micro_batch
-        return self._stack(dataset, range(start, start + self.micro_batch))
+        return build_pretraining_dataloader(dataset, self.micro_batch, first_global_sample, self.ps,
+                                            num_workers=self.workers, pin_memory=self.pin_memory)
 
-    def micro_batches(self, dataset, first_global_sample: int, count: int) -> list[dict[str, torch.Tensor]]:
-        """The ``count`` consecutive micro-batches of this rank from ``first_global_sample`` on, read on
-        every rank before any of them is used: a bad sample (e.g. a token id outside the vocabulary) on
-        one DP rank stops every rank with the same sentence instead of hanging the others' all-reduce."""
-        per_step = self.micro_batch * self.ps.dp_size
-        return raise_on_any_rank(lambda: [self.micro_batch_at(dataset, first_global_sample + k * per_step)
-                                          for k in range(count)])
+    def next_micro_batches(self, batches, count: int) -> list[dict[str, torch.Tensor]]:
+        """The next ``count`` micro-batches of ``batches``, read on every rank before any of them is used:
+        a bad sample (e.g. a token id outside the vocabulary) on one DP rank stops every rank with the
+        same sentence instead of hanging the others' all-reduce. The agreement runs on the host group."""
+        from zoo.data.gpt_dataset import batch_or_raise
+
+        return raise_on_any_rank(lambda: [batch_or_raise(next(batches)) for _ in range(count)],
+                                 group=self.agreement_group)
+
+    def train_micro_batches(self, consumed: int, count: int) -> list[dict[str, torch.Tensor]]:
+        """The iteration's micro-batches from ``consumed`` samples on (the loader is started there once)."""
+        if self._train_batches is None:
+            self._train_batches = iter(self.loader(self.train, consumed))
+        return self.next_micro_batches(self._train_batches, count)
+
+    def valid_micro_batches(self, count: int) -> list[dict[str, torch.Tensor]]:
+        batches = iter(self.loader(self.valid, 0))
+        try:
+            return self.next_micro_batches(batches, count)
+        finally:
+            del batches   # its workers end here, not at exit
+
+
+def can_start_workers() -> bool:
+    """A daemonic process (a worker of a multiprocessing pool or harness) may not start DataLoader workers:
+    it reads its batches itself."""
+    import multiprocessing
+
+    return not multiprocessing.current_process().daemon
 
 
 def validation_means(engine, data: PretrainingData, config: RunConfig, ps) -> dict[str, float]:
     """Validation means over ``eval_iters`` micro-batches and the DP ranks: "loss", plus BERT's
-    "mlm_loss", "sop_loss" and "sop_acc"."""
+    "mlm_loss", "sop_loss" and "sop_acc". Summed on the device, one synchronisation at the end."""
     engine.eval()
     sums: dict[str, torch.Tensor] = {}
-    batches = data.micro_batches(data.valid, 0, config.eval_iters)
+    batches = data.valid_micro_batches(config.eval_iters)
     with torch.no_grad():
         for batch in batches:
-            _, metrics = forward_with_metrics(engine, batch, engine.device)
+            _, metrics = forward_with_metrics(engine, to_device(batch, engine.device))
             for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value.cpu()
+                sums[key] = sums.get(key, 0.0) + value
     engine.train()
     return means_over_dp(sums, config.eval_iters, ps, engine.device)
 
 
-def pretrain(config: RunConfig) -> dict[str, Any]:
-    import deepspeed
-    from tqdm import tqdm
-
+def build_pretraining_model(config: RunConfig, ps):
+    """(model, model config, shape) of the run: ``--pretrained`` weights or the family's random init."""
     from zoo.models import model_config as build_model_config
-    from zoo.parallel import ParallelState, model_parallel_seed
-
-    deepspeed.init_distributed()
-    share_cpu_threads()
-    gas = validate_for_world(config, dist.get_world_size())
-    ps = ParallelState.initialize(config.tensor_parallel_size)
-    model_parallel_seed(config.seed, ps)
 
     model_config = build_model_config(config.model, activation_checkpointing=config.checkpoint_activations,
                                       **config.model_overrides)
+    model = None
     if config.pretrained:  # the weights (and the shapes) of a transformers-layout directory, this rank's slices
         model = pretrained_model(config.pretrained, model_config, config.model, config.model_overrides, ps)
         model_config = model.config
@@ -159,8 +190,54 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     if config.seq_length > shape.max_positions:
         raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
                          f"{shape.max_positions}; pass --seq-length {shape.max_positions} or less.")
-    if not config.pretrained:
+    if model is None:
         model = build_model(model_config, ps)
+    return model, model_config, shape
+
+
+def resume_state(engine, config: RunConfig, ds_config, ps, model, is_writer: bool) -> LoopState:
+    """The loop state to start from: ``--load``'s checkpoint (RNG restored, the TP RNG reseeded after a tp
+    change, a schedule change warned about), or a fresh start, said in one line when ``--load`` names a
+    run without a checkpoint yet (so a job script can always pass ``--save X --load X``)."""
+    if not config.load:
+        return LoopState()
+    if not has_checkpoint(config.load):
+        if is_writer:
+            print(f"--load {config.load}: no checkpoint yet, starting from iteration 0", flush=True)
+        return LoopState()
+    client = load_checkpoint(engine, config.load, ps, model.hf_config_dict())
+    state = LoopState(iteration=client["iteration"], consumed_samples=client["consumed_samples"])
+    set_rng_state(client["rng"])
+    if "resharded_from" in client:
+        reseed_tp_rng(client.get("seed", config.seed), state.iteration, ps)
+    change = schedule_change_warning(client.get("lr_schedule"), lr_schedule(ds_config), state.iteration)
+    if is_writer and "lr_schedule" in client and change:
+        print(f"warning: {change}", file=sys.stderr)
+    return state
+
+
+def has_checkpoint(load: str) -> bool:
+    """Whether ``--load`` names something to resume from: a run directory or checkpoints/ directory with a
+    ``latest`` file or a tag. A path that does not exist yet, or a run directory without checkpoints,
+    is a run to start (anything else is left to the loader's checks and their sentences)."""
+    from zoo.checkpoint.files import tags_in
+
+    path = Path(load)
+    if not path.exists():
+        return False
+    if not path.is_dir():
+        return True
+    root = path / CHECKPOINT_SUBDIR if (path / CHECKPOINT_SUBDIR).is_dir() else path
+    return (root / "latest").is_file() or bool(tags_in(root))
+
+
+def pretrain(config: RunConfig) -> dict[str, Any]:
+    import deepspeed
+
+    started = time.monotonic()   # --exit-duration-in-mins counts from here: the set-up is part of the job's time
+    ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
+    gas = validate_for_world(config, dist.get_world_size())
+    model, model_config, shape = build_pretraining_model(config, ps)
     ds_config = deepspeed_dict(config, gas)
     is_writer = dist.get_rank() == 0
     if is_writer and clipped_warmup_warning(config):
@@ -168,119 +245,115 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     if config.checkpoint_activations:
         deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
     weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.01)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
-                                           config=ds_config, mpu=ps)
+    engine = setup_engine(model, ds_config, ps, weight_decay, refresh_masters=bool(config.pretrained))
     micro, global_batch = engine.train_micro_batch_size_per_gpu(), engine.train_batch_size()
-    if config.pretrained:
-        refresh_fp32_master_weights(engine)   # masters equal the loaded weights whatever the load order
+    host = host_group(None if config.distributed_timeout_minutes is None
+                      else timedelta(minutes=config.distributed_timeout_minutes))
+    state = resume_state(engine, config, ds_config, ps, model, is_writer)
 
-    iteration, consumed = 0, 0
-    if config.load:
-        client = load_checkpoint(engine, config.load, ps, model.hf_config_dict())
-        iteration, consumed = client["iteration"], client["consumed_samples"]
-        set_rng_state(client["rng"])
-        if "resharded_from" in client:
-            reseed_tp_rng(client.get("seed", config.seed), iteration, ps)
-        change = schedule_change_warning(client.get("lr_schedule"), lr_schedule(ds_config), iteration)
-        if is_writer and "lr_schedule" in client and change:
-            print(f"warning: {change}", file=sys.stderr)
-
-    data = PretrainingData(config, model_config, ps, micro, global_batch)
-    run_dir = Path(config.save) if config.save else None
-    if run_dir is not None:  # every rank writes checkpoint files there: prove it can, before training
-        raise_on_any_rank(lambda: check_writable_directory(run_dir, "--save"))
-    logger = MetricsLogger(run_dir, is_writer and run_dir is not None, config.wandb_project,
+    data = PretrainingData(config, model_config, ps, micro, global_batch, config.data_workers,
+                           pin_memory_here(), agreement_group=host)
+    run_dir = Path(config.save)
+    # every rank writes checkpoint files there: prove it can, before training
+    raise_on_any_rank(lambda: check_writable_directory(run_dir, "--save"))
+    logger = MetricsLogger(run_dir, is_writer, config.wandb_project,
                            wandb_config={"zoo": {k: v for k, v in vars(config).items() if k != "ds_config"},
                                          "deepspeed": ds_config},
                            resume=bool(config.load))
     if logger.is_writer and config.load:
-        _truncate_metrics_after(logger.path, iteration)
+        _truncate_metrics_after(logger.path, state.iteration)
 
     flops = megatron_flops_per_iteration(global_batch, config.seq_length, shape.layers, shape.hidden, shape.vocab,
                                          recompute=config.checkpoint_activations)
-    progress = tqdm(total=config.train_iters, initial=iteration, disable=not is_writer, desc="pretrain",
-                    unit="it", dynamic_ncols=True, file=sys.stdout)
-    window, window_steps, window_time = {}, 0, 0.0
-    last, val_loss, fp32_grad_norm = {}, None, None
-    while iteration < config.train_iters:
-        start = time.perf_counter()
-        step_sums: dict[str, torch.Tensor] = {}
-        for micro_step, batch in enumerate(data.micro_batches(data.train, consumed, gas)):
-            output, metrics = forward_with_metrics(engine, batch, engine.device)
-            engine.backward(output.loss)
-            if micro_step == gas - 1 and not config_uses_mixed_precision(ds_config):
-                fp32_grad_norm = global_grad_norm(engine.module, ps)  # DeepSpeed discards it in fp32
-            engine.step()
-            for key, value in metrics.items():
-                step_sums[key] = step_sums.get(key, 0.0) + value.cpu()
-        iteration += 1
-        consumed += global_batch
-        for key, value in means_over_dp(step_sums, gas, ps, engine.device).items():
-            window[key] = window.get(key, 0.0) + value
-        window_steps += 1
-        window_time += time.perf_counter() - start
-        progress.update(1)
+    validation: dict[str, float] = {}
+    stop = StopConditions(exit_interval=config.exit_interval, exit_duration_minutes=config.exit_duration_in_mins,
+                          handle_signals=config.exit_signal_handler, group=host, started=started)
+    loop: TrainingLoop
 
-        if iteration % config.log_interval == 0 or iteration == config.train_iters:
-            step_time = window_time / window_steps
-            grad_norm = engine.get_global_grad_norm()
-            if grad_norm is None:
-                grad_norm = fp32_grad_norm
-            last = {
-                "iteration": iteration,
-                "consumed_samples": consumed,
-                **{key: value / window_steps for key, value in window.items()},
-                "lr": engine.get_lr()[0],
-                "loss_scale": current_loss_scale(engine.optimizer),
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "step_time_s": step_time,
-                "tokens_per_s": global_batch * config.seq_length / step_time,
-                "tflops": flops / step_time / dist.get_world_size() / 1e12,
-            }
-            last["eta_s"] = step_time * (config.train_iters - iteration)
-            logger.log(last)
-            if is_writer:
-                progress.write(format_log_line(last, config.train_iters))
-            window, window_steps, window_time = {}, 0, 0.0
+    def log(state: LoopState, means: dict[str, float], window) -> dict[str, Any]:
+        grad_norm = engine.get_global_grad_norm()
+        if grad_norm is None:
+            grad_norm = window.grad_norm
+        step_time = window.step_time
+        event = {
+            "iteration": state.iteration,
+            "consumed_samples": state.consumed_samples,
+            **means,
+            "lr": engine.get_lr()[0],
+            "loss_scale": current_loss_scale(engine.optimizer),
+            "grad_norm": None if grad_norm is None else float(grad_norm),
+            "step_time_s": step_time,
+            "tokens_per_s": global_batch * config.seq_length / step_time,
+            "tflops": flops / step_time / dist.get_world_size() / 1e12,
+        }
+        event["eta_s"] = step_time * (config.train_iters - state.iteration)
+        logger.log(event)
+        loop.write(format_log_line(event, config.train_iters))
+        return event
 
-        if config.eval_interval and (iteration % config.eval_interval == 0 or iteration == config.train_iters):
-            validation = validation_means(engine, data, config, ps)
-            val_loss = validation["loss"]
-            extras = {f"val_{key}": value for key, value in validation.items() if key != "loss"}
-            logger.log({"iteration": iteration, "split": "valid", "val_loss": val_loss,
-                        "val_ppl": perplexity(val_loss), **extras})
-            if is_writer:
-                shown = "".join(f", {key} {value:.4f}" for key, value in extras.items())
-                progress.write(f"iteration {iteration}: validation loss {val_loss:.4f}, "
-                               f"perplexity {perplexity(val_loss):.2f}{shown}")
+    def evaluate(state: LoopState) -> None:
+        validation.update(validation_means(engine, data, config, ps))
+        val_loss = validation["loss"]
+        extras = {f"val_{key}": value for key, value in validation.items() if key != "loss"}
+        logger.log({"iteration": state.iteration, "split": "valid", "val_loss": val_loss,
+                    "val_ppl": perplexity(val_loss), **extras})
+        shown = "".join(f", {key} {value:.4f}" for key, value in extras.items())
+        loop.write(f"iteration {state.iteration}: validation loss {val_loss:.4f}, "
+                   f"perplexity {perplexity(val_loss):.2f}{shown}")
 
-        if run_dir and ((config.save_interval and iteration % config.save_interval == 0)
-                        or iteration == config.train_iters):
-            save_checkpoint(engine, run_dir / CHECKPOINT_SUBDIR, f"iter_{iteration:07d}",
-                            {"iteration": iteration, "consumed_samples": consumed, "rng": rng_state(),
-                             "zoo_model": config.model, "model_config": model.hf_config_dict(),
-                             "tensor_parallel_size": ps.tp_size,
-                             "seed": config.seed, "split": config.split, "seq_length": config.seq_length,
-                             "lr_schedule": lr_schedule(ds_config)})
-    progress.close()
-    if logger.is_writer:
-        plot_loss(run_dir)
-        if val_loss is not None:
-            baseline = ""
-            if data.is_bundled_corpus and "sop_acc" not in last:  # a GPT run on the small bundled corpus
-                from zoo.training.baselines import unigram_perplexity
+    def save(state: LoopState) -> None:
+        save_checkpoint(engine, run_dir / CHECKPOINT_SUBDIR, f"iter_{state.iteration:07d}",
+                        {"iteration": state.iteration, "consumed_samples": state.consumed_samples, "rng": rng_state(),
+                         "zoo_model": config.model, "model_config": model.hf_config_dict(),
+                         "tensor_parallel_size": ps.tp_size,
+                         "seed": config.seed, "split": config.split, "seq_length": config.seq_length,
+                         "lr_schedule": lr_schedule(ds_config)})
 
-                baseline = (f" (unigram baseline of the corpus: "
-                            f"{unigram_perplexity(data.indexed, config.split, shape.vocab):.1f})")
-            print(f"validation loss {val_loss:.4f}, validation perplexity {perplexity(val_loss):.2f}{baseline}")
-        if "sop_acc" in last:
-            print(f"last logged window: MLM loss {last['mlm_loss']:.4f}, SOP loss {last['sop_loss']:.4f}, "
-                  f"SOP accuracy {last['sop_acc']:.3f}")
-        print(f"done: {iteration} iterations, final train loss {last.get('loss', float('nan')):.4f}; "
-              f"metrics in {run_dir / 'metrics.jsonl'}, plot in {run_dir / 'loss.png'}, "
-              f"checkpoints in {run_dir / CHECKPOINT_SUBDIR}")
+    plugins = LoopPlugins(
+        total_iterations=config.train_iters, samples_per_iteration=global_batch, log_interval=config.log_interval,
+        micro_batches=lambda state: data.train_micro_batches(state.consumed_samples, gas),
+        forward=forward_with_metrics, log=log,
+        is_evaluation_step=lambda it: bool(config.eval_interval) and (it % config.eval_interval == 0
+                                                                     or it == config.train_iters),
+        evaluate=evaluate,
+        is_save_step=lambda it: bool(config.save_interval) and it % config.save_interval == 0
+                                or it == config.train_iters,
+        save=save,
+        grad_norm_fallback=None if config_uses_mixed_precision(ds_config)   # DeepSpeed discards it in fp32
+                           else (lambda engine: global_grad_norm(engine.module, ps)))
+    loop = TrainingLoop(engine, ps, plugins, stop=stop, progress_desc="pretrain", is_writer=is_writer)
+    try:
+        state = loop.run(state)
+    finally:
+        data.close()
+    if state.stopped_by is not None and is_writer:
+        print(f"stopped by {state.stopped_by} after iteration {state.iteration}: checkpoint "
+              f"{run_dir / CHECKPOINT_SUBDIR / f'iter_{state.iteration:07d}'}; resume with --load {run_dir}",
+              flush=True)
+    if logger.is_writer and state.stopped_by is None:
+        print_summary(run_dir, state.iteration, state.last_event, validation.get("loss"), data, config, shape)
     logger.close()
-    return {**last, "val_loss": val_loss}
+    return {**state.last_event, "val_loss": validation.get("loss"), "stopped_by": state.stopped_by}
+
+
+def print_summary(run_dir: Path, iteration: int, last: dict[str, Any], val_loss: float | None,
+                  data: PretrainingData, config: RunConfig, shape) -> None:
+    """The end of a run on the writer: loss.png and the lines the demo prints."""
+    plot_loss(run_dir)
+    if val_loss is not None:
+        baseline = ""
+        if data.is_bundled_corpus and "sop_acc" not in last:  # a GPT run on the small bundled corpus
+            from zoo.training.baselines import unigram_perplexity
+
+            baseline = (f" (unigram baseline of the corpus: "
+                        f"{unigram_perplexity(data.indexed, config.split, shape.vocab):.1f})")
+        print(f"validation loss {val_loss:.4f}, validation perplexity {perplexity(val_loss):.2f}{baseline}")
+    if "sop_acc" in last:
+        print(f"last logged window: MLM loss {last['mlm_loss']:.4f}, SOP loss {last['sop_loss']:.4f}, "
+              f"SOP accuracy {last['sop_acc']:.3f}")
+    print(f"done: {iteration} iterations, final train loss {last.get('loss', float('nan')):.4f}; "
+          f"metrics in {run_dir / 'metrics.jsonl'}, plot in {run_dir / 'loss.png'}, "
+          f"checkpoints in {run_dir / CHECKPOINT_SUBDIR}")
 
 
 def load_checkpoint(engine, load: str, ps, model_config: dict[str, Any]) -> dict[str, Any]:

@@ -6,13 +6,24 @@ zoo reads its own settings from the top-level ``"zoo"`` key, which DeepSpeed ign
     "zoo": {"tensor_parallel_size": 2, "model": "gpt2-tiny", "seq_length": 128, "train_iters": 300,
             "data_path": null, "split": "969,30,1", "seed": 1234, "save": "runs/demo",
             "pretrained": null, "log_interval": 10, "eval_interval": 100, "eval_iters": 4, "save_interval": 0,
-            "checkpoint_activations": false, "wandb_project": null, "model_overrides": {}}
+            "checkpoint_activations": false, "wandb_project": null, "model_overrides": {},
+            "data_workers": 2, "exit_interval": 0, "exit_duration_in_mins": null, "exit_signal_handler": true,
+            "distributed_timeout_minutes": null}
 
 ``data_path`` null means the bundled Wikipedia sample, preprocessed once into a cache directory.
 ``pretrained`` names a transformers-layout directory (GPT-2, MegatronBert or Bert, e.g. from
 ``save_pretrained`` or ``launch/export.py``) whose weights replace the random init, at any tp; the
 preset then only names the family, the shapes come from the directory. ``load`` resumes a zoo
-DeepSpeed checkpoint, also one written at another tp (it is resharded once, see zoo.checkpoint.reshard).
+DeepSpeed checkpoint, also one written at another tp (it is resharded once, see zoo.checkpoint.reshard);
+a ``load`` with no checkpoint yet starts the run from iteration 0, so a job script can always pass
+``--save X --load X``.
+
+Preemption (Megatron's flag names): ``exit_interval`` N stops with a checkpoint after every iteration
+that is a multiple of N (so the same flag serves every allocation of a job); ``exit_duration_in_mins``
+M stops with a checkpoint before M minutes of wall time (ranks agree); ``exit_signal_handler`` (on by
+default) turns SIGTERM or SIGUSR1 on any rank into a checkpoint at the next iteration and exit 0.
+``distributed_timeout_minutes`` bounds every collective (DeepSpeed's default is 10 minutes), so a rank
+that never arrives ends the job with the backend's timeout error rather than a hang.
 """
 
 from __future__ import annotations
@@ -50,6 +61,11 @@ class RunConfig:
     checkpoint_activations: bool = False
     wandb_project: str | None = None
     model_overrides: dict[str, Any] = field(default_factory=dict)   # e.g. {"resid_pdrop": 0.0}
+    data_workers: int = 2            # DataLoader worker processes per rank (0: read batches in the training process)
+    exit_interval: int = 0           # stop with a checkpoint after every iteration that is a multiple of it
+    exit_duration_in_mins: float | None = None   # stop with a checkpoint before this much wall time
+    exit_signal_handler: bool = True   # SIGTERM/SIGUSR1: stop at the next iteration with a checkpoint
+    distributed_timeout_minutes: float | None = None   # every collective's timeout (DeepSpeed's default: 10)
     ds_config: dict[str, Any] = field(default_factory=dict, repr=False)
     ds_config_path: str | None = None
 
@@ -78,6 +94,10 @@ CLI_FLAGS = {  # flag -> (RunConfig field, type)
     "--eval-iters": ("eval_iters", int),
     "--save-interval": ("save_interval", int),
     "--wandb-project": ("wandb_project", str),
+    "--data-workers": ("data_workers", int),
+    "--exit-interval": ("exit_interval", int),
+    "--exit-duration-in-mins": ("exit_duration_in_mins", float),
+    "--distributed-timeout-minutes": ("distributed_timeout_minutes", float),
 }
 
 
@@ -90,6 +110,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                             help=f"overrides zoo.{name} of the ds_config")
     parser.add_argument("--checkpoint-activations", dest="checkpoint_activations", action="store_true",
                         default=None, help="recompute each layer in backward (DeepSpeed activation checkpointing)")
+    parser.add_argument("--exit-signal-handler", dest="exit_signal_handler", action=argparse.BooleanOptionalAction,
+                        default=None, help="on SIGTERM or SIGUSR1 every rank stops at the next iteration with a "
+                                           "checkpoint and exits 0 (default on; --no-exit-signal-handler: off)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return deepspeed.add_config_arguments(parser)
 
@@ -139,10 +162,14 @@ def validate_static(config: RunConfig) -> RunConfig:
     for name in ("train_iters", "seq_length", "tensor_parallel_size", "log_interval", "eval_iters"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} = {getattr(config, name)} must be at least 1; fix the zoo block or the flag.")
-    for name in ("eval_interval", "save_interval"):
+    for name in ("eval_interval", "save_interval", "exit_interval", "data_workers"):
         if getattr(config, name) < 0:
             raise ValueError(f"{name} = {getattr(config, name)} must be 0 (never) or positive; fix the zoo block "
                              "or the flag.")
+    for name in ("exit_duration_in_mins", "distributed_timeout_minutes"):
+        if getattr(config, name) is not None and not getattr(config, name) > 0:
+            raise ValueError(f"{name} = {getattr(config, name)} must be a positive number of minutes; fix the zoo "
+                             "block or the flag.")
     if not config.save:
         raise ValueError(f"save is {config.save!r} in the zoo block of {config.ds_config_path}; pass --save with the run "
                          "directory that receives the metrics, the plot and the checkpoints.")
@@ -156,8 +183,8 @@ def validate_static(config: RunConfig) -> RunConfig:
     return config
 
 
-TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object"}
-TYPE_EXAMPLES = {int: "6", str: '"text"', bool: "true", dict: "{}"}
+TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object", float: "a number"}
+TYPE_EXAMPLES = {int: "6", str: '"text"', bool: "true", dict: "{}", float: "30"}
 
 
 def check_field_types(config: RunConfig) -> None:
@@ -188,6 +215,8 @@ def _allowed_types(hint) -> tuple[type, ...]:
 def _has_type(value, allowed: tuple[type, ...]) -> bool:
     if isinstance(value, bool):   # bool is an int subclass: true is not an iteration count
         return bool in allowed
+    if isinstance(value, int) and float in allowed:   # JSON's 30 is a number of minutes too
+        return True
     return isinstance(value, allowed)
 
 

@@ -1,0 +1,135 @@
+"""The one training loop (zoo.training.loop): no host-device synchronisation from zoo's code between
+log events (issue 17 item 4), and the stop conditions' pure parts.
+
+The sync test counts, during pretraining iterations at tp = 2, every ``.item()``, ``.cpu()``,
+``.tolist()``, ``.numpy()``, ``float()`` and ``int()`` that zoo's own code calls on a floating-point
+tensor (metrics, losses, grad norms: what lives on the accelerator on a GPU), outside the log window
+and the checkpoint save. The per-iteration agreements (stop flags, a bad sample on one rank) are integer
+flags all-reduced on a gloo group (``zoo.distributed.host_group``): host memory on every backend, so
+they are not synchronisation points and are not counted.
+"""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+from tests.spawn import spawn
+from tests.test_pretrain import corpus_prefix, run_config  # noqa: F401 - the module-scoped corpus fixture
+
+ZOO = str(Path(__file__).resolve().parent.parent / "zoo")
+SYNC_METHODS = ("item", "cpu", "tolist", "numpy", "__float__", "__int__")
+
+
+class SyncCounter:
+    """Counts zoo's host copies of floating tensors while ``counting`` is on, per phase."""
+
+    def __init__(self):
+        self.counting = False
+        self.calls: list[str] = []
+
+    def install(self, monkeypatch_setattr) -> None:
+        import sys
+
+        import torch
+
+        for name in SYNC_METHODS:
+            real = getattr(torch.Tensor, name)
+
+            def counted(tensor, *args, _real=real, _name=name, **kwargs):
+                if self.counting and tensor.is_floating_point():
+                    caller = sys._getframe(1)
+                    if caller.f_code.co_filename.startswith(ZOO):
+                        self.calls.append(f"{_name} in {caller.f_code.co_filename}:{caller.f_lineno}")
+                return _real(tensor, *args, **kwargs)
+
+            monkeypatch_setattr(torch.Tensor, name, counted)
+
+
+def _sync_worker(rank, world_size, data_path, save):
+    import torch
+
+    from zoo.training.loop import TrainingLoop
+    from zoo.training.pretrain import pretrain
+
+    counter = SyncCounter()
+    originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
+    counter.install(setattr)
+    per_iteration: list[list[str]] = []
+
+    def paused(method):
+        def run(self, *args):
+            counter.counting = False
+            try:
+                return method(self, *args)
+            finally:
+                counter.counting = True
+        return run
+
+    real_step = TrainingLoop.train_step
+    real_log, real_save = TrainingLoop.log_window, TrainingLoop.maybe_save
+
+    def counted_step(self, state):
+        per_iteration.append(counter.calls)
+        counter.calls = []
+        return real_step(self, state)
+
+    real_run = TrainingLoop.run
+
+    def counted_run(self, state):
+        counter.counting = True
+        try:
+            return real_run(self, state)
+        finally:
+            counter.counting = False
+            per_iteration.append(counter.calls)
+
+    TrainingLoop.train_step, TrainingLoop.run = counted_step, counted_run
+    TrainingLoop.log_window, TrainingLoop.maybe_save = paused(real_log), paused(real_save)
+    try:
+        result = pretrain(run_config(data_path, save, 2, 2, 4, train_iters=4, log_interval=4))
+    finally:
+        TrainingLoop.train_step, TrainingLoop.run = real_step, real_run
+        TrainingLoop.log_window, TrainingLoop.maybe_save = real_log, real_save
+        for name, method in originals.items():
+            setattr(torch.Tensor, name, method)
+    return per_iteration[1:], result
+
+
+def test_no_host_sync_between_log_events(corpus_prefix, tmp_path):  # noqa: F811
+    """Four iterations of 2 micro-steps each, one log event at the end: zoo copies nothing from the
+    device to the host in any of them (the metrics are summed on the device, the fp32 grad norm stays
+    a device tensor, batches go to the device without blocking)."""
+    for per_iteration, result in spawn(_sync_worker, 2, corpus_prefix, str(tmp_path / "run")):
+        assert len(per_iteration) == 4, per_iteration
+        assert per_iteration == [[]] * 4, per_iteration
+        assert result["iteration"] == 4 and isinstance(result["grad_norm"], float), result
+
+
+# ----------------------------------------------------------------------------- stop conditions (pure)
+def test_exit_interval_stops_on_its_multiples_and_time_budget_counts_the_save():
+    from zoo.training.loop import StopConditions
+
+    stop = StopConditions(exit_interval=3, handle_signals=False)
+    assert [stop.reason(it) for it in (1, 2, 3, 6)] == [None, None, "--exit-interval 3", "--exit-interval 3"]
+    late = StopConditions(exit_duration_minutes=1.0, started=time.monotonic() - 50, handle_signals=False)
+    assert late.reason(1) is None
+    late.slowest_iteration_s, late.last_save_s = 5.0, 6.0   # 50 s gone + 5 + 6 >= 60: stop before the minute
+    assert late.reason(1) == "--exit-duration-in-mins 1"
+
+
+def test_signal_is_a_flag_until_the_iteration_boundary():
+    import os
+
+    from zoo.training.loop import StopConditions
+
+    stop = StopConditions()
+    before = signal.getsignal(signal.SIGUSR1)
+    stop.install()
+    try:
+        os.kill(os.getpid(), signal.SIGUSR1)
+        assert stop.reason(7) == "signal SIGUSR1"
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is before

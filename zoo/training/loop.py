@@ -1,0 +1,325 @@
+"""The one training loop of pretraining and finetuning, in the style of torchtitan's trainer.
+
+The skeleton owns what both jobs share, each step a small function:
+
+* :func:`join` (process group, this rank's device set at once, the tp x dp grid, the seeds) and
+  :func:`setup_engine` (``deepspeed.initialize`` with zoo's parameter groups and mpu);
+* :meth:`TrainingLoop.train_step`: the iteration's micro-batches copied to the device without
+  blocking, forward, backward, step; the metrics are summed on the device;
+* :class:`LogWindow`: the sums of a log interval, brought to the host once per interval (one
+  all-reduce over the DP ranks and one synchronisation, never per micro-step);
+* :meth:`TrainingLoop.maybe_evaluate`, :meth:`TrainingLoop.maybe_save`;
+* :class:`StopConditions`: ``--exit-interval``, ``--exit-duration-in-mins`` and SIGTERM/SIGUSR1, agreed
+  by all ranks at each iteration boundary with one all-reduce of two host flags on a gloo group (no
+  accelerator synchronisation).
+
+What a model family or a finetuning task adds plugs in through :class:`LoopPlugins`: the micro-batches
+of an iteration, the forward and its metrics, the log event, evaluation and the save payload. The
+end-of-run summary stays with the caller, which gets the final :class:`LoopState` back.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LoopState", "LoopPlugins", "StopConditions", "TrainingLoop", "LogWindow", "join", "setup_engine",
+           "to_device", "pin_memory_here"]
+
+
+# ----------------------------------------------------------------------------------------------- setup
+
+def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | None = None):
+    """Join the launcher's process group, set this rank's accelerator device right away (before the
+    TP RNG tracker is seeded on it), share the CPU cores, build the tp x dp grid and seed it.
+
+    ``tensor_parallel_size`` None means the whole world. Returns the ParallelState."""
+    from zoo.distributed import join_process_group
+    from zoo.parallel import ParallelState, model_parallel_seed
+
+    timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
+    join_process_group(int(os.environ.get("LOCAL_RANK", 0)), timeout=timeout)
+    ps = ParallelState.initialize(tensor_parallel_size or dist.get_world_size())
+    model_parallel_seed(seed, ps)
+    return ps
+
+
+def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], ps, weight_decay: float,
+                 refresh_masters: bool):
+    """The DeepSpeed engine of ``model`` (AdamW groups without decay on biases and norms, zoo's mpu);
+    ``refresh_masters`` copies weights loaded before ``initialize`` into fp16/bf16 master weights."""
+    import deepspeed
+
+    from zoo.models.families import param_groups
+    from zoo.training.engine import refresh_fp32_master_weights
+
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
+                                           config=ds_config, mpu=ps)
+    if refresh_masters:
+        refresh_fp32_master_weights(engine)
+    return engine
+
+
+def pin_memory_here() -> bool:
+    """Pinned host batches when there is an accelerator to copy them to (never on a CPU run)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return get_accelerator().device_name() != "cpu"
+
+
+def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
+    """The device copy of a host batch, queued without blocking the host (the source is pinned by the
+    DataLoader on an accelerator; a pageable source is copied synchronously by torch, as before)."""
+    return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+@dataclass
+class LoopState:
+    iteration: int = 0
+    consumed_samples: int = 0
+    last_event: dict[str, Any] = field(default_factory=dict)
+    stopped_by: str | None = None     # why the run stopped before its last iteration
+
+
+def _never(iteration: int) -> bool:
+    return False
+
+
+def _nothing(state: LoopState) -> None:
+    return None
+
+
+@dataclass
+class LoopPlugins:
+    """What a model family or a task adds to the skeleton.
+
+    * ``micro_batches(state)``: the host micro-batches of the next iteration, already agreed across
+      ranks (a bad sample on one rank raises the same sentence on every rank);
+    * ``forward(engine, device_batch)``: the output (with ``.loss``) and the device metrics to average
+      over the log window ("loss" at least);
+    * ``log(state, means, window)``: the metrics.jsonl event of a log window (means over the window's
+      micro-batches and the DP ranks), also printed; returned to become ``state.last_event``;
+    * ``is_evaluation_step`` / ``evaluate``, ``is_save_step`` / ``save``: after an iteration.
+    """
+
+    total_iterations: int
+    samples_per_iteration: int
+    log_interval: int
+    micro_batches: Callable[[LoopState], list[dict[str, torch.Tensor]]]
+    forward: Callable[[Any, dict[str, torch.Tensor]], tuple[Any, dict[str, torch.Tensor]]]
+    log: Callable[[LoopState, dict[str, float], "LogWindow"], dict[str, Any]]
+    is_evaluation_step: Callable[[int], bool] = _never
+    evaluate: Callable[[LoopState], None] = _nothing
+    is_save_step: Callable[[int], bool] = _never
+    save: Callable[[LoopState], None] = _nothing
+    grad_norm_fallback: Callable[[Any], torch.Tensor] | None = None   # when DeepSpeed keeps none (fp32)
+
+
+# ------------------------------------------------------------------------------------------ log window
+
+class LogWindow:
+    """Metric sums of the iterations since the last log event, kept on the device.
+
+    Each iteration adds its micro-batch sums divided by its micro-step count (one device add, no
+    host copy); :meth:`means` is the one all-reduce over the DP group and the one synchronisation of
+    the interval."""
+
+    def __init__(self):
+        self.sums: dict[str, torch.Tensor] = {}
+        self.steps = 0
+        self.seconds = 0.0
+        self.grad_norm: torch.Tensor | float | None = None
+
+    def add(self, iteration_sums: dict[str, torch.Tensor], micro_steps: int, seconds: float) -> None:
+        for key, value in iteration_sums.items():
+            mean = value.double() / micro_steps
+            self.sums[key] = self.sums[key] + mean if key in self.sums else mean
+        self.steps += 1
+        self.seconds += seconds
+
+    def means(self, ps, device) -> dict[str, float]:
+        """Window means over iterations and DP ranks (fp64, one all-reduce), as Python floats."""
+        if not self.sums:
+            return {}
+        stacked = torch.stack(list(self.sums.values())).to(device)
+        if ps.dp_size > 1:
+            dist.all_reduce(stacked, group=ps.dp_group)
+        return dict(zip(self.sums, (stacked / (ps.dp_size * self.steps)).tolist()))
+
+    @property
+    def step_time(self) -> float:
+        return self.seconds / max(self.steps, 1)
+
+
+# -------------------------------------------------------------------------------------------- stopping
+
+@dataclass
+class StopConditions:
+    """When a run stops early, with a checkpoint (Megatron's flags).
+
+    * ``exit_interval``: after every iteration that is a multiple of it (a job script can pass the same
+      flag on every allocation);
+    * ``exit_duration_minutes``: before that much wall time since ``started``: the run stops once the
+      time left is less than its slowest iteration plus its last save (a first save is estimated as
+      one iteration);
+    * ``signals``: SIGTERM and SIGUSR1 (what SLURM and Kubernetes send before killing a job, and
+      DeepSpeed's launcher forwards to every rank) only set a flag here; the loop stops at the next
+      iteration boundary.
+
+    Ranks agree with one all-reduce (MAX) of two host flags per iteration on a gloo group, so a signal
+    or a clock that reaches one rank stops every rank at the same iteration, and the agreement never
+    synchronises the accelerator.
+    """
+
+    exit_interval: int = 0
+    exit_duration_minutes: float | None = None
+    handle_signals: bool = True
+    started: float = field(default_factory=time.monotonic)
+    received: list[str] = field(default_factory=list)
+    slowest_iteration_s: float = 0.0
+    last_save_s: float = 0.0
+    group: Any = None
+    _previous_handlers: dict[int, Any] = field(default_factory=dict)
+
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+    def install(self) -> None:
+        if not self.handle_signals:
+            return
+        for signum in self.SIGNALS:
+            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+
+    def uninstall(self) -> None:
+        for signum, handler in self._previous_handlers.items():
+            signal.signal(signum, handler)
+        self._previous_handlers.clear()
+
+    def _on_signal(self, signum, frame) -> None:
+        self.received.append(signal.Signals(signum).name)
+
+    def out_of_time(self) -> bool:
+        if self.exit_duration_minutes is None:
+            return False
+        needed = self.slowest_iteration_s + (self.last_save_s or self.slowest_iteration_s)
+        return time.monotonic() - self.started + needed >= self.exit_duration_minutes * 60
+
+    def reason(self, iteration: int) -> str | None:
+        """Why every rank stops after ``iteration`` (None: go on). Collective over ``group``."""
+        from zoo.distributed import agree_max
+
+        signalled, late = agree_max([bool(self.received), self.out_of_time()], self.group)
+        if signalled:
+            return f"signal {self.received[0]}" if self.received else "a signal on another rank"
+        if late:
+            return f"--exit-duration-in-mins {self.exit_duration_minutes:g}"
+        if self.exit_interval and iteration % self.exit_interval == 0:
+            return f"--exit-interval {self.exit_interval}"
+        return None
+
+
+# ------------------------------------------------------------------------------------------------ loop
+
+class TrainingLoop:
+    """``run(state)`` trains from ``state`` until ``plugins.total_iterations`` or an agreed stop."""
+
+    def __init__(self, engine, ps, plugins: LoopPlugins, stop: StopConditions | None = None,
+                 progress_desc: str = "train", is_writer: bool = False):
+        self.engine = engine
+        self.ps = ps
+        self.plugins = plugins
+        self.stop = stop
+        self.progress_desc = progress_desc
+        self.is_writer = is_writer
+        self.window = LogWindow()
+        self.progress = None
+
+    # one iteration ------------------------------------------------------------------------------
+    def train_step(self, state: LoopState) -> tuple[dict[str, torch.Tensor], int]:
+        """Forward, backward and step over the iteration's micro-batches; returns the metric sums over
+        them, on the device, and their count. The grad norm of the iteration is kept (as a device tensor) when DeepSpeed
+        keeps none."""
+        engine, plugins = self.engine, self.plugins
+        batches = plugins.micro_batches(state)
+        sums: dict[str, torch.Tensor] = {}
+        for micro_step, batch in enumerate(batches):
+            output, metrics = plugins.forward(engine, to_device(batch, engine.device))
+            engine.backward(output.loss)
+            if micro_step == len(batches) - 1 and plugins.grad_norm_fallback is not None:
+                self.window.grad_norm = plugins.grad_norm_fallback(engine)
+            engine.step()
+            for key, value in metrics.items():
+                sums[key] = sums[key] + value if key in sums else value
+        return sums, len(batches)
+
+    # after an iteration -------------------------------------------------------------------------
+    def is_log_step(self, state: LoopState) -> bool:
+        return (state.iteration % self.plugins.log_interval == 0 or state.iteration == self.plugins.total_iterations
+                or state.stopped_by is not None)
+
+    def log_window(self, state: LoopState) -> None:
+        start = time.perf_counter()
+        means = self.window.means(self.ps, self.engine.device)
+        self.window.seconds += time.perf_counter() - start   # the interval's one synchronisation
+        state.last_event = self.plugins.log(state, means, self.window)
+        self.window = LogWindow()
+
+    def maybe_evaluate(self, state: LoopState) -> None:
+        if self.plugins.is_evaluation_step(state.iteration):
+            self.plugins.evaluate(state)
+
+    def maybe_save(self, state: LoopState) -> None:
+        if self.plugins.is_save_step(state.iteration) or state.stopped_by is not None:
+            start = time.perf_counter()
+            self.plugins.save(state)
+            if self.stop is not None:
+                self.stop.last_save_s = time.perf_counter() - start
+
+    def check_stop(self, state: LoopState) -> None:
+        if self.stop is not None and state.iteration < self.plugins.total_iterations:
+            state.stopped_by = self.stop.reason(state.iteration)
+
+    # the skeleton -------------------------------------------------------------------------------
+    def run(self, state: LoopState) -> LoopState:
+        from tqdm import tqdm
+
+        self.progress = tqdm(total=self.plugins.total_iterations, initial=state.iteration,
+                             disable=not self.is_writer, desc=self.progress_desc, unit="it", dynamic_ncols=True,
+                             file=sys.stdout)
+        if self.stop is not None:
+            self.stop.install()
+        try:
+            while state.iteration < self.plugins.total_iterations and state.stopped_by is None:
+                start = time.perf_counter()
+                sums, micro_steps = self.train_step(state)
+                state.iteration += 1
+                state.consumed_samples += self.plugins.samples_per_iteration
+                seconds = time.perf_counter() - start
+                self.window.add(sums, micro_steps, seconds)
+                if self.stop is not None:
+                    self.stop.slowest_iteration_s = max(self.stop.slowest_iteration_s, seconds)
+                self.progress.update(1)
+                self.check_stop(state)
+                if self.is_log_step(state):
+                    self.log_window(state)
+                self.maybe_evaluate(state)
+                self.maybe_save(state)
+        finally:
+            if self.stop is not None:
+                self.stop.uninstall()
+            self.progress.close()
+        return state
+
+    def write(self, line: str) -> None:
+        """A line on the writer's stdout that does not break the progress bar."""
+        if self.is_writer:
+            (self.progress.write if self.progress is not None else print)(line)
