@@ -84,6 +84,7 @@ def join_process_group(local_rank: int, timeout: timedelta | None = None) -> str
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
+    check_accelerator_matches_machine()
     if timeout is None:
         deepspeed.init_distributed()
     else:
