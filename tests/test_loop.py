@@ -133,3 +133,37 @@ def test_signal_is_a_flag_until_the_iteration_boundary():
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is before
+
+
+# ----------------------------------------------------------------------------- rank-0-only work (issue 17 item 7)
+def _first_rank_worker(rank, world_size):
+    import torch.distributed as dist
+
+    from zoo.distributed import run_on_first_rank
+
+    def work():
+        return f"done by {dist.get_rank()}"
+
+    def fails():
+        raise ValueError("the export failed on rank 0.")
+
+    done = run_on_first_rank(work, work_bytes=10 ** 9)
+    try:
+        run_on_first_rank(fails, work_bytes=0)
+        failure = None
+    except ValueError as err:
+        failure = str(err)
+    return done, failure
+
+
+def test_rank_zero_work_is_waited_for_with_a_timeout_sized_from_the_work():
+    """The others wait on a host group whose timeout fits the bytes (116 GB: hours, not DeepSpeed's 10
+    minutes); rank 0's result stays on rank 0 and its failure reaches every rank as the same sentence."""
+    from datetime import timedelta
+
+    from zoo.distributed import WAIT_MARGIN, first_rank_timeout
+
+    assert first_rank_timeout(0) == WAIT_MARGIN
+    assert first_rank_timeout(116 * 10 ** 9) > timedelta(hours=3)
+    ranks = spawn(_first_rank_worker, 2)
+    assert ranks == [("done by 0", "the export failed on rank 0."), (None, "the export failed on rank 0.")]

@@ -24,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import check_writable_directory, write_text_atomic
-from zoo.distributed import join_process_group, launched_distributed, raise_on_any_rank, single_device
+from zoo.distributed import (directory_bytes, join_process_group, launched_distributed, run_on_first_rank,
+                             single_device)
 from zoo.eval.wikitext import DEFAULT_OVERLAP
 from zoo.dtypes import add_dtype_argument, torch_dtype
 
@@ -105,13 +106,15 @@ def transformers_directory(load: str) -> str:
                        .encode()).hexdigest()[:16]
     target = export_cache_path() / key
 
-    def export_on_local_rank_zero() -> None:
-        if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-            make_private_directory(target.parent)
-            if not (target / "config.json").is_file():
-                export_checkpoint(load, target)
+    def export_here() -> None:
+        make_private_directory(target.parent)
+        if not (target / "config.json").is_file():
+            export_checkpoint(load, target)
 
-    raise_on_any_rank(export_on_local_rank_zero)
+    # The other ranks wait on a host group whose timeout is sized from the checkpoint's bytes, not in the
+    # NCCL group under its watchdog (zoo.distributed.run_on_first_rank says why).
+    run_on_first_rank(export_here, work_bytes=directory_bytes(root / tag),
+                      first=lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0)
     return str(target)
 
 
