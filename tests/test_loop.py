@@ -167,3 +167,36 @@ def test_rank_zero_work_is_waited_for_with_a_timeout_sized_from_the_work():
     assert first_rank_timeout(116 * 10 ** 9) > timedelta(hours=3)
     ranks = spawn(_first_rank_worker, 2)
     assert ranks == [("done by 0", "the export failed on rank 0."), (None, "the export failed on rank 0.")]
+
+
+# ----------------------------------------------------------------------------- --distributed-timeout-minutes
+def _late_rank_worker(rank, world_size, data_path, save):
+    import torch.distributed as dist
+
+    from zoo.training.loop import TrainingLoop
+    from zoo.training.pretrain import pretrain
+
+    real_step = TrainingLoop.train_step
+
+    def rank_1_stalls(self, state):
+        if state.iteration == 1 and dist.get_rank() == 1:
+            time.sleep(30)
+        return real_step(self, state)
+
+    TrainingLoop.train_step = rank_1_stalls
+    try:
+        pretrain(run_config(data_path, save, 1, 1, 2, train_iters=3, distributed_timeout_minutes=0.05))
+    finally:
+        TrainingLoop.train_step = real_step
+
+
+def test_a_rank_that_never_arrives_ends_the_job_with_a_sentence(corpus_prefix, tmp_path):  # noqa: F811
+    """Rank 1 stalls; rank 0 gives up after --distributed-timeout-minutes (3 s) at the next iteration's
+    agreement, saying so, instead of waiting forever."""
+    import pytest
+
+    with pytest.raises(AssertionError, match=r"(?s)rank 0 failed:.*RuntimeError: rank 0 waited longer than "
+                                             r"--distributed-timeout-minutes 0.05 for the other ranks after "
+                                             r"iteration 1: a rank did not arrive") as failed:
+        spawn(_late_rank_worker, 2, corpus_prefix, str(tmp_path / "run"), timeout=25)
+    assert "rank 1 failed" not in str(failed.value)

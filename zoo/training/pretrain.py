@@ -324,6 +324,11 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     loop = TrainingLoop(engine, ps, plugins, stop=stop, progress_desc="pretrain", is_writer=is_writer)
     try:
         state = loop.run(state)
+    except RuntimeError as err:   # gloo's timeouts are RuntimeErrors, NCCL's DistBackendErrors (a subclass)
+        converted = timeout_error(err, config, state)
+        if converted is err:
+            raise
+        raise converted from err
     finally:
         data.close()
     if state.stopped_by is not None and is_writer:
@@ -334,6 +339,17 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
         print_summary(run_dir, state.iteration, state.last_event, validation.get("loss"), data, config, shape)
     logger.close()
     return {**state.last_event, "val_loss": validation.get("loss"), "stopped_by": state.stopped_by}
+
+
+def timeout_error(err: Exception, config: RunConfig, state: LoopState) -> Exception:
+    """A collective that timed out, said as what happened: another rank did not arrive in time."""
+    if "timed out" not in str(err).lower():
+        return err
+    limit = (f"--distributed-timeout-minutes {config.distributed_timeout_minutes:g}"
+             if config.distributed_timeout_minutes else "the default process-group timeout")
+    return RuntimeError(f"rank {dist.get_rank()} waited longer than {limit} for the other ranks after iteration "
+                        f"{state.iteration}: a rank did not arrive (it hangs or died; its own output says which), so "
+                        "the job ends here instead of hanging.")
 
 
 def print_summary(run_dir: Path, iteration: int, last: dict[str, Any], val_loss: float | None,
