@@ -216,6 +216,11 @@ def test_cli_errors_are_one_sentence_and_exit_2(tiny_bert_dir, tmp_path, capsys)
         main("race", finetune_args("race", tiny_bert_dir, tmp_path / "x") + ["--data-dir", str(tmp_path)])
     assert exit_.value.code == 2
     assert "no RACE split found in" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_:
+        main("qqp", finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--tensor-parallel-size", "4")
+             + ["--max-seq-length", "30", "--sequence-parallel"])
+    assert exit_.value.code == 2
+    assert "--sequence-parallel splits --max-seq-length 30 over tp=4" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()
 
 

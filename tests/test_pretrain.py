@@ -462,3 +462,55 @@ def test_pretrained_bert_takes_its_layer_order_from_the_directory(tmp_path):
     with pytest.raises(ValueError, match=r"holds post-norm .* but pre_norm=True was requested") as err:
         pretrained_model(str(tmp_path / "encoder"), bert_config("bert-tiny"), "bert-tiny", {"pre_norm": True}, None)
     assert "\n" not in str(err.value)
+
+
+# ----------------------------------------------------------------------------- sequence parallelism, recomputation
+def _sp_worker(rank, world_size, data_path, root):
+    import torch.distributed as dist
+
+    from zoo.training.pretrain import pretrain
+
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    reduce_scatter, calls = getattr(dist, name), []
+
+    def counting(*args, **kwargs):   # sequence parallelism's reduce-scatters (the plain run has none)
+        calls.append(1)
+        return reduce_scatter(*args, **kwargs)
+
+    setattr(dist, name, counting)
+    counts = {}
+    for run, changes in {"plain": {}, "sp": {"sequence_parallel": True},
+                         "sp_selective": {"sequence_parallel": True, "recompute_granularity": "selective"},
+                         "full": {"recompute_granularity": "full"}}.items():
+        calls.clear()
+        pretrain(run_config(data_path, f"{root}/{run}", 2, 2, 4, train_iters=3, model_overrides=NO_DROPOUT,
+                            **changes))
+        counts[run] = len(calls)
+    setattr(dist, name, reduce_scatter)
+    if rank == 0:
+        with open(f"{root}/reduce_scatters.json", "w") as handle:
+            json.dump(counts, handle)
+
+
+def test_sequence_parallel_and_recompute_flags_train_like_the_plain_run(corpus_prefix, tmp_path):
+    """--sequence-parallel and --recompute-granularity reach the model through pretrain() at tp=2 and change
+    nothing but memory: losses and grad norms equal the plain run (fp32, dropout off; 1e-5 relative)."""
+    spawn(_sp_worker, 2, corpus_prefix, str(tmp_path))
+    reduce_scatters = json.loads((tmp_path / "reduce_scatters.json").read_text())
+    assert reduce_scatters["plain"] == reduce_scatters["full"] == 0 < reduce_scatters["sp"], reduce_scatters
+    plain = train_events(tmp_path / "plain")
+    assert [e["iteration"] for e in plain] == [1, 2, 3]
+    for name in ("sp", "sp_selective", "full"):
+        for a, b in zip(plain, train_events(tmp_path / name)):
+            for key in ("loss", "grad_norm"):
+                assert abs(a[key] - b[key]) <= 1e-5 * abs(a[key]), (name, key, a[key], b[key])
+
+
+def test_sequence_parallel_and_recompute_settings_are_checked():
+    with pytest.raises(ValueError, match="seq_length 30 over tp=4"):
+        run_config("unused", "runs/x", 4, 1, 4, train_iters=1, seq_length=30, sequence_parallel=True)
+    with pytest.raises(ValueError, match="recompute_granularity 'some'"):
+        run_config("unused", "runs/x", 1, 1, 4, train_iters=1, recompute_granularity="some")
+    with pytest.raises(ValueError, match="contradicts recompute_granularity 'selective'"):
+        run_config("unused", "runs/x", 1, 1, 4, train_iters=1, checkpoint_activations=True,
+                   recompute_granularity="selective")

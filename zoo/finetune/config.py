@@ -16,7 +16,7 @@ from typing import Any
 
 # The paper's Table 6 grid uses these defaults' neighbourhood; a single run gets sensible ones.
 DEFAULT_MAX_SEQ_LENGTH = {"mnli": 128, "qqp": 128, "race": 512, "squad": 384}
-FINETUNE_ZOO_KEYS = {"tensor_parallel_size", "lr", "save"}   # what a finetune ds_config's zoo block may set
+FINETUNE_ZOO_KEYS = {"tensor_parallel_size", "lr", "save", "sequence_parallel"}   # what a finetune ds_config's zoo block may set
 
 
 @dataclass
@@ -41,6 +41,7 @@ class FinetuneConfig:
     max_query_length: int = 64
     squad_version: str | None = None
     dropout: float | None = None
+    sequence_parallel: bool = False
     wandb_project: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -77,6 +78,8 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     parser.add_argument("--squad-version", choices=("1.1", "2.0"), default=None,
                         help="SQuAD: which files to read when --data-dir holds both")
     parser.add_argument("--dropout", type=float, default=None, help="override hidden/attention dropout")
+    parser.add_argument("--sequence-parallel", action="store_true", default=None,
+                        help="sequence parallelism (Korthikanti et al. 2022); --max-seq-length must divide by tp")
     parser.add_argument("--wandb-project", default=None, help="log to W&B (WANDB_MODE=offline works)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     deepspeed.add_config_arguments(parser)
@@ -104,7 +107,9 @@ def parse_args(task: str, argv=None) -> FinetuneConfig:
                               else zoo_block.get("tensor_parallel_size")),
         warmup=args.warmup, weight_decay=args.weight_decay, eval_batch_size=args.eval_batch_size,
         log_interval=args.log_interval, doc_stride=args.doc_stride, max_query_length=args.max_query_length,
-        squad_version=args.squad_version, dropout=args.dropout, wandb_project=args.wandb_project)
+        squad_version=args.squad_version, dropout=args.dropout, wandb_project=args.wandb_project,
+        sequence_parallel=bool(args.sequence_parallel if args.sequence_parallel is not None
+                               else zoo_block.get("sequence_parallel", False)))
     return validate(config)
 
 
@@ -121,6 +126,10 @@ def validate(config: FinetuneConfig) -> FinetuneConfig:
         (0 <= config.warmup < 1, f"--warmup {config.warmup} is a fraction of the steps; pass a value in [0, 1)."),
         (config.eval_batch_size > 0, f"--eval-batch-size {config.eval_batch_size} must be positive; pass e.g. 32."),
         (config.log_interval > 0, f"--log-interval {config.log_interval} must be positive; pass e.g. 10."),
+        (not config.sequence_parallel or not config.tensor_parallel_size
+         or config.max_seq_length % config.tensor_parallel_size == 0,
+         f"--sequence-parallel splits --max-seq-length {config.max_seq_length} over tp={config.tensor_parallel_size} "
+         f"ranks, which does not divide it; pass a multiple of {config.tensor_parallel_size}."),
     ]
     for ok, message in checks:
         if not ok:

@@ -121,9 +121,9 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     ps = join(config.tensor_parallel_size, config.seed)
     is_writer = dist.get_rank() == 0
 
-    overrides = {}
+    overrides = {"sequence_parallel": True} if config.sequence_parallel else {}
     if config.dropout is not None:
-        overrides = dict(hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.dropout,
+        overrides.update(hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.dropout,
                          extra={**model_config.extra, "classifier_dropout": config.dropout})
     model = task.model_class.from_pretrained(config.pretrained, parallel=ps, head_seed=config.seed,
                                              **({"labels": list(task.labels)} if task.labels else {}), **overrides)

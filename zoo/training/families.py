@@ -9,10 +9,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from zoo.models.config import BertConfig, GPT2Config
+from zoo.models.config import ZOO_RUN_FIELDS, BertConfig, GPT2Config
 from zoo.models.families import family_of, family_of_model_type
 
-ZOO_ONLY_FIELDS = ("activation_checkpointing", "make_vocab_size_divisible_by")
 
 
 def pretrained_model(directory: str, run_config: GPT2Config | BertConfig, preset: str,
@@ -35,15 +34,16 @@ def pretrained_model(directory: str, run_config: GPT2Config | BertConfig, preset
                          f"{preset!r} builds {run_config.model_type!r}; pass a --model preset of the directory's "
                          "family or another directory.")
     for key, value in overrides.items():
-        if "drop" in key or key in ZOO_ONLY_FIELDS or key == "pre_norm" or key not in values or values[key] == value:
+        if "drop" in key or key in ZOO_RUN_FIELDS or key == "pre_norm" or key not in values or values[key] == value:
             continue
         raise ValueError(f"model_overrides {key}={value!r} disagrees with {directory}/config.json ({key}="
                          f"{values[key]!r}); drop the override, since --pretrained takes the model's shape from the "
                          "directory.")
     # The layer order of a BERT comes from the directory too ("bert" post-norm, "megatron-bert" pre-norm);
     # an explicit pre_norm override is kept so that a contradicting one is refused by the loader.
-    kept = {k: v for k, v in overrides.items() if "drop" in k or k in ZOO_ONLY_FIELDS or k == "pre_norm"}
-    kept["activation_checkpointing"] = run_config.activation_checkpointing
+    kept = {k: v for k, v in overrides.items() if "drop" in k or k in ZOO_RUN_FIELDS or k == "pre_norm"}
+    kept.update({name: getattr(run_config, name)
+                 for name in ("activation_checkpointing", "sequence_parallel", "recompute_granularity")})
     return family.pretraining_model.from_pretrained(directory, parallel=parallel, **kept)
 
 

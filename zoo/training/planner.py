@@ -294,11 +294,10 @@ def model_config_of(config: RunConfig):
     from zoo.models import model_config
     from zoo.models.hf_io import read_config_json
 
-    built = model_config(config.model, activation_checkpointing=config.checkpoint_activations,
-                         **config.model_overrides)
+    built = model_config(config.model, **{**config.model_run_fields(), **config.model_overrides})
     if config.pretrained:
         built = type(built).from_dict(read_config_json(config.pretrained))
-        built = built.replace(activation_checkpointing=config.checkpoint_activations)
+        built = built.replace(**config.model_run_fields())
     return built.validate(config.tensor_parallel_size)
 
 

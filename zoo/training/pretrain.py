@@ -180,8 +180,7 @@ def build_pretraining_model(config: RunConfig, ps):
     """(model, model config, shape) of the run: ``--pretrained`` weights or the family's random init."""
     from zoo.models import model_config as build_model_config
 
-    model_config = build_model_config(config.model, activation_checkpointing=config.checkpoint_activations,
-                                      **config.model_overrides)
+    model_config = build_model_config(config.model, **{**config.model_run_fields(), **config.model_overrides})
     model = None
     if config.pretrained:  # the weights (and the shapes) of a transformers-layout directory, this rank's slices
         model = pretrained_model(config.pretrained, model_config, config.model, config.model_overrides, ps)
@@ -242,7 +241,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     is_writer = dist.get_rank() == 0
     if is_writer and clipped_warmup_warning(config):
         print(f"warning: {clipped_warmup_warning(config)}", file=sys.stderr)
-    if config.checkpoint_activations:
+    if config.recompute:   # full or selective: DeepSpeed's checkpointing restores the TP RNG on recompute
         deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
     weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.01)
     engine = setup_engine(model, ds_config, ps, weight_decay, refresh_masters=bool(config.pretrained))
@@ -264,7 +263,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
         _truncate_metrics_after(logger.path, state.iteration)
 
     flops = megatron_flops_per_iteration(global_batch, config.seq_length, shape.layers, shape.hidden, shape.vocab,
-                                         recompute=config.checkpoint_activations)
+                                         recompute=config.recompute == "full")
     validation: dict[str, float] = {}
     stop = StopConditions(exit_interval=config.exit_interval, exit_duration_minutes=config.exit_duration_in_mins,
                           handle_signals=config.exit_signal_handler, group=host, started=started)

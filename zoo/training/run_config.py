@@ -58,7 +58,9 @@ class RunConfig:
     eval_interval: int = 1000
     eval_iters: int = 10
     save_interval: int = 0
-    checkpoint_activations: bool = False
+    checkpoint_activations: bool = False   # full recomputation (Megatron's older flag for --recompute-granularity full)
+    recompute_granularity: str | None = None   # "full" (every layer) or "selective" (the attention core)
+    sequence_parallel: bool = False  # Korthikanti et al. 2022: LayerNorm/dropout/residual split along the sequence
     wandb_project: str | None = None
     model_overrides: dict[str, Any] = field(default_factory=dict)   # e.g. {"resid_pdrop": 0.0}
     data_workers: int = 2            # DataLoader worker processes per rank (0: read batches in the training process)
@@ -68,6 +70,16 @@ class RunConfig:
     distributed_timeout_minutes: float | None = None   # every collective's timeout (DeepSpeed's default: 10)
     ds_config: dict[str, Any] = field(default_factory=dict, repr=False)
     ds_config_path: str | None = None
+
+    @property
+    def recompute(self) -> str | None:
+        """The activation recomputation: "full", "selective" or None."""
+        return "full" if self.checkpoint_activations else self.recompute_granularity
+
+    def model_run_fields(self) -> dict[str, Any]:
+        """The model-config keywords of the run's recomputation and sequence parallelism."""
+        return {"activation_checkpointing": self.recompute == "full", "sequence_parallel": self.sequence_parallel,
+                "recompute_granularity": "selective" if self.recompute == "selective" else None}
 
     @property
     def dtype_name(self) -> str:
@@ -94,6 +106,7 @@ CLI_FLAGS = {  # flag -> (RunConfig field, type)
     "--eval-iters": ("eval_iters", int),
     "--save-interval": ("save_interval", int),
     "--wandb-project": ("wandb_project", str),
+    "--recompute-granularity": ("recompute_granularity", str),
     "--data-workers": ("data_workers", int),
     "--exit-interval": ("exit_interval", int),
     "--exit-duration-in-mins": ("exit_duration_in_mins", float),
@@ -110,6 +123,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
                             help=f"overrides zoo.{name} of the ds_config")
     parser.add_argument("--checkpoint-activations", dest="checkpoint_activations", action="store_true",
                         default=None, help="recompute each layer in backward (DeepSpeed activation checkpointing)")
+    parser.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=None,
+                        help="sequence parallelism (Korthikanti et al. 2022): LayerNorm, dropout and residuals on "
+                             "seq_length / tp tokens per rank; seq_length must divide by tp")
     parser.add_argument("--exit-signal-handler", dest="exit_signal_handler", action=argparse.BooleanOptionalAction,
                         default=None, help="on SIGTERM or SIGUSR1 every rank stops at the next iteration with a "
                                            "checkpoint and exits 0 (default on; --no-exit-signal-handler: off)")
@@ -170,6 +186,16 @@ def validate_static(config: RunConfig) -> RunConfig:
         if getattr(config, name) is not None and not getattr(config, name) > 0:
             raise ValueError(f"{name} = {getattr(config, name)} must be a positive number of minutes; fix the zoo "
                              "block or the flag.")
+    if config.recompute_granularity not in (None, "full", "selective"):
+        raise ValueError(f"recompute_granularity {config.recompute_granularity!r} is not 'full' or 'selective'; pass "
+                         "--recompute-granularity full (every layer) or selective (the attention core).")
+    if config.checkpoint_activations and config.recompute_granularity == "selective":
+        raise ValueError("checkpoint_activations (full recomputation) contradicts recompute_granularity 'selective'; "
+                         "drop one of them.")
+    if config.sequence_parallel and config.seq_length % config.tensor_parallel_size:
+        raise ValueError(f"sequence parallelism splits seq_length {config.seq_length} over tp="
+                         f"{config.tensor_parallel_size} ranks, which does not divide it; pass a --seq-length that "
+                         f"is a multiple of {config.tensor_parallel_size}.")
     if not config.save:
         raise ValueError(f"save is {config.save!r} in the zoo block of {config.ds_config_path}; pass --save with the run "
                          "directory that receives the metrics, the plot and the checkpoints.")
