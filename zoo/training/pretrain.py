@@ -176,8 +176,21 @@ def validation_means(engine, data: PretrainingData, config: RunConfig, ps) -> di
     return means_over_dp(sums, config.eval_iters, ps, engine.device)
 
 
-def build_pretraining_model(config: RunConfig, ps):
-    """(model, model config, shape) of the run: ``--pretrained`` weights or the family's random init."""
+def build_pretraining_model(config: RunConfig, ps, device: torch.device | str | None = None):
+    """(model, model config, shape) of the run: ``--pretrained`` weights or the family's random init.
+
+    A random init is built on ``device`` (by default the engine's accelerator device, set by
+    :func:`zoo.training.loop.join` right after ``init_distributed``) under ``with torch.device(device)``:
+    every parameter is allocated there and each master weight is drawn there, one tensor at a time
+    (:func:`zoo.parallel.layers.init_sharded_` draws a master on the parameter's device, keeps this
+    rank's slice and frees it), so no rank draws or holds the full model on the host.
+
+    The draws come from the device's generator, which :func:`zoo.parallel.model_parallel_seed` seeds
+    with the run's seed on every rank. A GPU init therefore differs from a CPU init of the same seed
+    (CUDA's and the CPU's RNG streams differ), but each is identical across tp: every rank draws the
+    same full masters in the same order and keeps its own slice. On CPU the device is "cpu" and the
+    init is the one a plain ``build_model`` gives.
+    """
     from zoo.models import model_config as build_model_config
 
     model_config = build_model_config(config.model, **{**config.model_run_fields(), **config.model_overrides})
@@ -190,8 +203,16 @@ def build_pretraining_model(config: RunConfig, ps):
         raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
                          f"{shape.max_positions}; pass --seq-length {shape.max_positions} or less.")
     if model is None:
-        model = build_model(model_config, ps)
+        with torch.device(accelerator_device() if device is None else device):
+            model = build_model(model_config, ps)
     return model, model_config, shape
+
+
+def accelerator_device() -> torch.device:
+    """This rank's accelerator device as DeepSpeed names it ("cuda:3", or "cpu" on a CPU run)."""
+    from deepspeed.accelerator import get_accelerator
+
+    return torch.device(get_accelerator().current_device_name())
 
 
 def resume_state(engine, config: RunConfig, ds_config, ps, model, is_writer: bool) -> LoopState:
