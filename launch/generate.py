@@ -1,6 +1,7 @@
 """Text generation from a GPT-2 checkpoint at any tensor-parallel degree (see zoo.inference).
 
     python launch/generate.py --load out/hf --prompt "The capital of France is" --greedy
+    python launch/generate.py --load out/hf --prompt "Hello" --dtype bfloat16     # or: --dtype float32 --tf32
     deepspeed --num_gpus 2 launch/generate.py --load runs/gpt2 --prompt-file prompts.txt \\
         --temperature 0.8 --top-k 50 --top-p 0.95 --max-new-tokens 64 --output out.jsonl
 
@@ -42,6 +43,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
     add_dtype_argument(parser, "float32", "weights and activations of the model")
+    parser.add_argument("--tf32", action="store_true",   # zoo.eval.runner.TF32_HELP (imported late: it loads torch)
+                        help="let float32 matmuls and cuDNN use TF32 tensor cores (Ampere/Hopper GPUs: several times "
+                             "faster, inputs rounded to 10 mantissa bits); off by default, and a no-op on CPU")
     parser.add_argument("--output", default=None, help="also write the completions here as JSONL")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
                         help=argparse.SUPPRESS)     # passed by the deepspeed launcher
@@ -77,11 +81,12 @@ def run(args: argparse.Namespace, texts: list[str], config):
 
     from zoo.data import load_gpt2_tokenizer
     from zoo.distributed import join_process_group, launched_distributed, single_device
-    from zoo.eval.runner import transformers_directory
+    from zoo.eval.runner import set_tf32, transformers_directory
     from zoo.inference import generate_text
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState
 
+    set_tf32(args.tf32)
     device = join_process_group(args.local_rank) if launched_distributed() else single_device()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     ps = ParallelState.initialize(args.tensor_parallel_size or world)

@@ -70,3 +70,39 @@ def test_init_on_the_device_is_identical_across_tp(model):
             assert torch.equal(pieces[0], pieces[1]), f"replicated {name} differs between the tp ranks"
             got = pieces[0]
         assert torch.equal(got, want.detach()), f"init of {name} differs between tp=1 and tp=2"
+
+
+# ------------------------------------------------------------- --tf32 on evaluate and generate (issue 17 item 8)
+@pytest.fixture
+def tf32_flags_restored():
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+def _tf32_flags() -> tuple[bool, bool]:
+    return torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+
+
+def _run_until_load_fails(main, argv: list[str]) -> None:
+    """Run a CLI whose --load does not exist: it sets its math flags, then stops with exit 2."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+
+
+@pytest.mark.parametrize("cli", ["evaluate", "generate"])
+def test_tf32_flag_sets_both_backends_and_is_off_by_default(cli, tmp_path, tf32_flags_restored):
+    import launch.generate
+    import zoo.eval.runner
+
+    data = tmp_path / "wiki.test.tokens"
+    data.write_text(" = Title = \n\n a few words of text . \n")
+    missing = str(tmp_path / "no-such-model")
+    main, argv = ((zoo.eval.runner.main, ["--task", "wikitext", "--data", str(data), "--load", missing])
+                  if cli == "evaluate" else (launch.generate.main, ["--prompt", "Hello", "--load", missing]))
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
+    _run_until_load_fails(main, argv + ["--tf32"])
+    assert _tf32_flags() == (True, True)
+    _run_until_load_fails(main, argv)
+    assert _tf32_flags() == (False, False), "without --tf32 float32 must run in full float32"

@@ -30,6 +30,8 @@ from zoo.eval.wikitext import DEFAULT_OVERLAP
 from zoo.dtypes import add_dtype_argument, torch_dtype
 
 TASKS = ("wikitext", "lambada")
+TF32_HELP = ("let float32 matmuls and cuDNN use TF32 tensor cores (Ampere/Hopper GPUs: several times faster, "
+             "inputs rounded to 10 mantissa bits); off by default, and a no-op on CPU")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -50,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
     add_dtype_argument(parser, "float32", "weights and activations of the model")
+    parser.add_argument("--tf32", action="store_true", help=TF32_HELP)
     parser.add_argument("--out", default=None, help="write the results here as JSON")
     parser.add_argument("--wandb-project", default=None, help="also log the results to this W&B project")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
@@ -68,6 +71,7 @@ def evaluate_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState
 
+    set_tf32(args.tf32)
     data = read_wikitext(args.data, args.split) if args.task == "wikitext" else read_lambada(args.data, args.split)
     device = join_process_group(args.local_rank) if launched_distributed() else single_device()
     ps = ParallelState.initialize(args.tensor_parallel_size)
@@ -82,10 +86,20 @@ def evaluate_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
         result = evaluate_lambada(model, data, tokenizer, strict=args.strict, parallel=ps,
                                   batch_size=args.batch_size, progress=progress)
     results = {**result.to_dict(), "data": str(args.data), "load": str(args.load), "tp": ps.tp_size,
-               "dp": ps.dp_size, "dtype": args.dtype}
+               "dp": ps.dp_size, "dtype": args.dtype, "tf32": args.tf32}
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return results
+
+
+def set_tf32(enabled: bool) -> None:
+    """``--tf32``: TF32 for float32 matmuls (``torch.backends.cuda.matmul.allow_tf32``) and cuDNN
+    (``torch.backends.cudnn.allow_tf32``), or neither: without the flag a float32 evaluation or generation
+    computes in full float32 on a GPU. The flags only steer CUDA kernels, so on CPU nothing changes."""
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
 
 
 def transformers_directory(load: str) -> str:
