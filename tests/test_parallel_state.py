@@ -64,7 +64,31 @@ def _grid_worker(rank, world_size):
         out["tp3_error"] = None
     except ValueError as err:
         out["tp3_error"] = str(err)
+    out["timeouts"] = _group_timeout_outcomes(rank)
     return out
+
+
+def _group_timeout_outcomes(rank):
+    """At tp = 2 with a 1 s timeout, rank 0 all-reduces over its TP group {0, 1} and rank 3 over its DP group
+    {1, 3} while their peers never come: each gives up after the timeout (torch's default would be 30 minutes
+    on gloo). Last in the worker: the groups whose collectives timed out are not used again."""
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(2, timeout=timedelta(seconds=1))
+    lonely = {0: ps.tp_group, 3: ps.dp_group}.get(rank)
+    outcome = None
+    if lonely is not None:
+        try:
+            dist.all_reduce(torch.ones(1), group=lonely)
+            outcome = "arrived"
+        except RuntimeError as err:
+            outcome = str(err)
+    dist.barrier()   # on the world group: the peers stay connected until the lonely ranks gave up
+    return {"timeout_s": ps.timeout.total_seconds(), "outcome": outcome}
 
 
 @pytest.fixture(scope="module")
@@ -112,6 +136,16 @@ def test_tp_not_dividing_world_is_refused(grid_results):
         message = results["tp3_error"]
         assert message is not None, f"rank {rank}: initialize(3) at world 4 did not raise ValueError"
         assert "3" in message and "4" in message, f"message does not name tp=3 and world=4: {message}"
+
+
+def test_tp_and_dp_groups_take_the_timeout(grid_results):
+    """initialize(tp, timeout) gives the TP and DP groups that timeout (--distributed-timeout-minutes), not
+    torch's default: a lonely all-reduce over either ends after 1 s instead of hanging."""
+    outcomes = [results["timeouts"] for results in grid_results]
+    assert all(o["timeout_s"] == 1.0 for o in outcomes), outcomes
+    assert [o["outcome"] is None for o in outcomes] == [False, True, True, False], outcomes
+    for rank in (0, 3):
+        assert "timed out" in outcomes[rank]["outcome"].lower(), f"rank {rank}: {outcomes[rank]['outcome']}"
 
 
 # ---------------------------------------------------------------- plain pytest process (no torch.distributed)

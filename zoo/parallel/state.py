@@ -17,6 +17,7 @@ gradient clipping and activation checkpointing query. It deliberately has no
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
@@ -40,13 +41,17 @@ class ParallelState:
     dp_group: Any
     world_size: int
     rank: int
+    timeout: timedelta | None = None   # of the TP and DP groups (torch's backend default when None)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def initialize(cls, tp_size: int) -> "ParallelState":
+    def initialize(cls, tp_size: int, timeout: timedelta | None = None) -> "ParallelState":
         """Build the grid for tensor-parallel size ``tp_size`` over the whole world.
 
-        Collective: every rank must call it, in the same order as any other ``new_group`` call.
+        ``timeout`` bounds every collective of the TP and DP groups (``--distributed-timeout-minutes``);
+        None leaves torch's default for the backend (30 minutes on gloo, 10 on NCCL), whatever the
+        world group was given. Collective: every rank must call it, in the same order as any other
+        ``new_group`` call.
         """
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tensor-parallel size {tp_size!r} is invalid; pass a positive integer.")
@@ -65,15 +70,16 @@ class ParallelState:
 
         tp_group = None
         dp_group = None
+        timeout_kwargs = {} if timeout is None else {"timeout": timeout}
         # new_group is collective over the whole world: every rank creates every group.
         for first in range(0, world_size, tp_size):
             ranks = list(range(first, first + tp_size))
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, **timeout_kwargs)
             if rank in ranks:
                 tp_group = group
         for offset in range(tp_size):
             ranks = list(range(offset, world_size, tp_size))
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, **timeout_kwargs)
             if rank in ranks:
                 dp_group = group
 
@@ -86,6 +92,7 @@ class ParallelState:
             dp_group=dp_group,
             world_size=world_size,
             rank=rank,
+            timeout=timeout,
         )
 
     @classmethod
