@@ -53,7 +53,7 @@ def feature_matrix(dataset, count: int) -> tuple[torch.Tensor, torch.Tensor]:
 
     rows, cols, labels = [], [], []
     for i in tqdm(range(count), desc=f"features ({dataset.which})", leave=False):
-        a, b, swapped = dataset.segments(i, dataset.sample_rng(i))
+        a, b, swapped = dataset.segments(i)
         features = sorted(pair_features(a, b))
         rows += [i] * len(features)
         cols += features

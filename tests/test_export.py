@@ -254,7 +254,8 @@ def write_tp_checkpoint(root: Path, tp: int, dtype: torch.dtype, tag: str = "ite
         torch.manual_seed(99)
         model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **FAKE_MODEL), parallel=layout_state(tp, rank)).to(dtype)
         states = {"module": model.state_dict(), "optimizer": None, "mp_world_size": tp, "ds_version": "0.19",
-                  "iteration": 7, "zoo_model": "gpt2-tiny", "tensor_parallel_size": tp}
+                  "iteration": 7, "zoo_model": "gpt2-tiny", "tensor_parallel_size": tp,
+                  "model_config": model.hf_config_dict()}
         states.update(client or {})
         torch.save(states, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
     (root / "checkpoints" / "latest").write_text(tag)
@@ -280,7 +281,7 @@ def test_tp4_checkpoint_exports_the_tp1_weights(tmp_path, dtype):
 
     write_tp_checkpoint(tmp_path / "run", 4, dtype)
     result = export_checkpoint(tmp_path / "run", tmp_path / "hf", max_shard_size=1_000_000)
-    assert result.tp_size == 4 and result.dtype == dtype and "preset 'gpt2-tiny'" in result.config_source
+    assert result.tp_size == 4 and result.dtype == dtype and "model_config" in result.config_source
     config = json.loads((tmp_path / "hf" / "config.json").read_text())
     assert (config["n_layer"], config["n_embd"], config["n_positions"], config["vocab_size"]) == (2, 64, 32, 50257)
     assert config["torch_dtype"] == str(dtype).replace("torch.", "")

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from zoo.models.config import BertConfig, GPT2Config
-from zoo.models.families import build_model, family_of, param_groups
+from zoo.models.families import build_model, family_of, family_of_model_type, param_groups
 from zoo.parallel.state import ParallelState
 
 ModelConfig = GPT2Config | BertConfig
@@ -59,62 +59,23 @@ def checked_layout_model(config: ModelConfig, tp_size: int, path: Path | str) ->
 
 
 def recover_config(states: dict[str, Any], tp_size: int, path: Path) -> tuple[ModelConfig, str]:
-    """The model config of a checkpoint and where it came from.
-
-    zoo's pretrain stores the full config (``model_config``, transformers' field names, with its
-    ``model_type``). For older checkpoints without it, start from the ``zoo_model`` preset; for GPT-2
-    read every size the shapes reveal (n_layer, n_embd, n_positions, n_inner; n_head is not visible
-    in the shapes and stays the preset's).
-    """
-    from zoo.models.presets import model_config
-
-    module = states["module"]
+    """The model config a checkpoint records (``model_config``: transformers' field names with its
+    ``model_type``, which zoo's pretraining stores) and where it came from."""
     recorded = states.get("model_config")
-    if isinstance(recorded, dict):
-        config = config_from_dict(recorded, states.get("zoo_model"), path)
-        source = "client_state['model_config']"
-    else:
-        try:
-            config = model_config(states["zoo_model"])
-        except ValueError:
-            raise ValueError(f"{path} names model preset {states['zoo_model']!r}, which zoo does not know, and "
-                             "stores no model_config; use the zoo version that trained it.") from None
-        source = f"preset {states['zoo_model']!r}"
-        if isinstance(config, GPT2Config):
-            config = _gpt2_sizes_from_shapes(config, module, tp_size, path)
-            source += " with n_layer/n_embd/n_positions/n_inner read from the weight shapes"
-    return _match_vocab_padding(config, module, tp_size, path), source
+    if not isinstance(recorded, dict):
+        raise ValueError(f"{path} records no model_config, so its model cannot be rebuilt; it was not written by "
+                         "zoo's pretraining (launch/pretrain.py), which records it in every checkpoint.")
+    config = config_from_dict(recorded, path)
+    return _match_vocab_padding(config, states["module"], tp_size, path), "client_state['model_config']"
 
 
-def config_from_dict(values: dict[str, Any], preset: str | None, path: Path) -> ModelConfig:
+def config_from_dict(values: dict[str, Any], path: Path) -> ModelConfig:
     """A recorded transformers-style config dict: its ``model_type`` picks the family."""
-    model_type = values.get("model_type")
-    if model_type in ("bert", "megatron-bert"):
-        return BertConfig.from_dict(values)
-    if model_type == "gpt2":
-        return GPT2Config.from_dict(values)
-    if model_type is None and preset is not None:   # an older zoo client state: the preset's family decides
-        from zoo.models.presets import model_config
-
-        family = type(model_config(preset))
-        return family.from_dict({**values, "model_type": "megatron-bert"}) if family is BertConfig \
-            else GPT2Config.from_dict(values)
-    raise ValueError(f"{path} records model_type {model_type!r}, which is neither 'gpt2', 'bert' nor "
-                     "'megatron-bert'; it is not a checkpoint of a zoo model.")
-
-
-def _gpt2_sizes_from_shapes(config: GPT2Config, module: dict[str, torch.Tensor], tp_size: int,
-                            path: Path) -> GPT2Config:
-    try:
-        n_positions, n_embd = module["transformer.wpe.weight"].shape
-        n_layer = len({k.split(".")[2] for k in module if k.startswith("transformer.h.")})
-        ffn = module["transformer.h.0.mlp.c_fc.weight"].shape[0] * tp_size
-    except (KeyError, ValueError):
-        raise ValueError(f"{path} lacks zoo GPT-2 parameters such as transformer.wpe.weight; it is not a zoo GPT-2 "
-                         "checkpoint.") from None
-    return config.replace(n_positions=n_positions, n_embd=n_embd, n_layer=n_layer,
-                          n_inner=None if ffn == 4 * n_embd else ffn)
-
+    family = family_of_model_type(values.get("model_type"))
+    if family is None:
+        raise ValueError(f"{path} records model_type {values.get('model_type')!r}, which is neither 'gpt2', 'bert' "
+                         "nor 'megatron-bert'; it is not a checkpoint of a zoo model.")
+    return family.config_class.from_dict(values)
 
 def _match_vocab_padding(config: ModelConfig, module: dict[str, torch.Tensor], tp_size: int,
                          path: Path) -> ModelConfig:

@@ -394,8 +394,10 @@ class BertDataset(torch.utils.data.Dataset):
         first, end, target = self._spans[i]
         return int(first), int(end), int(target)
 
-    def segments(self, i: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int]:
-        """Segments A and B of sample ``i`` (truncated, before masking) and the sentence-order label."""
+    def segments(self, i: int, rng: np.random.Generator | None = None) -> tuple[np.ndarray, np.ndarray, int]:
+        """Segments A and B of sample ``i`` (truncated, before masking) and the sentence-order label, drawn
+        from ``rng`` (by default a fresh copy of the sample's own generator, so equal to what training sees)."""
+        rng = self._sample_rng(i) if rng is None else rng
         first, end, target = self.sample_span(i)
         sentences = [np.asarray(self.indexed.get(s), dtype=np.int64) for s in range(first, end)]
         sizes = np.array([len(s) for s in sentences])
@@ -410,13 +412,13 @@ class BertDataset(torch.utils.data.Dataset):
         a, b = truncate_pair(a, b, target, rng)
         return a, b, swapped
 
-    def sample_rng(self, i: int) -> np.random.Generator:
+    def _sample_rng(self, i: int) -> np.random.Generator:
         """The generator of sample ``i``'s draws (split point, swap, truncation, masking), in that order."""
         return np.random.default_rng((self.seed, self._split_id, _SAMPLE_STREAM, int(i)))
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         i = int(i)
-        rng = self.sample_rng(i)
+        rng = self._sample_rng(i)
         a, b, swapped = self.segments(i, rng)
         v, n = self.vocab, self.max_seq_length
         length = len(a) + len(b) + 3

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+from zoo.parallel.utils import real_vocab_columns
 
 
 def vocab_parallel_argmax(local_logits: torch.Tensor, parallel: ParallelState | None,
@@ -26,7 +27,7 @@ def vocab_parallel_argmax(local_logits: torch.Tensor, parallel: ParallelState | 
     """
     local_vocab = local_logits.shape[-1]
     start = tp_rank_of(parallel) * local_vocab
-    real = local_vocab if vocab_size is None else min(max(vocab_size - start, 0), local_vocab)
+    real = real_vocab_columns(local_vocab, tp_rank_of(parallel), vocab_size)
     shape = local_logits.shape[:-1]
     never = torch.iinfo(torch.int64).max
     if real > 0:

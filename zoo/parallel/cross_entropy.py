@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+from zoo.parallel.utils import real_vocab_columns
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -32,7 +33,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         start = tp_rank_of(parallel) * local_vocab
         end = start + local_vocab
 
-        real = local_vocab if vocab_size is None else min(max(vocab_size - start, 0), local_vocab)
+        real = real_vocab_columns(local_vocab, tp_rank_of(parallel), vocab_size)
         z = logits.float()                                               # (..., V/p), fp32 view or copy
         if real > 0:
             z_max = z[..., :real].max(dim=-1).values                     # (...) padded columns excluded

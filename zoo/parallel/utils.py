@@ -32,6 +32,14 @@ def vocab_range(padded_vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int
     return tp_rank * per_rank, (tp_rank + 1) * per_rank
 
 
+def real_vocab_columns(local_vocab: int, tp_rank: int, vocab_size: int | None) -> int:
+    """How many of a vocab shard's ``local_vocab`` columns are real tokens (ids < ``vocab_size``, the
+    unpadded vocabulary; None: all): the rest is padding, kept out of every softmax and arg-max."""
+    if vocab_size is None:
+        return local_vocab
+    return min(max(vocab_size - tp_rank * local_vocab, 0), local_vocab)
+
+
 def shard_index(size: int, dim_rank: int, tp_size: int, stride: int = 1) -> list[tuple[int, int]]:
     """Ranges of a master dimension of length ``size`` that belong to ``dim_rank``.
 
