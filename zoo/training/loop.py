@@ -11,7 +11,11 @@ The skeleton owns what both jobs share, each step a small function:
 * :meth:`TrainingLoop.maybe_evaluate`, :meth:`TrainingLoop.maybe_save`;
 * :class:`StopConditions`: ``--exit-interval``, ``--exit-duration-in-mins`` and SIGTERM/SIGUSR1, agreed
   by all ranks at each iteration boundary with one all-reduce of two host flags on a gloo group (no
-  accelerator synchronisation).
+  accelerator synchronisation);
+* a collective of an iteration that fails because a peer never came (``--distributed-timeout-minutes``)
+  or went away ends the run with one sentence naming the ranks that did not arrive
+  (:func:`zoo.distributed.ranks_that_did_not_arrive`, a roll call through the store that costs nothing
+  until something failed).
 
 What a model family or a finetuning task adds plugs in through :class:`LoopPlugins`: the micro-batches
 of an iteration, the forward and its metrics, the log event, evaluation and the save payload. The
@@ -24,6 +28,7 @@ import os
 import signal
 import sys
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable
@@ -41,13 +46,18 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
     """Join the launcher's process group, set this rank's accelerator device right away (before the
     TP RNG tracker is seeded on it), share the CPU cores, build the tp x dp grid and seed it.
 
-    ``tensor_parallel_size`` None means the whole world. Returns the ParallelState."""
+    ``tensor_parallel_size`` None means the whole world. ``timeout_minutes``
+    (``--distributed-timeout-minutes``) bounds every collective of the world, TP and DP groups; None is
+    DeepSpeed's default (10 minutes, or ``$DEEPSPEED_TIMEOUT``) for all three. Returns the ParallelState,
+    whose ``timeout`` the loop's roll call waits."""
+    from deepspeed.constants import default_pg_timeout
+
     from zoo.distributed import join_process_group
     from zoo.parallel import ParallelState, model_parallel_seed
 
     timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     join_process_group(int(os.environ.get("LOCAL_RANK", 0)), timeout=timeout)
-    ps = ParallelState.initialize(tensor_parallel_size or dist.get_world_size())
+    ps = ParallelState.initialize(tensor_parallel_size or dist.get_world_size(), timeout=timeout or default_pg_timeout)
     model_parallel_seed(seed, ps)
     return ps
 
@@ -292,6 +302,9 @@ class TrainingLoop:
     def run(self, state: LoopState) -> LoopState:
         from tqdm import tqdm
 
+        from zoo.distributed import loop_run_number
+
+        run_number = loop_run_number()
         self.progress = tqdm(total=self.plugins.total_iterations, initial=state.iteration,
                              disable=not self.is_writer, desc=self.progress_desc, unit="it", dynamic_ncols=True,
                              file=sys.stdout)
@@ -300,7 +313,8 @@ class TrainingLoop:
         try:
             while state.iteration < self.plugins.total_iterations and state.stopped_by is None:
                 start = time.perf_counter()
-                sums, micro_steps = self.train_step(state)
+                with self.late_ranks_named(run_number, f"iteration {state.iteration + 1}"):
+                    sums, micro_steps = self.train_step(state)
                 state.iteration += 1
                 state.consumed_samples += self.plugins.samples_per_iteration
                 seconds = time.perf_counter() - start
@@ -308,16 +322,48 @@ class TrainingLoop:
                 if self.stop is not None:
                     self.stop.slowest_iteration_s = max(self.stop.slowest_iteration_s, seconds)
                 self.progress.update(1)
-                self.check_stop(state)
-                if self.is_log_step(state):
-                    self.log_window(state)
-                self.maybe_evaluate(state)
-                self.maybe_save(state)
+                with self.late_ranks_named(run_number, f"the end of iteration {state.iteration}"):
+                    self.check_stop(state)
+                    if self.is_log_step(state):
+                        self.log_window(state)
+                    self.maybe_evaluate(state)
+                    self.maybe_save(state)
         finally:
             if self.stop is not None:
                 self.stop.uninstall()
             self.progress.close()
         return state
+
+    @contextmanager
+    def late_ranks_named(self, run_number: int | None, point: str):
+        """A collective in the block that failed because a peer never came or went away ends the run with
+        one sentence naming the ranks that did not arrive at ``point`` (after a roll call of at most the
+        process-group timeout); any other error, or a failure every rank answers the roll call after,
+        goes on unchanged."""
+        try:
+            yield
+        except RuntimeError as err:
+            error = self.late_rank_error(err, run_number, point)
+            if error is err:
+                raise
+            raise error from err
+
+    def late_rank_error(self, err: RuntimeError, run_number: int | None, point: str) -> RuntimeError:
+        from deepspeed.constants import default_pg_timeout
+
+        from zoo.distributed import describe_duration, is_collective_failure, ranks_that_did_not_arrive
+
+        if run_number is None or not is_collective_failure(err):
+            return err
+        timeout = getattr(self.ps, "timeout", None) or default_pg_timeout
+        missing = ranks_that_did_not_arrive(f"run{run_number}", timeout)
+        if not missing:
+            return err
+        who = (f"rank {missing[0]}" if len(missing) == 1
+               else "ranks " + ", ".join(str(r) for r in missing[:-1]) + f" and {missing[-1]}")
+        they, logs = ("it", "its log") if len(missing) == 1 else ("they", "their logs")
+        return RuntimeError(f"{who} did not reach {point} within {describe_duration(timeout)} "
+                            f"(--distributed-timeout-minutes); {they} may have died or hung: see {logs}.")
 
     def write(self, line: str) -> None:
         """A line on the writer's stdout that does not break the progress bar."""
