@@ -216,3 +216,29 @@ def test_the_roll_call_names_the_ranks_that_never_answer_on_every_rank():
     """Through the store, not a process group (a gloo group that timed out has closed its connections):
     rank 2 names rank 1 as well as rank 0 does."""
     assert spawn(_roll_call_worker, 3) == [[1], None, [1]]
+
+
+# ----------------------------------------------------------------------------- --load at another tp
+def test_resharding_on_load_is_waited_for_with_a_timeout_sized_from_the_checkpoint(tmp_path, monkeypatch):
+    """Rank 0 reshards a --load checkpoint of another tp while the others wait through run_on_first_rank,
+    told the checkpoint's bytes (a big reshard outlasts the process group's timeout)."""
+    import zoo.training.resume as resume
+    from tests.test_reshard import synthetic_checkpoint
+    from zoo.distributed import directory_bytes
+    from zoo.parallel import ParallelState
+
+    tag_dir = tmp_path / "checkpoints" / "iter_0000005"
+    synthetic_checkpoint(tag_dir, 2, "torch")
+    (tmp_path / "checkpoints" / "latest").write_text("iter_0000005")
+    waits = []
+
+    def first_rank_records(fn, work_bytes, first=None):
+        waits.append(work_bytes)
+        return fn()
+
+    monkeypatch.setattr(resume, "run_on_first_rank", first_rank_records)
+    at_tp4 = ParallelState(tp_size=4, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
+                           world_size=4, rank=0)
+    directory, tag = resume.checkpoint_to_load(tmp_path, at_tp4)
+    assert waits == [directory_bytes(tag_dir)] and waits[0] > 0
+    assert (directory / tag / "mp_rank_03_model_states.pt").is_file()

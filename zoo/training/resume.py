@@ -17,11 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-import torch.distributed as dist
-
 from zoo.checkpoint.files import (checkpoints_root, model_states_path, rank_files_tp, read_model_states,
                                   tag_directory)
-from zoo.distributed import raise_on_any_rank
+from zoo.distributed import directory_bytes, raise_on_any_rank, run_on_first_rank
 
 __all__ = ["checkpoint_to_load", "check_rank_states", "model_config_differences"]
 
@@ -64,8 +62,11 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
     raise_on_any_rank(lambda: check_rank_states(tag_dir, 0, model_config, load))
     new_dp = None if partitions is None else ps.dp_size
     target = resharded_directory(root, tag_dir.name, ps.tp_size, new_dp)
-    raise_on_any_rank(lambda: ensure_resharded(tag_dir, ps.tp_size, target, new_dp) if dist.get_rank() == 0
-                      else None)
+    # Rank 0 reshards while the others wait on a host group whose timeout is sized from the checkpoint's
+    # bytes (zoo.distributed.run_on_first_rank): a checkpoint of a hundred gigabytes takes longer than
+    # the process group's timeout.
+    run_on_first_rank(lambda: ensure_resharded(tag_dir, ps.tp_size, target, new_dp),
+                      work_bytes=directory_bytes(tag_dir))
     raise_on_any_rank(lambda: check_rank_states(target, ps.tp_rank, model_config, load))
     return target.parent, target.name
 
