@@ -242,3 +242,18 @@ def test_resharding_on_load_is_waited_for_with_a_timeout_sized_from_the_checkpoi
     directory, tag = resume.checkpoint_to_load(tmp_path, at_tp4)
     assert waits == [directory_bytes(tag_dir)] and waits[0] > 0
     assert (directory / tag / "mp_rank_03_model_states.pt").is_file()
+
+
+# ----------------------------------------------------------------------------- ds_configs
+def test_every_gpu_config_turns_the_throughput_timer_off():
+    """DeepSpeed's throughput timer synchronises the accelerator every step; every fp16/bf16 config
+    (the GPU ones, ZeRO variants included) turns it off."""
+    import json
+
+    configs = sorted((Path(__file__).resolve().parent.parent / "ds_configs").glob("*.json"))
+    gpu = {path.name: json.loads(path.read_text()) for path in configs}
+    gpu = {name: c for name, c in gpu.items()
+           if c.get("fp16", {}).get("enabled") or c.get("bf16", {}).get("enabled")}
+    assert any(name.endswith("_zero1.json") for name in gpu), sorted(gpu)
+    assert {name: c.get("timers") for name, c in gpu.items()
+            if c.get("timers") != {"throughput": {"enabled": False}}} == {}
