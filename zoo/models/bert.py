@@ -45,7 +45,7 @@ def init_head_params(model: nn.Module, names: list[str], seed: int, std: float,
         elif layer_norms and name.startswith(layer_norms):
             param.fill_(1.0)
         else:
-            values = torch.empty(param.shape, dtype=torch.float32).normal_(0.0, std, generator=generator)
+            values = torch.empty(param.shape, dtype=torch.float32, device="cpu").normal_(0.0, std, generator=generator)
             param.copy_(values.to(device=param.device, dtype=param.dtype))
 
 
