@@ -7,10 +7,16 @@ Prints three tables to stdout (progress goes to stderr); nothing is asserted:
    one torch thread: zoo.models.GPT2LMHeadModel(parallel=None) vs transformers' GPT2LMHeadModel
    with SDPA attention;
 3. zoo at tp=2: two processes with one thread each, gloo on loopback, the same global batch and
-   model, and the strong-scaling efficiency t(tp=1) / (2 * t(tp=2)).
+   model, with sequence parallelism off and on (Korthikanti et al. 2022: the f/g all-reduces become
+   all-gather / reduce-scatter pairs and LayerNorm, dropout and residuals run on s/2 tokens per rank),
+   and the strong-scaling efficiency t(tp=1) / (2 * t(tp=2));
+4. with ``--repeats N`` (N > 1): the tp=1 and tp=2 measurements alternate N times (a fresh pair of
+   tp=2 processes each time) and the efficiency of each round is printed, with its median and range:
+   on a shared machine one round says little.
 
     .venv/bin/python benchmarks/bench_gpt2_step.py            # 6 layers, h=512, s=256, b=8
     .venv/bin/python benchmarks/bench_gpt2_step.py --quick    # tiny shape, a few seconds
+    .venv/bin/python benchmarks/bench_gpt2_step.py --repeats 5 --skip-hf   # scaling, 5 rounds
 """
 
 from __future__ import annotations
@@ -92,13 +98,13 @@ def batch_of(args) -> torch.Tensor:
 
 
 # ---------------------------------------------------------------- the models
-def zoo_model(args, parallel):
+def zoo_model(args, parallel, sequence_parallel: bool = False):
     from zoo.models.config import GPT2Config
     from zoo.models.gpt2 import GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
                         n_layer=args.layers, n_head=args.heads,
-                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+                        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, sequence_parallel=sequence_parallel)
     torch.manual_seed(0)
     return GPT2LMHeadModel(config, parallel=parallel)
 
@@ -122,8 +128,11 @@ def _tp_worker(rank: int, world_size: int, port: int, args, results) -> None:
                             world_size=world_size)
     try:
         parallel = ParallelState.initialize(world_size)
-        step = make_step(zoo_model(args, parallel), batch_of(args))
-        times = time_steps(step, args.steps, args.warmup, sync=dist.barrier)
+        times = {}
+        for sp in (False, True):     # one model at a time: the default shape's AdamW state is large
+            step = make_step(zoo_model(args, parallel, sequence_parallel=sp), batch_of(args))
+            times[sp] = time_steps(step, args.steps, args.warmup, sync=dist.barrier)
+            del step
         activation = torch.randn(args.batch, args.seq, args.hidden)     # what f and g all-reduce
         comm = time_steps(lambda: dist.all_reduce(activation), 10, 2, sync=dist.barrier)
         if rank == 0:
@@ -132,9 +141,10 @@ def _tp_worker(rank: int, world_size: int, port: int, args, results) -> None:
         dist.destroy_process_group()
 
 
-def time_zoo_tp(args, tp: int) -> tuple[list[float], list[float]]:
-    """Step times of zoo at tensor-parallel size ``tp`` (one thread per rank), and times of one
-    all-reduce of a (batch, seq, hidden) fp32 activation over the same group."""
+def time_zoo_tp(args, tp: int) -> tuple[dict[bool, list[float]], list[float]]:
+    """Step times of zoo at tensor-parallel size ``tp`` (one thread per rank), {sequence_parallel:
+    times} for SP off and on, and times of one all-reduce of a (batch, seq, hidden) fp32 activation
+    over the same group."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
@@ -166,9 +176,14 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--steps", type=int, default=7, help="timed steps (median reported)")
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="alternate the tp=1 and tp=2 timings this many times (table 4: per-round efficiency)")
+    parser.add_argument("--skip-hf", action="store_true", help="do not time transformers (table 2: zoo only)")
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke shape: 2 layers, h=128, 4 heads, s=64, b=2, 5 steps, 1 warm-up")
     args = parser.parse_args()
+    if args.repeats < 1:
+        parser.error(f"--repeats {args.repeats} must be at least 1")
     if args.quick:
         args.layers, args.hidden, args.heads, args.seq, args.batch = 2, 128, 4, 64, 2
         args.steps, args.warmup = 5, 1
@@ -198,31 +213,67 @@ def main() -> None:
 
     headers = ["model", "procs x threads", "ms/step", "min ms", "tokens/s", "GFLOP/s", "% of peak"]
     peak_note = "% of peak = achieved GFLOP/s / (threads x measured 1-thread sgemm peak)"
-    log("timing zoo, tp=1 ...")
-    zoo_times = time_steps(make_step(zoo_model(args, None), batch_of(args)), args.steps, args.warmup)
+    rounds = []     # (tp=1 times, {sp: tp=2 times}, all-reduce times), tp=1 and tp=2 alternating
+    for r in range(args.repeats):
+        log(f"round {r + 1}/{args.repeats}: timing zoo, tp=1 ...")
+        zoo_times = time_steps(make_step(zoo_model(args, None), batch_of(args)), args.steps, args.warmup)
+        log(f"round {r + 1}/{args.repeats}: timing zoo, tp=2, SP off then on (2 processes, gloo) ...")
+        rounds.append((zoo_times, *time_zoo_tp(args, 2)))
+    zoo_times, tp_times, comm_times = rounds[len(rounds) // 2]     # tables 2 and 3 show the middle round
     zoo_row, t_zoo = row("zoo GPT2LMHeadModel (parallel=None)", zoo_times, 1)
-    log("timing transformers ...")
-    hf_row, t_hf = row("transformers GPT2LMHeadModel (sdpa)",
-                       time_steps(make_step(hf_model(args), batch_of(args)), args.steps, args.warmup), 1)
-    print_table("2. one training step, single process, 1 thread", headers, [zoo_row, hf_row],
-                [f"zoo / transformers throughput: {t_hf / t_zoo:.2f}x", peak_note])
+    if args.skip_hf:
+        print_table("2. one training step, single process, 1 thread", headers, [zoo_row],
+                    ["transformers not timed (--skip-hf)", peak_note])
+    else:
+        log("timing transformers ...")
+        hf_row, t_hf = row("transformers GPT2LMHeadModel (sdpa)",
+                           time_steps(make_step(hf_model(args), batch_of(args)), args.steps, args.warmup), 1)
+        print_table("2. one training step, single process, 1 thread", headers, [zoo_row, hf_row],
+                    [f"zoo / transformers throughput: {t_hf / t_zoo:.2f}x", peak_note])
 
-    log("timing zoo, tp=2 (2 processes, gloo) ...")
-    tp_times, comm_times = time_zoo_tp(args, 2)
-    tp_row, t_tp2 = row("zoo GPT2LMHeadModel tp=2", tp_times, 2)
+    tp_row, t_tp2 = row("zoo GPT2LMHeadModel tp=2", tp_times[False], 2)
+    sp_row, t_sp2 = row("zoo GPT2LMHeadModel tp=2, sequence parallel", tp_times[True], 2)
     n_reduce = 4 * args.layers + 2     # per layer 2 g forward + 2 f backward; embedding g, LM-head f
     t_comm = statistics.median(comm_times)
-    print_table("3. zoo tensor parallel, same global batch and model", headers, [zoo_row, tp_row],
-                [f"strong-scaling efficiency t(tp=1) / (2 * t(tp=2)) = {100 * t_zoo / (2 * t_tp2):.0f}% "
-                 f"(from the minimum step times: {100 * min(zoo_times) / (2 * min(tp_times)):.0f}%)",
+    round_note = "" if args.repeats == 1 else f" (round {len(rounds) // 2 + 1} of {args.repeats}; all rounds in table 4)"
+    print_table("3. zoo tensor parallel, same global batch and model" + round_note, headers,
+                [zoo_row, tp_row, sp_row],
+                [f"strong-scaling efficiency t(tp=1) / (2 * t(tp=2)): SP off {100 * t_zoo / (2 * t_tp2):.0f}%, "
+                 f"SP on {100 * t_zoo / (2 * t_sp2):.0f}% (from the minimum step times: "
+                 f"{100 * min(zoo_times) / (2 * min(tp_times[False])):.0f}%, "
+                 f"{100 * min(zoo_times) / (2 * min(tp_times[True])):.0f}%)",
                  f"gloo all-reduce of one ({args.batch}, {args.seq}, {args.hidden}) fp32 activation: "
                  f"{t_comm * 1e3:.1f} ms; {n_reduce} per step (4 l + 2) = {n_reduce * t_comm * 1e3:.0f} ms, "
-                 f"{100 * n_reduce * t_comm / t_tp2:.0f}% of the tp=2 step",
+                 f"{100 * n_reduce * t_comm / t_tp2:.0f}% of the tp=2 step (SP moves the same volume as "
+                 "all-gathers / reduce-scatters, plus 2 re-gathers per layer in backward)",
                  peak_note,
                  f"for comparison, the issue states: \"{ISSUE_CLAIM}\" (the issue's claim, not checked "
                  "here; Megatron-LM's published scaling studies grow the model with the GPU count, "
                  "i.e. weak scaling)"])
+    if args.repeats > 1:
+        print_rounds(rounds)
 
+
+def efficiency(t1: list[float], t2: list[float]) -> float:
+    return 100 * statistics.median(t1) / (2 * statistics.median(t2))
+
+
+def print_rounds(rounds) -> None:
+    """Table 4: per round the median step times and the efficiency with SP off and on, then the median
+    and range of the efficiencies over the rounds."""
+    rows, effs = [], {False: [], True: []}
+    for i, (t1, t2, _) in enumerate(rounds):
+        e = {sp: efficiency(t1, t2[sp]) for sp in (False, True)}
+        for sp in e:
+            effs[sp].append(e[sp])
+        rows.append([str(i + 1), f"{statistics.median(t1) * 1e3:.1f}", f"{statistics.median(t2[False]) * 1e3:.1f}",
+                     f"{statistics.median(t2[True]) * 1e3:.1f}", f"{e[False]:.1f}%", f"{e[True]:.1f}%"])
+    notes = [f"efficiency, median over {len(rounds)} rounds [min - max]: SP off {statistics.median(effs[False]):.1f}% "
+             f"[{min(effs[False]):.1f} - {max(effs[False]):.1f}], SP on {statistics.median(effs[True]):.1f}% "
+             f"[{min(effs[True]):.1f} - {max(effs[True]):.1f}]",
+             "each round: tp=1 timed, then tp=2 SP off, then tp=2 SP on (fresh processes); median step of each"]
+    print_table("4. strong scaling per round, t(tp=1) / (2 * t(tp=2))",
+                ["round", "tp=1 ms", "tp=2 ms", "tp=2 SP ms", "eff. SP off", "eff. SP on"], rows, notes)
 
 if __name__ == "__main__":
     main()
