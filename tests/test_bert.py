@@ -75,30 +75,11 @@ def pretraining_loss(prediction_logits, seq_relationship_logits, labels, sop) ->
     return mlm + F.cross_entropy(seq_relationship_logits, sop)
 
 
-def hf_grads(model) -> dict[str, torch.Tensor]:
-    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
-
-
-def zoo_grads(model, ps) -> dict[str, torch.Tensor]:
-    """zoo's gradients merged over the TP ranks under transformers' names (a collective)."""
-    from zoo.models.hf_io import hf_state_dict
-
-    return hf_state_dict(model, model.hf_param_map(), ps, {n: p.grad for n, p in model.named_parameters()})
-
-
-def _parity_worker(rank, world_size, directory, kind):
-    import transformers
-
-    from zoo.models import BertForPreTraining
-    from zoo.parallel import ParallelState
-
-    ps = ParallelState.initialize(world_size)
-    ids, token_types, mask, labels, sop = bert_batch()
-    ref_cls = transformers.MegatronBertForPreTraining if kind == "pre-norm" else transformers.BertForPreTraining
-    ref = ref_cls.from_pretrained(directory).eval()
-    model = BertForPreTraining.from_pretrained(directory, parallel=ps).eval()
-    assert model.config.pre_norm == (kind == "pre-norm")
-
+def bert_parity_errors(model, ref, ps, batch) -> dict[str, float]:
+    """zoo's BertForPreTraining against transformers' on one batch, dropout off: fp32 outputs, loss and
+    layer-scaled gradients with each model's own loss, then both models in float64 (outputs, a loss of
+    the same formula on both sides, every merged gradient). Leaves both models in float64."""
+    ids, token_types, mask, labels, sop = batch
     # float32, each model's own loss.
     ref_out = ref(ids, attention_mask=mask, token_type_ids=token_types, labels=labels, next_sentence_label=sop)
     ref_out.loss.backward()
@@ -131,6 +112,33 @@ def _parity_worker(rank, world_size, directory, kind):
     errors.update(float64_grad_errors(zoo_grads(model, ps), hf_grads(ref),
                                       analytically_zero=("attention.self.key.bias",)))
     return errors
+
+
+def hf_grads(model) -> dict[str, torch.Tensor]:
+    return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def zoo_grads(model, ps) -> dict[str, torch.Tensor]:
+    """zoo's gradients merged over the TP ranks under transformers' names (a collective)."""
+    from zoo.models.hf_io import hf_state_dict
+
+    return hf_state_dict(model, model.hf_param_map(), ps, {n: p.grad for n, p in model.named_parameters()})
+
+
+def _parity_worker(rank, world_size, directory, kind):
+    import transformers
+
+    from zoo.models import BertForPreTraining
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(world_size)
+    ids, token_types, mask, labels, sop = bert_batch()
+    ref_cls = transformers.MegatronBertForPreTraining if kind == "pre-norm" else transformers.BertForPreTraining
+    ref = ref_cls.from_pretrained(directory).eval()
+    model = BertForPreTraining.from_pretrained(directory, parallel=ps).eval()
+    assert model.config.pre_norm == (kind == "pre-norm")
+
+    return bert_parity_errors(model, ref, ps, (ids, token_types, mask, labels, sop))
 
 
 def _both_layouts_worker(rank, world_size, dirs):

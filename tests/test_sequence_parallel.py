@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from tests.checks import float64_grad_errors, layer_scaled_grad_errors, record_collectives, rel_err, tolerance_failures
 from tests.spawn import spawn
-from tests.test_bert import hf_grads, make_hf_bert, pretraining_loss, zoo_grads
+from tests.test_bert import bert_parity_errors, hf_grads, make_hf_bert, zoo_grads
 from tests.test_gpt2 import causal_lm_loss, tiny_hf_config, tiny_zoo_config
 
 REL_TOL = 1e-5
@@ -122,31 +122,7 @@ def _bert_parity(ps, directory, kind):
     ref_cls = transformers.MegatronBertForPreTraining if kind == "pre-norm" else transformers.BertForPreTraining
     ref = ref_cls.from_pretrained(directory).eval()
     model = BertForPreTraining.from_pretrained(directory, parallel=ps, sequence_parallel=True).eval()
-    inputs = dict(token_type_ids=token_types, attention_mask=mask)
-    ref_out = ref(ids, labels=labels, next_sentence_label=sop, **inputs)
-    ref_out.loss.backward()
-    out = model(ids, labels=labels, next_sentence_label=sop, gather_output=True, **inputs)
-    out.loss.backward()
-    errors = {"prediction_logits": rel_err(out.prediction_logits, ref_out.prediction_logits),
-              "seq_relationship_logits": rel_err(out.seq_relationship_logits, ref_out.seq_relationship_logits),
-              "loss": rel_err(out.loss, ref_out.loss)}
-    errors.update(layer_scaled_grad_errors(zoo_grads(model, ps), hf_grads(ref)))
-    for m in (ref, model):
-        m.zero_grad(set_to_none=True)
-        m.double()
-    ref_out = ref(ids, **inputs)
-    out = model(ids, gather_output=True, **inputs)
-    ref_loss = pretraining_loss(ref_out.prediction_logits, ref_out.seq_relationship_logits, labels, sop)
-    loss = pretraining_loss(out.prediction_logits, out.seq_relationship_logits, labels, sop)
-    ref_loss.backward()
-    loss.backward()
-    errors.update({"out64:prediction_logits": rel_err(out.prediction_logits, ref_out.prediction_logits),
-                   "out64:seq_relationship_logits": rel_err(out.seq_relationship_logits,
-                                                            ref_out.seq_relationship_logits),
-                   "out64:loss": rel_err(loss, ref_loss)})
-    errors.update(float64_grad_errors(zoo_grads(model, ps), hf_grads(ref),
-                                      analytically_zero=("attention.self.key.bias",)))
-    return errors
+    return bert_parity_errors(model, ref, ps, (ids, token_types, mask, labels, sop))
 
 
 # ---------------------------------------------------------------- collectives of one step
