@@ -34,7 +34,7 @@ from typing import Callable, TypeVar
 import torch
 import torch.distributed as dist
 
-from zoo.parallel.state import ParallelState
+from zoo.parallel.state import ParallelState, as_state
 
 T = TypeVar("T")
 
@@ -123,7 +123,7 @@ def dp_block(num_items: int, parallel: ParallelState | None) -> range:
     """This DP rank's contiguous block of ``range(num_items)``; blocks are disjoint and cover all items
     (no sampler padding, so nothing is counted twice). The TP ranks of a group share a DP rank, so they
     get the same block, as the tensor-parallel layers require. ``None`` is a single process."""
-    parallel = parallel or ParallelState.single()
+    parallel = as_state(parallel)
     return range(parallel.dp_rank * num_items // parallel.dp_size, (parallel.dp_rank + 1) * num_items // parallel.dp_size)
 
 
@@ -131,7 +131,8 @@ def dp_sum(values: Sequence[float], parallel: ParallelState | None,
            device: torch.device | str = "cpu") -> list[float]:
     """Sum each value over the DP group (fp64, one all-reduce on ``device``); identity with one DP rank."""
     totals = torch.tensor(list(values), dtype=torch.float64, device=device)
-    if parallel is not None and parallel.dp_size > 1:
+    parallel = as_state(parallel)
+    if parallel.dp_size > 1:
         dist.all_reduce(totals, group=parallel.dp_group)
     return totals.tolist()
 

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from zoo.data.indexed_dataset import IndexedDataset
+from zoo.parallel.state import as_state
 
 SPLIT_NAMES = ("train", "valid", "test")
 
@@ -293,8 +294,8 @@ def build_pretraining_dataloader(
     ``num_workers`` processes read (and, for BERT, mask) the next micro-batches while the model trains;
     ``pin_memory`` (on an accelerator) lets the device copy run without blocking. A sample that fails to
     read yields a :class:`SampleFailure` batch; :func:`batch_or_raise` raises its error unchanged."""
-    dp_rank = parallel.dp_rank if parallel is not None else 0
-    dp_size = parallel.dp_size if parallel is not None else 1
+    parallel = as_state(parallel)
+    dp_rank, dp_size = parallel.dp_rank, parallel.dp_size
     sampler = DistributedPretrainingSampler(len(dataset), micro_batch_size, dp_rank, dp_size, consumed_samples)
     return torch.utils.data.DataLoader(
         _FailuresAsValues(dataset), batch_sampler=sampler, num_workers=num_workers, pin_memory=pin_memory,

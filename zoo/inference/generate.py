@@ -34,7 +34,7 @@ from zoo.data.tokenizers import GPT2_EOD_TOKEN_ID
 from zoo.distributed import dp_block
 from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.inference.sampling import check_sampling_settings, filter_logits, sample
-from zoo.parallel.state import ParallelState, tp_size_of
+from zoo.parallel.state import ParallelState, as_state
 
 FINISH_EOD = "eod"            # produced the end-of-document token
 FINISH_LENGTH = "length"      # reached max_new_tokens
@@ -124,7 +124,8 @@ def left_pad(prompts: Sequence[Sequence[int]], pad_token_id: int,
 
 def sync_across_tp(tokens: torch.Tensor, parallel: ParallelState | None) -> tuple[torch.Tensor, torch.Tensor]:
     """TP rank 0's tokens (b,), broadcast over the TP group, and where this rank's own ``tokens`` differed."""
-    if tp_size_of(parallel) == 1:
+    parallel = as_state(parallel)
+    if parallel.tp_size == 1:
         return tokens, torch.zeros_like(tokens, dtype=torch.bool)
     chosen = tokens.clone()
     dist.broadcast(chosen, src=dist.get_global_rank(parallel.tp_group, 0), group=parallel.tp_group)
@@ -240,12 +241,13 @@ def generate_text(model, tokenizer, texts: Sequence[str], config: GenerationConf
     """Text in, text out on the tp x dp grid: each DP rank completes its contiguous block of the
     prompts (its TP group decoding together) and the blocks are all-gathered over the DP group, so
     every rank returns all results, in prompt order. Collective over the whole world."""
+    parallel = as_state(parallel)
     prompts = encode_prompts(tokenizer, texts, config.pad_token_id(model.config.vocab_size))
     validate_prompts(prompts, model.config.n_positions, model.config.vocab_size)  # on every rank, before any work
     block = dp_block(len(prompts), parallel)
     completions = generate(model, prompts[block.start:block.stop], config, parallel, batch_size,
                            first_index=block.start)
-    if parallel is not None and parallel.dp_size > 1:
+    if parallel.dp_size > 1:
         blocks = [None] * parallel.dp_size
         dist.all_gather_object(blocks, completions, group=parallel.dp_group)
         completions = [c for part in blocks for c in part]

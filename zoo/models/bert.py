@@ -19,7 +19,7 @@ from zoo.parallel import VocabParallelEmbedding, mark_tensor_parallel, scaled_in
 from zoo.parallel.layers import SequenceParallelLayerNorm, mark_sequence_parallel
 from zoo.parallel.mappings import (all_reduce_grads_of_replicated, gather_from_sequence_parallel_region,
                                    scatter_to_sequence_parallel_region)
-from zoo.parallel.state import ParallelState, tp_size_of
+from zoo.parallel.state import ParallelState, as_state
 
 
 def _normal_linear(in_features: int, out_features: int, std: float) -> nn.Linear:
@@ -65,7 +65,7 @@ class BertEmbeddings(nn.Module):
         self.token_type_embeddings = nn.Embedding(config.type_vocab_size, config.hidden_size)
         nn.init.normal_(self.position_embeddings.weight, 0.0, std)
         nn.init.normal_(self.token_type_embeddings.weight, 0.0, std)
-        self.parallel = parallel
+        self.parallel = parallel = as_state(parallel)
         self.LayerNorm = None if config.pre_norm else SequenceParallelLayerNorm(
             config.hidden_size, eps=config.layer_norm_eps, parallel=parallel,
             sequence_parallel=config.sequence_parallel)
@@ -139,7 +139,8 @@ class BertModel(_BertCheckpoints, nn.Module):
 
     def __init__(self, config: BertConfig, parallel: ParallelState | None = None, add_pooling_layer: bool = True):
         super().__init__()
-        config.validate(tp_size_of(parallel))
+        parallel = as_state(parallel)
+        config.validate(parallel.tp_size)
         self.config = config
         self.parallel = parallel
         std = config.initializer_range
@@ -257,7 +258,7 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
     def __init__(self, config: BertConfig, parallel: ParallelState | None = None):
         super().__init__()
         self.config = config
-        self.parallel = parallel
+        self.parallel = parallel = as_state(parallel)
         self.bert = BertModel(config, parallel)
         std = config.initializer_range
         self.transform = _normal_linear(config.hidden_size, config.hidden_size, std)

@@ -26,7 +26,7 @@ from transformers.modeling_outputs import (MultipleChoiceModelOutput, QuestionAn
 from zoo.models.bert import BertModel, _BertCheckpoints, init_head_params
 from zoo.models.config import BertConfig
 from zoo.models.hf_io import HFParam, read_config_json
-from zoo.parallel.state import ParallelState
+from zoo.parallel.state import ParallelState, as_state
 
 _PRETRAINING_HEAD_PREFIXES = ("cls.",)
 _POOLER_KEYS = ("pooler.dense.weight", "pooler.dense.bias")
@@ -65,7 +65,7 @@ class _BertTaskModel(_BertCheckpoints, nn.Module):
     def __init__(self, config: BertConfig, parallel: ParallelState | None = None):
         super().__init__()
         self.config = config
-        self.parallel = parallel
+        self.parallel = parallel = as_state(parallel)
         self.bert = BertModel(config, parallel, add_pooling_layer=self.add_pooling_layer)
         classifier_dropout = config.extra.get("classifier_dropout")
         self.dropout = nn.Dropout(config.hidden_dropout_prob if classifier_dropout is None else classifier_dropout)

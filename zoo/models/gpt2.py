@@ -15,7 +15,7 @@ from zoo.models.transformer import (TransformerLayer, attention_bias, region_dro
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std, vocab_parallel_cross_entropy
 from zoo.parallel.layers import SequenceParallelLayerNorm
 from zoo.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
-from zoo.parallel.state import ParallelState, tp_size_of
+from zoo.parallel.state import ParallelState, as_state
 
 
 
@@ -32,7 +32,7 @@ class GPT2Model(nn.Module):
     def __init__(self, config: GPT2Config, parallel: ParallelState | None = None):
         super().__init__()
         self.config = config
-        self.parallel = parallel
+        self.parallel = parallel = as_state(parallel)
         std = config.initializer_range
         self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, parallel=parallel,
                                           pad_multiple=config.make_vocab_size_divisible_by, init_std=std)
@@ -137,7 +137,8 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
 
     def __init__(self, config: GPT2Config, parallel: ParallelState | None = None):
         super().__init__()
-        config.validate(tp_size_of(parallel))
+        parallel = as_state(parallel)
+        config.validate(parallel.tp_size)
         self.config = config
         self.parallel = parallel
         self.transformer = GPT2Model(config, parallel)

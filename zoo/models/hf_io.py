@@ -35,7 +35,7 @@ from safetensors import SafetensorError, safe_open
 from zoo.atomic import check_output_directory, staged_directory
 from zoo.parallel.gather import gather_to_first
 from zoo.parallel.layers import is_tensor_parallel
-from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import merge_shards, shard_index
 
 SINGLE_FILE = "model.safetensors"
@@ -163,7 +163,8 @@ def read_local_shard(files: CheckpointFiles, spec: HFParam, param: torch.Tensor,
         tensor = files.read(spec.key)
         return tensor.t() if spec.transpose else tensor
 
-    tp, rank = tp_size_of(parallel), tp_rank_of(parallel)
+    parallel = as_state(parallel)
+    tp, rank = parallel.tp_size, parallel.tp_rank
     dim = param.partition_dim
     file_dim = (param.dim() - 1 - dim) if spec.transpose else dim
     if spec.vocab_rows is not None:                      # vocab rows: real rows of this rank, then zeros
@@ -194,7 +195,7 @@ def _tag_like(block: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
 def _master_shape(param: torch.Tensor, parallel: ParallelState | None, spec: HFParam) -> tuple[int, ...]:
     shape = list(param.shape)
     if is_tensor_parallel(param):
-        shape[param.partition_dim] *= tp_size_of(parallel)
+        shape[param.partition_dim] *= as_state(parallel).tp_size
     if spec.vocab_rows is not None:
         shape[0] = spec.vocab_rows
     return tuple(shape)
@@ -240,8 +241,9 @@ def load_hf_weights(model: torch.nn.Module, directory: str | os.PathLike, param_
 def gather_master(local: torch.Tensor, param: torch.Tensor, parallel: ParallelState | None,
                   spec: HFParam) -> torch.Tensor:
     """Collective over the TP group: the full tensor in transformers' layout (merged, unpadded)."""
+    parallel = as_state(parallel)
     full = local.detach()
-    if is_tensor_parallel(param) and tp_size_of(parallel) > 1:
+    if is_tensor_parallel(param) and parallel.tp_size > 1:
         pieces = [torch.empty_like(full) for _ in range(parallel.tp_size)]
         dist.all_gather(pieces, full.contiguous(), group=parallel.tp_group)
         full = merge_shards(pieces, param.partition_dim, getattr(param, "partition_stride", 1))
@@ -499,12 +501,13 @@ def model_producer(model: torch.nn.Module, param_map: dict[str, HFParam], parall
     """``produce`` for :func:`stream_pretrained` from a live model: a collective over the TP group for a
     sharded parameter (gathered to the writer only, :func:`zoo.parallel.gather.gather_to_first`), a local
     read on the writer for a replicated one; None on every rank but the writer."""
+    parallel = as_state(parallel)
     params = dict(model.named_parameters())
 
     def produce(entry: OutputTensor) -> list[torch.Tensor] | None:
         param, spec = params[entry.name], param_map[entry.name]
         local = local_block(param.detach(), param, spec, entry)
-        if is_tensor_parallel(param) and tp_size_of(parallel) > 1:
+        if is_tensor_parallel(param) and parallel.tp_size > 1:
             pieces = gather_to_first(local, parallel.tp_group)
         else:
             pieces = [local.cpu()] if is_writer else None

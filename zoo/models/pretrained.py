@@ -23,6 +23,7 @@ from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, CheckpointFiles, HFParam, 
                               read_config_json, stream_pretrained)
 from zoo.parallel.gather import first_error_everywhere, same_error_everywhere
 from zoo.parallel.layers import materialize_meta_module
+from zoo.parallel.state import as_state
 
 logger = logging.getLogger(__name__)
 TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
@@ -123,12 +124,12 @@ class HFPretrainedMixin:
         global rank 0 (TP groups are consecutive ranks), which casts it to ``dtype``, appends it to its file
         and frees it; other DP replicas only wait. The writer's outcome (success, or its error as the same
         sentence) reaches every rank."""
-        parallel = getattr(self, "parallel", None)
+        parallel = as_state(getattr(self, "parallel", None))
         distributed = _is_distributed()
         is_writer = not distributed or torch.distributed.get_rank() == 0
         first_error_everywhere(_error_of(lambda: (check_pretrained_target(directory),
                                                   check_max_shard_size(max_shard_size))))
-        takes_part = is_writer or (parallel is not None and parallel.dp_rank == 0 and parallel.tp_size > 1)
+        takes_part = is_writer or (parallel.dp_rank == 0 and parallel.tp_size > 1)
         error = None
         if takes_part:
             param_map = self.hf_param_map()

@@ -36,7 +36,7 @@ from torch import nn
 from zoo.parallel import ColumnParallelLinear, RowParallelLinear, tp_rng_fork
 from zoo.parallel.layers import SequenceParallelLayerNorm
 from zoo.parallel.random import region_rng
-from zoo.parallel.state import ParallelState, tp_size_of
+from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide
 
 
@@ -53,8 +53,8 @@ class ParallelSelfAttention(nn.Module):
                  parallel: ParallelState | None, init_std: float, output_init_std: float,
                  sequence_parallel: bool = False):
         super().__init__()
-        tp = tp_size_of(parallel)
-        self.parallel = parallel
+        self.parallel = parallel = as_state(parallel)
+        tp = parallel.tp_size
         self.head_dim = divide(hidden_size, num_heads, "hidden size")
         self.local_heads = divide(num_heads, tp, "number of attention heads")
         self.local_hidden = self.local_heads * self.head_dim
@@ -139,7 +139,7 @@ class TransformerLayer(nn.Module):
                  pre_norm: bool = True, sequence_parallel: bool = False):
         super().__init__()
         self.pre_norm = pre_norm
-        self.parallel = parallel
+        self.parallel = parallel = as_state(parallel)
         self.ln_1 = SequenceParallelLayerNorm(hidden_size, eps=layer_norm_eps, parallel=parallel,
                                               sequence_parallel=sequence_parallel)
         self.attn = ParallelSelfAttention(hidden_size, num_heads, attn_dropout, parallel=parallel,
@@ -274,7 +274,7 @@ def sequence_parallel_for(config, parallel: ParallelState | None, seq_len: int) 
     and tp > 1 (at tp = 1 it is a no-op). The length must then divide by tp (one-sentence ValueError)."""
     from zoo.parallel.mappings import check_sequence_divisible
 
-    if not getattr(config, "sequence_parallel", False) or tp_size_of(parallel) == 1:
+    if not getattr(config, "sequence_parallel", False) or as_state(parallel).tp_size == 1:
         return False
     check_sequence_divisible(seq_len, parallel)
     return True

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import real_vocab_columns
 
 
@@ -25,9 +25,10 @@ def vocab_parallel_argmax(local_logits: torch.Tensor, parallel: ParallelState | 
 
     Columns at or beyond ``vocab_size`` (the padding) never win. Returns int64 of shape (...).
     """
+    parallel = as_state(parallel)
     local_vocab = local_logits.shape[-1]
-    start = tp_rank_of(parallel) * local_vocab
-    real = real_vocab_columns(local_vocab, tp_rank_of(parallel), vocab_size)
+    start = parallel.tp_rank * local_vocab
+    real = real_vocab_columns(local_vocab, parallel.tp_rank, vocab_size)
     shape = local_logits.shape[:-1]
     never = torch.iinfo(torch.int64).max
     if real > 0:
@@ -36,7 +37,7 @@ def vocab_parallel_argmax(local_logits: torch.Tensor, parallel: ParallelState | 
     else:                                                                       # a shard of padding only
         values = torch.full(shape, float("-inf"), device=local_logits.device)
         index = torch.full(shape, never, dtype=torch.int64, device=local_logits.device)
-    if tp_size_of(parallel) == 1:
+    if parallel.tp_size == 1:
         return index
     best = values.clone()
     dist.all_reduce(best, op=dist.ReduceOp.MAX, group=parallel.tp_group)

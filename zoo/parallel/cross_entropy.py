@@ -21,19 +21,19 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import real_vocab_columns
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, parallel, vocab_size, ignore_index):
-        tp = tp_size_of(parallel)
+        tp = parallel.tp_size
         local_vocab = logits.shape[-1]
-        start = tp_rank_of(parallel) * local_vocab
+        start = parallel.tp_rank * local_vocab
         end = start + local_vocab
 
-        real = real_vocab_columns(local_vocab, tp_rank_of(parallel), vocab_size)
+        real = real_vocab_columns(local_vocab, parallel.tp_rank, vocab_size)
         z = logits.float()                                               # (..., V/p), fp32 view or copy
         if real > 0:
             z_max = z[..., :real].max(dim=-1).values                     # (...) padded columns excluded
@@ -84,4 +84,4 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     if logits.shape[:-1] != target.shape:
         raise ValueError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
                          f"{tuple(target.shape)}; pass logits (..., vocab_shard) and targets (...).")
-    return _VocabParallelCrossEntropy.apply(logits, target, parallel, vocab_size, ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, target, as_state(parallel), vocab_size, ignore_index)

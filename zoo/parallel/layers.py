@@ -27,7 +27,7 @@ from torch import nn
 from zoo.parallel.mappings import (_gather_sequence, _reduce_scatter_sequence, all_reduce_grads_of_replicated,
                                    copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
                                    reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
-from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide, pad_vocab_size, shard_tensor, vocab_range
 
 
@@ -56,7 +56,7 @@ def is_sequence_parallel(param: torch.Tensor) -> bool:
 
 def sequence_parallel_in_use(parallel: ParallelState | None, sequence_parallel: bool) -> bool:
     """Sequence parallelism takes effect only with more than one TP rank."""
-    return bool(sequence_parallel) and tp_size_of(parallel) > 1
+    return bool(sequence_parallel) and as_state(parallel).tp_size > 1
 
 
 class _LinearWithSequenceGather(torch.autograd.Function):
@@ -100,7 +100,7 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
     def __init__(self, normalized_shape: int, eps: float = 1e-5, *, parallel: ParallelState | None = None,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__(normalized_shape, eps=eps, device=device, dtype=dtype)
-        self.parallel = parallel
+        self.parallel = as_state(parallel)
         self.sequence_parallel = sequence_parallel
         if sequence_parallel:
             mark_sequence_parallel(self.weight)
@@ -123,7 +123,8 @@ def init_sharded_(param: torch.Tensor, master_shape: tuple[int, ...], std: float
     the tp degree. On the meta device nothing is allocated or drawn.
     """
     master = torch.empty(master_shape, dtype=torch.float32, device=param.device).normal_(0.0, std)
-    param.copy_(shard_tensor(master, partition_dim, tp_rank_of(parallel), tp_size_of(parallel), stride))
+    parallel = as_state(parallel)
+    param.copy_(shard_tensor(master, partition_dim, parallel.tp_rank, parallel.tp_size, stride))
 
 
 class ColumnParallelLinear(nn.Module):
@@ -148,14 +149,14 @@ class ColumnParallelLinear(nn.Module):
                  *, parallel: ParallelState | None = None, init_std: float = 0.02, stride: int = 1,
                  sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
-        self.parallel = parallel
+        self.parallel = as_state(parallel)
         self.sequence_parallel = sequence_parallel
         self.in_features = in_features
         self.out_features = out_features
         self.gather_output = gather_output
         self.stride = stride
         self.init_std = init_std
-        tp = tp_size_of(parallel)
+        tp = self.parallel.tp_size
         if gather_output and stride > 1 and tp > 1:
             raise ValueError(f"gather_output=True with stride {stride} would return the fused blocks in rank "
                              "order, not the master order; gather only stride-1 outputs.")
@@ -191,7 +192,7 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={tp_size_of(self.parallel)}, stride={self.stride}, gather_output={self.gather_output}, "
+                f"tp={self.parallel.tp_size}, stride={self.stride}, gather_output={self.gather_output}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
 
@@ -215,13 +216,13 @@ class RowParallelLinear(nn.Module):
         if sequence_parallel and not input_is_parallel:
             raise ValueError("a row-parallel layer with sequence_parallel=True needs input_is_parallel=True; its input "
                              "must already be split along the hidden dim.")
-        self.parallel = parallel
+        self.parallel = as_state(parallel)
         self.sequence_parallel = sequence_parallel
         self.in_features = in_features
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
         self.init_std = init_std
-        self.in_features_per_partition = divide(in_features, tp_size_of(parallel), "input features")
+        self.in_features_per_partition = divide(in_features, self.parallel.tp_size, "input features")
         factory = {"device": device, "dtype": dtype}
         self.weight = mark_tensor_parallel(
             nn.Parameter(torch.empty(out_features, self.in_features_per_partition, **factory)), 1)
@@ -242,7 +243,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor, sequence_parallel: bool | None = None) -> torch.Tensor:
         if not self.input_is_parallel:
             x = scatter_to_tp_region(x, self.parallel)          # (..., in / p)
-        if tp_size_of(self.parallel) == 1:
+        if self.parallel.tp_size == 1:
             return F.linear(x, self.weight, self.bias)          # (..., out)
         partial = F.linear(x, self.weight)                      # (..., out), this rank's X_i A_i
         use = self.sequence_parallel if sequence_parallel is None else sequence_parallel
@@ -259,7 +260,7 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, "
-                f"tp={tp_size_of(self.parallel)}, input_is_parallel={self.input_is_parallel}, "
+                f"tp={self.parallel.tp_size}, input_is_parallel={self.input_is_parallel}, "
                 f"sequence_parallel={self.sequence_parallel}")
 
 
@@ -278,13 +279,13 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, vocab_size: int, embedding_dim: int, *, parallel: ParallelState | None = None,
                  pad_multiple: int = 128, init_std: float = 0.02, device=None, dtype=None):
         super().__init__()
-        self.parallel = parallel
+        self.parallel = as_state(parallel)
         self.vocab_size = vocab_size
         self.embedding_dim = embedding_dim
         self.init_std = init_std
-        tp = tp_size_of(parallel)
+        tp = self.parallel.tp_size
         self.padded_vocab_size = pad_vocab_size(vocab_size, tp, pad_multiple)
-        self.vocab_start, self.vocab_end = vocab_range(self.padded_vocab_size, tp_rank_of(parallel), tp)
+        self.vocab_start, self.vocab_end = vocab_range(self.padded_vocab_size, self.parallel.tp_rank, tp)
         self.weight = mark_tensor_parallel(nn.Parameter(
             torch.empty(self.vocab_end - self.vocab_start, embedding_dim, device=device, dtype=dtype)), 0)
         self.reset_parameters()
@@ -298,7 +299,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.copy_(master[self.vocab_start:self.vocab_end])
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if tp_size_of(self.parallel) == 1:
+        if self.parallel.tp_size == 1:
             return F.embedding(input_ids, self.weight)          # (..., h)
         outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from zoo.parallel.state import ParallelState
+from zoo.parallel.state import ParallelState, as_state
 
 
 def _all_reduce_copy(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
@@ -88,7 +88,7 @@ SEQUENCE_DIM = 1   # activations are (b, s, h)
 
 def check_sequence_divisible(seq_len: int, parallel: ParallelState | None) -> None:
     """Sequence parallelism splits the tokens evenly over the TP ranks: refuse a length that does not divide."""
-    tp = 1 if parallel is None else parallel.tp_size
+    tp = as_state(parallel).tp_size
     if seq_len % tp != 0:
         raise ValueError(f"sequence length {seq_len} is not divisible by tensor-parallel size {tp}, which sequence "
                          f"parallelism needs; use a sequence length that is a multiple of {tp} or turn "
@@ -220,33 +220,29 @@ class _AllReduceGradOfReplicated(torch.autograd.Function):
         return (None, *(piece.view_as(g) for piece, g in zip(pieces, grads)))
 
 
-def _is_trivial(parallel: ParallelState | None) -> bool:
-    return parallel is None or parallel.tp_size == 1
-
-
 def copy_to_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
     """f: identity forward, all-reduce of the gradient over the TP group backward."""
-    return x if _is_trivial(parallel) else _CopyToTensorParallelRegion.apply(x, parallel)
+    return x if as_state(parallel).tp_size == 1 else _CopyToTensorParallelRegion.apply(x, parallel)
 
 
 def reduce_from_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
     """g: all-reduce (sum) over the TP group forward, identity backward."""
-    return x if _is_trivial(parallel) else _ReduceFromTensorParallelRegion.apply(x, parallel)
+    return x if as_state(parallel).tp_size == 1 else _ReduceFromTensorParallelRegion.apply(x, parallel)
 
 
 def scatter_to_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
     """Keep this rank's slice of the last dim forward; all-gather the gradient backward."""
-    return x if _is_trivial(parallel) else _ScatterToTensorParallelRegion.apply(x, parallel)
+    return x if as_state(parallel).tp_size == 1 else _ScatterToTensorParallelRegion.apply(x, parallel)
 
 
 def gather_from_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
     """All-gather along the last dim forward; keep this rank's slice of the gradient backward."""
-    return x if _is_trivial(parallel) else _GatherFromTensorParallelRegion.apply(x, parallel)
+    return x if as_state(parallel).tp_size == 1 else _GatherFromTensorParallelRegion.apply(x, parallel)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
     """(b, s, h) -> (b, s/p, h): keep this rank's tokens forward; all-gather the gradient along s backward."""
-    return x if _is_trivial(parallel) else _ScatterToSequenceParallelRegion.apply(x, parallel)
+    return x if as_state(parallel).tp_size == 1 else _ScatterToSequenceParallelRegion.apply(x, parallel)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, parallel: ParallelState | None,
@@ -255,14 +251,14 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, parallel: ParallelStat
     (its consumer is a tensor-parallel GEMM, each rank holding a partial gradient), or, with
     ``tensor_parallel_output_grad=False`` (a replicated consumer, identical gradients), keep this rank's
     tokens of it."""
-    if _is_trivial(parallel):
+    if as_state(parallel).tp_size == 1:
         return x
     return _GatherFromSequenceParallelRegion.apply(x, parallel, tensor_parallel_output_grad)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
     """(b, s, h) partial sums -> (b, s/p, h): reduce-scatter along s forward; all-gather the gradient backward."""
-    return x if _is_trivial(parallel) else _ReduceScatterToSequenceParallelRegion.apply(x, parallel)
+    return x if as_state(parallel).tp_size == 1 else _ReduceScatterToSequenceParallelRegion.apply(x, parallel)
 
 
 def all_reduce_grads_of_replicated(parallel: ParallelState | None, *params: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -277,6 +273,6 @@ def all_reduce_grads_of_replicated(parallel: ParallelState | None, *params: torc
     DeepSpeed engine, unchanged. The parameters stay replicated (identical gradients on every TP rank), so
     gradient norms count them once, as any parameter without ``tensor_model_parallel``.
     """
-    if _is_trivial(parallel):
+    if as_state(parallel).tp_size == 1:
         return params
     return _AllReduceGradOfReplicated.apply(parallel, *params)

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import contextlib
 
-from zoo.parallel.state import ParallelState, tp_rank_of, tp_size_of
+from zoo.parallel.state import ParallelState, as_state
 
 # The tracker state name DeepSpeed's activation checkpointing expects.
 TP_RNG_STATE_NAME = "model-parallel-rng"
@@ -43,7 +43,7 @@ def model_parallel_seed(seed: int, parallel: ParallelState | None) -> None:
     get_accelerator().manual_seed(seed)
     tracker = _tracker()
     tracker.reset()
-    tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + tp_rank_of(parallel))
+    tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + as_state(parallel).tp_rank)
 
 
 def tp_rng_fork(parallel: ParallelState | None):
@@ -55,7 +55,7 @@ def tp_rng_fork(parallel: ParallelState | None):
     tracker = _tracker()
     if TP_RNG_STATE_NAME in tracker.get_states():
         return tracker.fork(TP_RNG_STATE_NAME)
-    if tp_size_of(parallel) > 1:
+    if as_state(parallel).tp_size > 1:
         raise ValueError("dropout inside a tensor-parallel region needs the model-parallel RNG; call "
                          "zoo.parallel.model_parallel_seed(seed, parallel) after building the ParallelState.")
     return contextlib.nullcontext()
@@ -65,6 +65,6 @@ def region_rng(parallel: ParallelState | None, sequence_parallel: bool):
     """Context manager for dropout on the activations between the TP GEMMs: the TP-rank stream when
     sequence parallelism is in use (each rank holds other tokens), else the default stream (the
     activations are replicated and every rank must draw the same mask)."""
-    if sequence_parallel and tp_size_of(parallel) > 1:
+    if sequence_parallel and as_state(parallel).tp_size > 1:
         return tp_rng_fork(parallel)
     return contextlib.nullcontext()

@@ -148,11 +148,10 @@ def check_grid(tp_size: int, world_size: int) -> None:
                          f"--tensor-parallel-size one of {fits} or launch a multiple of {tp_size} processes.")
 
 
-def tp_size_of(parallel: ParallelState | None) -> int:
-    """Tensor-parallel size, with ``None`` meaning a single process."""
-    return 1 if parallel is None else parallel.tp_size
+def as_state(parallel: ParallelState | None) -> ParallelState:
+    """``parallel`` itself, or :meth:`ParallelState.single` for ``None`` (the public "single process" spelling).
 
-
-def tp_rank_of(parallel: ParallelState | None) -> int:
-    """Tensor-parallel rank, with ``None`` meaning a single process."""
-    return 0 if parallel is None else parallel.tp_rank
+    Call it once where a ``parallel`` argument enters (a constructor, a public function); below that point
+    the code reads ``parallel.tp_size`` and friends directly, and skips collectives when ``tp_size == 1``.
+    """
+    return ParallelState.single() if parallel is None else parallel

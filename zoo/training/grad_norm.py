@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.parallel.layers import is_tensor_parallel
+from zoo.parallel.state import as_state
 
 
 def global_grad_norm(model: torch.nn.Module, parallel) -> torch.Tensor:
@@ -24,7 +25,7 @@ def global_grad_norm(model: torch.nn.Module, parallel) -> torch.Tensor:
     sharded_sum = torch.stack(sharded).sum() if sharded else torch.zeros((), dtype=torch.float64, device=device)
     replicated_sum = (torch.stack(replicated).sum() if replicated
                       else torch.zeros((), dtype=torch.float64, device=device))
-    if parallel is not None and parallel.tp_size > 1:
+    if as_state(parallel).tp_size > 1:
         dist.all_reduce(sharded_sum, group=parallel.tp_group)
     return (sharded_sum + replicated_sum).sqrt()
 
