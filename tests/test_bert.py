@@ -54,15 +54,20 @@ def hf_bert_dirs(tmp_path_factory):
     return dirs
 
 
-def bert_batch():
+def bert_batch(seq: int = SEQ, label_near_end: bool = False):
+    """ids, token types, attention mask, MLM labels and SOP labels of BATCH sequences of ``seq`` tokens;
+    ``label_near_end`` also masks position seq - 2 (so the last TP rank's tokens carry a label under
+    sequence parallelism)."""
     gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+    ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
     token_types = torch.zeros_like(ids)
-    token_types[:, SEQ // 2:] = 1
+    token_types[:, seq // 2:] = 1
     mask = torch.ones_like(ids)
-    mask[1, SEQ - 3:] = 0
+    mask[1, seq - 3:] = 0
     labels = torch.full_like(ids, -100)
     labels[:, 2:5] = ids[:, 2:5]
+    if label_near_end:
+        labels[:, seq - 2] = ids[:, seq - 2]
     sop = torch.tensor([0, 1, 1])
     return ids, token_types, mask, labels, sop
 

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from tests.checks import float64_grad_errors, layer_scaled_grad_errors, record_collectives, rel_err, tolerance_failures
 from tests.spawn import spawn
+from tests import test_bert
 from tests.test_bert import bert_parity_errors, hf_grads, make_hf_bert, zoo_grads
 from tests.test_gpt2 import causal_lm_loss, tiny_hf_config, tiny_zoo_config
 
@@ -72,16 +73,7 @@ def gpt2_batch():
 
 
 def bert_batch():
-    gen = torch.Generator().manual_seed(3)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-    token_types = torch.zeros_like(ids)
-    token_types[:, SEQ // 2:] = 1
-    mask = torch.ones_like(ids)
-    mask[1, SEQ - 3:] = 0
-    labels = torch.full_like(ids, -100)
-    labels[:, 2:5] = ids[:, 2:5]
-    labels[:, SEQ - 2] = ids[:, SEQ - 2]     # a masked position on the last TP rank's tokens too
-    return ids, token_types, mask, labels, torch.tensor([0, 1, 1])
+    return test_bert.bert_batch(SEQ, label_near_end=True)
 
 
 # ---------------------------------------------------------------- parity with transformers
