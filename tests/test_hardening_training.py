@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from tests.spawn import spawn
+from tests.test_pretrain import TINY_MODEL, run_config
+from tests.test_pretrain import ds_config as _ds_config
 
-TINY_MODEL = dict(n_layer=2, n_embd=64, n_head=4)
 
 
 def _one_sentence(message: str) -> str:
@@ -29,28 +30,10 @@ def _one_sentence(message: str) -> str:
     return message
 
 
-def _ds_config(micro: int, global_batch: int, warmup: int = 2) -> dict:
-    return {
-        "train_batch_size": global_batch,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10 ** 9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": warmup,
-                                                           "cos_min_ratio": 0.1, "warmup_type": "linear"}},
-    }
-
-
 def _run_config(data_path, save, tp, micro, global_batch, train_iters, **changes):
-    from zoo.training.run_config import RunConfig, validate_static
-
-    config = RunConfig(tensor_parallel_size=tp, model="gpt2-tiny", seq_length=16, train_iters=train_iters,
-                       data_path=data_path, split="1,0,0", save=save, log_interval=1, eval_interval=0, eval_iters=1,
-                       model_overrides=dict(TINY_MODEL), ds_config=_ds_config(micro, global_batch),
-                       ds_config_path="<test>")
-    for key, value in changes.items():
-        setattr(config, key, value)
-    return validate_static(config)
+    """test_pretrain's run config at 16 tokens, all documents in the training split."""
+    return run_config(data_path, save, tp, micro, global_batch, train_iters,
+                      **{"seq_length": 16, "split": "1,0,0", **changes})
 
 
 def _token_file(prefix, tokens, dtype=np.uint16):
