@@ -14,6 +14,13 @@ Prints three tables to stdout (progress goes to stderr); nothing is asserted:
    tp=2 processes each time) and the efficiency of each round is printed, with its median and range:
    on a shared machine one round says little.
 
+Host allocator. With glibc's defaults every tensor over 32 MiB is mmap'd on allocation and unmapped on free,
+so each step page-faults its large activations in again (~50,000 faults per 200 MB logits buffer, several
+times the cost of the arithmetic on it). A GPU run never pays this (PyTorch's CUDA caching allocator keeps
+freed blocks). ``--host-allocator keep`` (the default) makes glibc behave the same way in every process
+of both arms (``mallopt``: no mmap for large blocks, no trimming), so after the warm-up steps a step
+takes no page faults; ``--host-allocator default`` measures glibc as it comes.
+
     .venv/bin/python benchmarks/bench_gpt2_step.py            # 6 layers, h=512, s=256, b=8
     .venv/bin/python benchmarks/bench_gpt2_step.py --quick    # tiny shape, a few seconds
     .venv/bin/python benchmarks/bench_gpt2_step.py --repeats 5 --skip-hf   # scaling, 5 rounds
@@ -50,6 +57,23 @@ FLOPS_FORMULA = "F = 72*B*s*l*h^2*(1 + s/(6h) + V/(12*l*h))  [Narayanan et al. 2
 # ---------------------------------------------------------------- measurement helpers
 def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
+
+
+def keep_freed_host_memory() -> bool:
+    """Ask glibc to keep freed memory in the process (like a caching allocator): serve large blocks from the
+    heap instead of mmap (M_MMAP_MAX = 0) and trim it only beyond 2 GiB free (M_TRIM_THRESHOLD = 2^31 - 1).
+    Returns False where the C library has no ``mallopt`` (not glibc)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError, TypeError):
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    m_trim_threshold, m_mmap_max = -1, -4
+    return bool(mallopt(m_mmap_max, 0)) and bool(mallopt(m_trim_threshold, 2 ** 31 - 1))
 
 
 def sgemm_peak_gflops(n: int = 2048, repeats: int = 7) -> float:
@@ -124,6 +148,8 @@ def _tp_worker(rank: int, world_size: int, port: int, args, results) -> None:
     from zoo.parallel.state import ParallelState
 
     torch.set_num_threads(1)
+    if args.host_allocator == "keep":
+        keep_freed_host_memory()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
@@ -175,7 +201,10 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--steps", type=int, default=7, help="timed steps (median reported)")
-    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed steps first (3: the host heap reaches its steady size, see --host-allocator)")
+    parser.add_argument("--host-allocator", choices=("keep", "default"), default="keep",
+                        help="keep: glibc keeps freed memory (no per-step page faults, as on a GPU); default: as glibc comes")
     parser.add_argument("--repeats", type=int, default=1,
                         help="alternate the tp=1 and tp=2 timings this many times (table 4: per-round efficiency)")
     parser.add_argument("--skip-hf", action="store_true", help="do not time transformers (table 2: zoo only)")
@@ -189,11 +218,13 @@ def main() -> None:
         args.steps, args.warmup = 5, 1
 
     torch.set_num_threads(1)
+    if args.host_allocator == "keep" and not keep_freed_host_memory():
+        parser.error("--host-allocator keep needs glibc's mallopt, which this C library lacks; pass --host-allocator default")
     tokens = args.batch * args.seq
     flops = megatron_flops_per_step(args.batch, args.seq, args.layers, args.hidden, args.vocab)
     print(f"GPT-2 step benchmark: layers={args.layers} hidden={args.hidden} heads={args.heads} "
           f"seq={args.seq} batch={args.batch} vocab={args.vocab}; fp32, dropout 0, AdamW; "
-          f"median of {args.steps} steps after {args.warmup} warm-up")
+          f"median of {args.steps} steps after {args.warmup} warm-up; host allocator: {args.host_allocator}")
     print(f"torch {torch.__version__}, {os.cpu_count()} logical CPUs")
     print(FLOPS_FORMULA)
     print(f"  = {flops / 1e9:.1f} GFLOP per step (B={args.batch}, s={args.seq}, l={args.layers}, "

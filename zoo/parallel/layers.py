@@ -21,11 +21,12 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.parallel.mappings import (_gather_sequence, _reduce_scatter_sequence, all_reduce_grads_of_replicated,
-                                   copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
+from zoo.parallel.mappings import (_gather_sequence, _start_gather_sequence, _start_reduce_scatter_sequence,
+                                   all_reduce_grads_of_replicated, gather_from_tp_region, reduce_from_tp_region_,
                                    reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide, pad_vocab_size, shard_tensor, vocab_range
@@ -59,34 +60,64 @@ def sequence_parallel_in_use(parallel: ParallelState | None, sequence_parallel: 
     return bool(sequence_parallel) and as_state(parallel).tp_size > 1
 
 
-class _LinearWithSequenceGather(torch.autograd.Function):
-    """Y = AG(X_i) W^T + b keeping only X_i (b, s/p, in) for backward (Korthikanti et al. 2022, 4.2.2):
-    backward all-gathers X again for dW = dY^T AG(X_i) and reduce-scatters dX = dY W along the sequence."""
+class _ColumnParallelLinear(torch.autograd.Function):
+    """Y_i = f(X) A_i^T + b_i, or with sequence parallelism Y_i = AG(X_i) A_i^T + b_i, with Megatron's
+    backward overlap (its ``LinearWithGradAccumulationAndAsyncCommunication``).
+
+    Backward, plain: dX = all-reduce(dY A_i) (this is f's backward) runs asynchronously while the weight
+    gradient dA_i = dY^T X is computed. The all-reduce writes into dY A_i, a fresh tensor, so f's copy
+    of the gradient is not needed.
+
+    Backward, sequence parallel (Korthikanti et al. 2022, 4.2.2): only the local tokens X_i (b, s/p, in)
+    are kept; their all-gather is started first and overlaps dY A_i, then the reduce-scatter of dY A_i
+    along the sequence (the conjugate of the forward gather) overlaps dA_i = dY^T AG(X_i).
+    """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, parallel):
+    def forward(ctx, x, weight, bias, parallel, sequence_parallel):
         ctx.parallel = parallel
+        ctx.sequence_parallel = sequence_parallel
         ctx.has_bias = bias is not None
         ctx.save_for_backward(x, weight)
-        return F.linear(_gather_sequence(x, parallel), weight, bias)      # (b, s, out / p)
+        total = _gather_sequence(x, parallel) if sequence_parallel else x             # (b, s, in)
+        return F.linear(total, weight, bias)                                          # (b, s, out / p)
 
     @staticmethod
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
-        x_full = _gather_sequence(x, ctx.parallel)                        # (b, s, in), again
-        grad_input = _reduce_scatter_sequence(grad.matmul(weight), ctx.parallel)   # (b, s/p, in)
-        grad_2d = grad.reshape(-1, grad.shape[-1])
-        grad_weight = grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]))
-        grad_bias = grad_2d.sum(dim=0) if ctx.has_bias else None
-        return grad_input, grad_weight, grad_bias, None
+        parallel, sequence_parallel = ctx.parallel, ctx.sequence_parallel
+        need_input, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        gather = _start_gather_sequence(x, parallel)[1] if sequence_parallel and need_weight else None
+        grad_input = work = None
+        if need_input:
+            grad_input = grad.matmul(weight)                                          # (b, s, in), partial
+        x_full = gather() if gather is not None else x                                # (b, s, in)
+        if need_input:
+            if sequence_parallel:
+                work, grad_input = _start_reduce_scatter_sequence(grad_input, parallel)  # -> (b, s/p, in)
+            else:
+                work = dist.all_reduce(grad_input, group=parallel.tp_group, async_op=True)
+        grad_weight = grad_bias = None
+        grad_2d = grad.reshape(-1, grad.shape[-1])                                    # (b*s, out / p)
+        if need_weight:
+            grad_weight = grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]))   # (out / p, in)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = grad_2d.sum(dim=0)
+        if work is not None:
+            work.wait()
+        return grad_input, grad_weight, grad_bias, None, None
 
 
-def linear_with_sequence_gather(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                                parallel: ParallelState) -> torch.Tensor:
-    """F.linear(all-gather of ``x`` along the sequence, weight, bias) for a tensor-parallel weight, keeping
-    only this rank's (b, s/p, in) tokens for backward: an all-gather forward and another in backward,
-    a reduce-scatter of the input gradient (the conjugate of the gather)."""
-    return _LinearWithSequenceGather.apply(x, weight, bias, parallel)
+def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                           parallel: ParallelState, sequence_parallel: bool = False) -> torch.Tensor:
+    """F.linear(f(x), weight, bias) for a column-parallel ``weight`` (out / p, in); with ``sequence_parallel``
+    ``x`` is this rank's tokens (b, s/p, in) and f is replaced by an all-gather along the sequence, only the
+    local tokens being kept for backward (an all-gather forward, another in backward, and a reduce-scatter of
+    the input gradient, its conjugate). The backward collectives overlap the GEMMs (see
+    :class:`_ColumnParallelLinear`). At tp = 1 it is F.linear."""
+    if parallel.tp_size == 1:
+        return F.linear(x, weight, bias)
+    return _ColumnParallelLinear.apply(x, weight, bias, parallel, sequence_parallel)
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):
@@ -181,11 +212,8 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool | None = None) -> torch.Tensor:
         use = self.sequence_parallel if sequence_parallel is None else sequence_parallel
-        if sequence_parallel_in_use(self.parallel, use):           # (b, s/p, in) -> (b, s, out / p)
-            y = linear_with_sequence_gather(x, self.weight, self.bias, self.parallel)
-        else:
-            x = copy_to_tp_region(x, self.parallel)                 # f
-            y = F.linear(x, self.weight, self.bias)                 # (..., out / p)
+        sp = sequence_parallel_in_use(self.parallel, use)           # (b, s/p, in) -> (b, s, out / p)
+        y = column_parallel_linear(x, self.weight, self.bias, self.parallel, sp)   # f(X) A_i^T + b_i: (..., out / p)
         if self.gather_output:
             y = gather_from_tp_region(y, self.parallel)         # (..., out)
         return y
@@ -253,7 +281,7 @@ class RowParallelLinear(nn.Module):
                 (bias,) = all_reduce_grads_of_replicated(self.parallel, self.bias)
                 y = y + bias
             return y
-        y = reduce_from_tp_region(partial, self.parallel)       # g
+        y = reduce_from_tp_region_(partial, self.parallel)      # g, in place: the layer owns its partial product
         if self.bias is not None:
             y = y + self.bias
         return y
@@ -305,7 +333,7 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
         partial = F.embedding(local_ids, self.weight)           # (..., h)
         partial = partial.masked_fill(outside.unsqueeze(-1), 0.0)
-        return reduce_from_tp_region(partial, self.parallel)    # g
+        return reduce_from_tp_region_(partial, self.parallel)   # g, in place on the owned partial
 
     def lm_logits(self, hidden: torch.Tensor, gather_output: bool = False,
                   sequence_parallel: bool = False) -> torch.Tensor:
@@ -318,11 +346,8 @@ class VocabParallelEmbedding(nn.Module):
         layer: the vocab-parallel cross-entropy needs every position's logits of its vocab shard. Only
         the local tokens are kept for backward (see :class:`ColumnParallelLinear`).
         """
-        if sequence_parallel_in_use(self.parallel, sequence_parallel):   # (b, s/p, h) -> (b, s, V_padded / p)
-            logits = linear_with_sequence_gather(hidden, self.weight, None, self.parallel)
-        else:
-            hidden = copy_to_tp_region(hidden, self.parallel)    # f
-            logits = F.linear(hidden, self.weight)               # (..., V_padded / p)
+        sp = sequence_parallel_in_use(self.parallel, sequence_parallel)   # (b, s/p, h) -> (b, s, V_padded / p)
+        logits = column_parallel_linear(hidden, self.weight, None, self.parallel, sp)   # f(H) E_i^T: (..., V_padded / p)
         if gather_output:
             logits = gather_from_tp_region(logits, self.parallel)[..., :self.vocab_size]  # (..., V)
         return logits

@@ -59,8 +59,9 @@ def _all_reduce_copy(tensor: torch.Tensor, parallel: ParallelState) -> torch.Ten
     backward it is the incoming gradient, which autograd may share with other consumers (an add
     hands the same gradient tensor to both operands, e.g. the residual and the branch), and a custom
     backward must not modify it. One copy is made, straight into contiguous memory (``clone``
-    followed by ``contiguous`` would copy a strided input twice). Dropping it would take an
-    in-place g that marks its input dirty, legal only for callers that own a throwaway buffer.
+    followed by ``contiguous`` would copy a strided input twice). Callers that own a throwaway buffer
+    use :func:`reduce_from_tp_region_` (in place, no copy); the column-parallel layers fuse f into their
+    GEMM (``zoo.parallel.layers``), whose input gradient is a fresh tensor.
     """
     tensor = tensor.clone(memory_format=torch.contiguous_format)
     dist.all_reduce(tensor, group=parallel.tp_group)
@@ -100,15 +101,27 @@ def _split_sequence(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tens
     return tensor.chunk(parallel.tp_size, dim=SEQUENCE_DIM)[parallel.tp_rank].contiguous()   # (b, s/p, ...)
 
 
-def _gather_sequence(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+def _start_gather_sequence(tensor: torch.Tensor, parallel: ParallelState):
+    """Start the all-gather of ``tensor`` (b, s/p, ...) along s; returns (work, finish), finish() waits and
+    gives (b, s, ...). Between the two calls the caller may compute (Megatron's backward overlap)."""
     tensor = tensor.contiguous()
     pieces = [torch.empty_like(tensor) for _ in range(parallel.tp_size)]
-    dist.all_gather(pieces, tensor, group=parallel.tp_group)
-    return torch.cat(pieces, dim=SEQUENCE_DIM)                                               # (b, s, ...)
+    work = dist.all_gather(pieces, tensor, group=parallel.tp_group, async_op=True)
+
+    def finish() -> torch.Tensor:
+        work.wait()
+        return torch.cat(pieces, dim=SEQUENCE_DIM)                                           # (b, s, ...)
+
+    return work, finish
 
 
-def _reduce_scatter_sequence(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
-    """Sum over the TP group, keeping this rank's s/p tokens: (b, s, ...) -> (b, s/p, ...).
+def _gather_sequence(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    return _start_gather_sequence(tensor, parallel)[1]()                                     # (b, s, ...)
+
+
+def _start_reduce_scatter_sequence(tensor: torch.Tensor, parallel: ParallelState):
+    """Start summing ``tensor`` (b, s, ...) over the TP group keeping this rank's s/p tokens; returns (work,
+    out), ``out`` (b, s/p, ...) being valid after ``work.wait()``.
 
     ``reduce_scatter_tensor`` splits its input along dim 0, so the token blocks are first moved to the
     front, (p, b, s/p, ...) viewed as (p*b, s/p, ...), in one copy (which also leaves the caller's tensor
@@ -121,7 +134,14 @@ def _reduce_scatter_sequence(tensor: torch.Tensor, parallel: ParallelState) -> t
     out = torch.empty((b, s // p, *rest), dtype=tensor.dtype, device=tensor.device)
     # torch 2.13 renamed reduce_scatter_tensor (now deprecated) to reduce_scatter_single.
     reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    reduce_scatter(out, blocks, group=parallel.tp_group)
+    work = reduce_scatter(out, blocks, group=parallel.tp_group, async_op=True)
+    return work, out
+
+
+def _reduce_scatter_sequence(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
+    """Sum over the TP group, keeping this rank's s/p tokens: (b, s, ...) -> (b, s/p, ...)."""
+    work, out = _start_reduce_scatter_sequence(tensor, parallel)
+    work.wait()
     return out
 
 
@@ -140,6 +160,18 @@ class _ReduceFromTensorParallelRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, parallel):
         return _all_reduce_copy(x, parallel)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _ReduceFromTensorParallelRegionInPlace(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, parallel):
+        ctx.mark_dirty(x)
+        dist.all_reduce(x, group=parallel.tp_group)
+        return x
 
     @staticmethod
     def backward(ctx, grad):
@@ -228,6 +260,13 @@ def copy_to_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.
 def reduce_from_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
     """g: all-reduce (sum) over the TP group forward, identity backward."""
     return x if as_state(parallel).tp_size == 1 else _ReduceFromTensorParallelRegion.apply(x, parallel)
+
+
+def reduce_from_tp_region_(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
+    """g in place, as Megatron does it: all-reduce ``x`` itself (no copy) forward, identity backward. Only for
+    a caller that owns ``x`` as a throwaway buffer nobody else reads or saved for backward, such as the
+    partial product a row-parallel GEMM has just made (autograd refuses it otherwise)."""
+    return x if as_state(parallel).tp_size == 1 else _ReduceFromTensorParallelRegionInPlace.apply(x, parallel)
 
 
 def scatter_to_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
