@@ -248,3 +248,38 @@ def test_layout_mismatches_are_refused(tiny_bert_dir, tmp_path):
     (relabelled / "config.json").write_text(json.dumps({**config, "model_type": "bert"}))
     with pytest.raises(ValueError, match="holds pre-norm BERT weights .* says model_type 'bert'"):
         BertForPreTraining.from_pretrained(relabelled)
+
+
+def test_distributed_timeout_reaches_the_process_group(tiny_bert_dir, tmp_path, monkeypatch, capsys):
+    """--distributed-timeout-minutes (or the zoo block's key) is what the run joins its process group with, as
+    in pretraining; a non-positive value is one sentence and exit 2."""
+    import zoo.training.loop
+    from zoo.finetune.runner import main
+
+    class Joined(Exception):
+        pass
+
+    joined = []
+
+    def fake_join(tensor_parallel_size, seed, timeout_minutes=None):
+        joined.append(timeout_minutes)
+        raise Joined
+
+    monkeypatch.setattr(zoo.training.loop, "join", fake_join)
+    for extra, expected in ((["--distributed-timeout-minutes", "0.5"], 0.5), ([], None)):
+        with pytest.raises(Joined):
+            main("qqp", finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--tensor-parallel-size", "1", *extra))
+        assert joined.pop() == expected
+    ds_config = json.loads((REPO / "ds_configs" / "finetune_cpu.json").read_text())
+    ds_config.setdefault("zoo", {})["distributed_timeout_minutes"] = 3
+    (tmp_path / "ds.json").write_text(json.dumps(ds_config))
+    with pytest.raises(Joined):
+        main("qqp", finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--tensor-parallel-size", "1")
+             + ["--deepspeed_config", str(tmp_path / "ds.json")])
+    assert joined.pop() == 3
+    for bad in ("0", "-1"):
+        with pytest.raises(SystemExit) as exit_:
+            main("qqp", finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--distributed-timeout-minutes", bad))
+        assert exit_.value.code == 2
+        assert f"--distributed-timeout-minutes {float(bad)} must be a positive number of minutes" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

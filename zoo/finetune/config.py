@@ -16,7 +16,7 @@ from typing import Any
 
 # The paper's Table 6 grid uses these defaults' neighbourhood; a single run gets sensible ones.
 DEFAULT_MAX_SEQ_LENGTH = {"mnli": 128, "qqp": 128, "race": 512, "squad": 384}
-FINETUNE_ZOO_KEYS = {"tensor_parallel_size", "lr", "save", "sequence_parallel"}   # what a finetune ds_config's zoo block may set
+FINETUNE_ZOO_KEYS = {"tensor_parallel_size", "lr", "save", "sequence_parallel", "distributed_timeout_minutes"}   # what a finetune ds_config's zoo block may set
 
 
 @dataclass
@@ -42,6 +42,7 @@ class FinetuneConfig:
     squad_version: str | None = None
     dropout: float | None = None
     sequence_parallel: bool = False
+    distributed_timeout_minutes: float | None = None   # every collective's timeout (DeepSpeed's default: 10)
     wandb_project: str | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -80,6 +81,9 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     parser.add_argument("--dropout", type=float, default=None, help="override hidden/attention dropout")
     parser.add_argument("--sequence-parallel", action="store_true", default=None,
                         help="sequence parallelism (Korthikanti et al. 2022); --max-seq-length must divide by tp")
+    parser.add_argument("--distributed-timeout-minutes", type=float, default=None,
+                        help="bound every collective: a rank that never arrives ends the job, named, after this long "
+                             "(default: DeepSpeed's 10 minutes)")
     parser.add_argument("--wandb-project", default=None, help="log to W&B (WANDB_MODE=offline works)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
     deepspeed.add_config_arguments(parser)
@@ -109,8 +113,14 @@ def parse_args(task: str, argv=None) -> FinetuneConfig:
         log_interval=args.log_interval, doc_stride=args.doc_stride, max_query_length=args.max_query_length,
         squad_version=args.squad_version, dropout=args.dropout, wandb_project=args.wandb_project,
         sequence_parallel=bool(args.sequence_parallel if args.sequence_parallel is not None
-                               else zoo_block.get("sequence_parallel", False)))
+                               else zoo_block.get("sequence_parallel", False)),
+        distributed_timeout_minutes=(args.distributed_timeout_minutes if args.distributed_timeout_minutes is not None
+                                     else zoo_block.get("distributed_timeout_minutes")))
     return validate(config)
+
+
+def _is_positive_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
 
 
 def validate(config: FinetuneConfig) -> FinetuneConfig:
@@ -126,6 +136,9 @@ def validate(config: FinetuneConfig) -> FinetuneConfig:
         (0 <= config.warmup < 1, f"--warmup {config.warmup} is a fraction of the steps; pass a value in [0, 1)."),
         (config.eval_batch_size > 0, f"--eval-batch-size {config.eval_batch_size} must be positive; pass e.g. 32."),
         (config.log_interval > 0, f"--log-interval {config.log_interval} must be positive; pass e.g. 10."),
+        (config.distributed_timeout_minutes is None or _is_positive_number(config.distributed_timeout_minutes),
+         f"--distributed-timeout-minutes {config.distributed_timeout_minutes} must be a positive number of minutes; "
+         "pass e.g. 10."),
         (not config.sequence_parallel or not config.tensor_parallel_size
          or config.max_seq_length % config.tensor_parallel_size == 0,
          f"--sequence-parallel splits --max-seq-length {config.max_seq_length} over tp={config.tensor_parallel_size} "

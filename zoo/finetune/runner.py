@@ -118,7 +118,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
                                 f"the metric the best model is chosen by ({task.main_metric}); add it (the layouts "
                                 "are listed in zoo/finetune/tasks.py and the README).")
 
-    ps = join(config.tensor_parallel_size, config.seed)
+    ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
     is_writer = dist.get_rank() == 0
 
     overrides = {"sequence_parallel": True} if config.sequence_parallel else {}
