@@ -14,8 +14,9 @@ How: for every old TP rank, the dp slices of each group are concatenated (paddin
 ``param_shapes`` into per-parameter tensors (fp32 master, exp_avg, exp_avg_sq); each parameter is then
 resharded along its TP dimension by :class:`zoo.checkpoint.reshard.TensorResharder` (fused-QKV stride,
 vocab padding cut and re-added), regrouped in the new layout's parameter order, flattened, padded and
-sliced for the new dp exactly as DeepSpeed lays a fresh run out. The files written are an ordinary
-checkpoint of the new layout, so the run loads them with its usual ds_config (no ``load_universal``).
+sliced for the new dp exactly as DeepSpeed lays a fresh run out; each group's scalar state (Adam's step
+tensor) is its own copy in every group of every file (:func:`own_copies`). The files written are an
+ordinary checkpoint of the new layout, so the run loads them with its usual ds_config (no ``load_universal``).
 
 Why not DeepSpeed's universal checkpoint (``ds_to_universal`` + ``"checkpoint": {"load_universal": true}``):
 loading one needs ``load_universal`` in the ds_config before ``deepspeed.initialize`` and model-states
@@ -116,12 +117,13 @@ def group_layout(param_shapes: list[dict[str, torch.Size]]) -> list[list[tuple[s
 
 # --------------------------------------------------------------------------- merging one TP rank's dp partitions
 def merged_tp_rank(partitions: list[dict[str, Any]], groups: list[list[tuple[str, torch.Size]]],
-                   paths: list[Path]) -> tuple[dict[str, dict[str, torch.Tensor]], dict[str, Any]]:
-    """({state: {parameter name: tensor}} for 'master', 'exp_avg', 'exp_avg_sq'; scalars such as step)
-    of one TP rank, from its dp partitions."""
+                   paths: list[Path]) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
+    """({state: {parameter name: tensor}} for 'master', 'exp_avg', 'exp_avg_sq'; each group's scalars,
+    such as Adam's step) of one TP rank, from its dp partitions."""
     by_state: dict[str, dict[str, torch.Tensor]] = {"master": {}, **{key: {} for key in MOMENTS}}
-    scalars: dict[str, Any] = {}
+    scalars: list[dict[str, Any]] = []
     for g, group in enumerate(groups):
+        scalars.append({})
         total = sum(shape.numel() for _, shape in group)
         flats: dict[str, list[torch.Tensor]] = {key: [] for key in by_state}
         for partition, path in zip(partitions, paths):
@@ -134,7 +136,7 @@ def merged_tp_rank(partitions: list[dict[str, Any]], groups: list[list[tuple[str
                 flats[key].append(state[key].reshape(-1).narrow(0, 0, keep))
             for key, value in state.items():
                 if key not in MOMENTS:
-                    scalars.setdefault(key, value)
+                    scalars[g].setdefault(key, value)
         for key, pieces in flats.items():
             flat = torch.cat(pieces)
             if flat.numel() != total:
@@ -169,9 +171,11 @@ def slice_mappings(group: list[tuple[str, torch.Size]], start: int, size: int) -
     return mappings
 
 
-def new_partitions(template: dict[str, Any], merged: dict[str, dict[str, torch.Tensor]], scalars: dict[str, Any],
-                   groups: list[list[tuple[str, torch.Size]]], dp_size: int) -> list[dict[str, Any]]:
-    """The ``dp_size`` partition files of one new TP rank, from its merged per-parameter state."""
+def new_partitions(template: dict[str, Any], merged: dict[str, dict[str, torch.Tensor]],
+                   scalars: list[dict[str, Any]], groups: list[list[tuple[str, torch.Size]]],
+                   dp_size: int) -> list[dict[str, Any]]:
+    """The ``dp_size`` partition files of one new TP rank, from its merged per-parameter state and each
+    group's scalars (``scalars[g]``)."""
     flats = {key: [torch.cat([by_name[name].reshape(-1) for name, _ in group]) for group in groups]
              for key, by_name in merged.items()}
     bounds = [partition_bounds(flat.numel(), dp_size) for flat in flats["master"]]
@@ -182,7 +186,7 @@ def new_partitions(template: dict[str, Any], merged: dict[str, dict[str, torch.T
         for g, (group, (size, paddings)) in enumerate(zip(groups, bounds)):
             start, keep = rank * size, size - paddings[rank]
             fp32.append(flats["master"][g].narrow(0, start, keep).clone())
-            entry = dict(scalars)
+            entry = own_copies(scalars[g])
             for key in MOMENTS:
                 moment = flats[key][g].new_zeros(size)
                 moment[:keep] = flats[key][g].narrow(0, start, keep)
@@ -199,6 +203,15 @@ def new_partitions(template: dict[str, Any], merged: dict[str, dict[str, torch.T
     return out
 
 
+def own_copies(scalars: dict[str, Any]) -> dict[str, Any]:
+    """``scalars`` with every tensor cloned. torch's AdamW keeps ``step`` as a tensor it increments in place,
+    and torch.save / torch.load keep one tensor shared: a step tensor shared by a file's two groups would
+    be incremented once per group per iteration after the resume, so the second group would use the wrong
+    bias correction (measured: 2e-5 in the loss and 4e-4 to 2e-3 in the grad norm from the second iteration
+    after a new-layout resume)."""
+    return {key: value.clone() if torch.is_tensor(value) else value for key, value in scalars.items()}
+
+
 # --------------------------------------------------------------------------- the whole tag
 def write_zero_resharded(tag_dir: Path, files: PartitionFiles, tensors, model_states: list[dict[str, Any]],
                          new_dp: int, staging: Path, new_model_states) -> None:
@@ -210,7 +223,7 @@ def write_zero_resharded(tag_dir: Path, files: PartitionFiles, tensors, model_st
     old_groups = group_layout(model_states[0]["param_shapes"])
     new_groups = new_group_layout(tensors.new)
     check_group_names(old_groups, new_groups, tag_dir)
-    merged_old, scalars = [], {}
+    merged_old, scalars = [], []
     for t in range(files.tp_size):
         paths = [files.path(tag_dir, d, t) for d in range(files.dp_size)]
         partitions = [read_partition(path) for path in paths]
