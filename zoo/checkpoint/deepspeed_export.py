@@ -15,7 +15,7 @@ One process does it, whatever number of processes trained the model. The exporte
    merged (:func:`zoo.parallel.utils.merge_shards`; rows split along the file's first dimension are
    written as they are, never merged), the vocab padding cut, GPT-2's Conv1D weights transposed,
    BERT's fused QKV split into its blocks, cast, appended to its safetensors file and freed; the
-   source pages it touched are then released (:func:`zoo.checkpoint.files.release_pages`). The peak is
+   source pages it touched are then released (:func:`zoo.checkpoint.mapped_pages.release_pages`). The peak is
    about one merged tensor, whatever the model size,
 4. writes config.json, safetensors (sharded above ``max_shard_size``, huggingface_hub's split rules) and
    the family's bundled tokenizer files atomically: it replaces only a previous export (never the run
@@ -28,12 +28,14 @@ import argparse
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 
 from zoo.checkpoint.files import (check_rank_files, model_states_path, read_model_states, tag_directory,
                                   tp_size_of_states)
 from zoo.checkpoint.layout import check_layout, checked_layout_model, embedding_key, recover_config
+from zoo.checkpoint.mapped_pages import mapped_ranges, release_pages
 from zoo.dtypes import add_dtype_argument, torch_dtype
 from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, OutputTensor, check_pretrained_target, hf_rows,
                               local_block, output_tensors, stream_pretrained, to_hf_layout)
@@ -90,14 +92,20 @@ def merged_hf_state(layout: torch.nn.Module, modules: list[dict[str, torch.Tenso
     return out
 
 
-def checkpoint_producer(layout: torch.nn.Module, modules: list[dict[str, torch.Tensor]]):
-    """``produce`` for :func:`stream_pretrained` from every TP rank's memory-mapped module state dict."""
+def checkpoint_producer(layout: torch.nn.Module, modules: list[dict[str, torch.Tensor]],
+                        release: Callable[[list[torch.Tensor]], object] = lambda sources: None):
+    """``produce`` for :func:`stream_pretrained` from every TP rank's memory-mapped module state dict.
+
+    Each call first hands the previous entry's source tensors (written by then) to ``release``."""
     params = dict(layout.named_parameters())
     param_map = layout.hf_param_map()
+    previous: list[torch.Tensor] = []
 
     def produce(entry: OutputTensor) -> list[torch.Tensor]:
+        release(previous)
         param, spec = params[entry.name], param_map[entry.name]
         sources = [module[entry.name] for module in modules] if is_tensor_parallel(param) else [modules[0][entry.name]]
+        previous[:] = sources
         return hf_rows([local_block(source, param, spec, entry) for source in sources], param, spec, entry)
 
     return produce
@@ -142,9 +150,10 @@ def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None,
     param_map = layout.hf_param_map()
     outputs = output_tensors(layout.named_parameters(), param_map, layout_parallel(layout), out_dtype,
                              {name: modules[0][name].dtype for name, _ in layout.named_parameters()})
+    ranges = mapped_ranges(model_states_path(tag_dir, rank) for rank in range(tp_size))
     error = stream_pretrained(out, with_dtype(layout.hf_config_dict(), out_dtype), outputs,
-                              checkpoint_producer(layout, modules), tokenizer_files(layout.default_tokenizer_dir),
-                              max_shard_size)
+                              checkpoint_producer(layout, modules, lambda sources: release_pages(sources, ranges)),
+                              tokenizer_files(layout.default_tokenizer_dir), max_shard_size)
     if error is not None:
         raise error
     return ExportResult(out=Path(out), tag_dir=tag_dir, tp_size=tp_size, dtype=out_dtype, config_source=source,

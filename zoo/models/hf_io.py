@@ -477,20 +477,23 @@ def hf_rows(pieces: list[torch.Tensor], param: torch.Tensor, spec: HFParam, entr
 
     When the pieces are consecutive rows of the output (split along the file's first dimension, no stride:
     the vocabulary rows, GPT-2's row-parallel Conv1D weights) they are written as they are, vocab padding
-    cut, one cast at a time: the merged tensor is never built. Otherwise they are merged first."""
+    cut as a view, one cast at a time: the merged tensor is never built, and at tp = 1 the padded embedding
+    is not copied. Otherwise they are merged first."""
     key_spec = HFParam(entry.key, spec.transpose, spec.vocab_rows if entry.block is None else None)
-    if not is_tensor_parallel(param) or len(pieces) == 1:
+    if not is_tensor_parallel(param):
         return [to_hf_layout(pieces[0], key_spec)]
     dim = param.partition_dim
     stride = 1 if entry.block is not None else getattr(param, "partition_stride", 1)
     file_dim = (param.dim() - 1 - dim) if spec.transpose else dim
-    if file_dim == 0 and stride == 1:
+    if file_dim == 0 and stride == 1:            # also at tp = 1: the padding is cut as a view, not a copy
         rows, left = [], entry.shape[0]
         for piece in pieces:
             piece = piece.t() if spec.transpose else piece
             rows.append(piece[:max(min(left, piece.shape[0]), 0)])
             left -= piece.shape[0]
         return rows
+    if len(pieces) == 1:
+        return [to_hf_layout(pieces[0], key_spec)]
     merged = merge_shards(pieces, dim, stride)
     pieces.clear()
     return [to_hf_layout(merged, key_spec)]
