@@ -233,6 +233,25 @@ def test_optimizer_layouts_reshard_exactly(tmp_path, kind):
         assert torch.equal(back[name], tensor), name
 
 
+def test_copy_of_an_earlier_resharder_is_written_again(tmp_path):
+    """A resharded copy whose record lacks this resharder's format (as copies written before the ZeRO step fix
+    do) is not reused: ensure_resharded replaces it; a current copy is reused as it is."""
+    import json
+
+    from zoo.checkpoint.reshard import SOURCE_RECORD, ensure_resharded
+
+    synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
+    out = ensure_resharded(tmp_path / "tp2", 4, tmp_path / "tp4")
+    record = out / SOURCE_RECORD
+    written = record.stat().st_mtime_ns
+    assert ensure_resharded(tmp_path / "tp2", 4, tmp_path / "tp4") == out and record.stat().st_mtime_ns == written
+    old = json.loads(record.read_text())
+    del old["format"]
+    record.write_text(json.dumps(old))
+    ensure_resharded(tmp_path / "tp2", 4, tmp_path / "tp4")
+    assert "format" in json.loads(record.read_text())
+
+
 # ----------------------------------------------------------------------------- errors
 def one_sentence(err: pytest.ExceptionInfo) -> str:
     message = str(err.value)

@@ -50,6 +50,9 @@ from zoo.parallel.utils import merge_shards, shard_tensor
 
 RESHARDED_SUBDIR = "resharded"
 SOURCE_RECORD = "resharded_from.json"
+# Raised whenever a change to the resharder makes earlier copies wrong, so that they are written again:
+# 2 = ZeRO partitions give every optimizer group its own Adam step (copies of format 1 shared one).
+RESHARD_FORMAT = 2
 RESHARDED_KIND = "resharded checkpoint copy"
 
 
@@ -312,9 +315,11 @@ def new_rank_states(sources: list[dict[str, Any]], paths: list[Path], tensors: T
 
 
 def source_record(tag_dir: Path, old_tp: int, new_tp: int, new_dp: int | None = None) -> dict[str, Any]:
-    """What a resharded copy was made from: the source files' sizes and modification times."""
+    """What a resharded copy was made from (the source files' sizes and modification times) and by which
+    version of the resharder (:data:`RESHARD_FORMAT`): a copy whose record differs is written again."""
     files = {p.name: [p.stat().st_size, p.stat().st_mtime_ns] for p in sorted(tag_dir.iterdir()) if p.is_file()}
-    record = {"source": str(tag_dir.resolve()), "from_tp": old_tp, "to_tp": new_tp, "files": files}
+    record = {"source": str(tag_dir.resolve()), "from_tp": old_tp, "to_tp": new_tp, "files": files,
+              "format": RESHARD_FORMAT}
     if new_dp is not None:
         record["to_dp"] = new_dp
     return record
