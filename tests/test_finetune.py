@@ -277,7 +277,7 @@ def test_distributed_timeout_reaches_the_process_group(tiny_bert_dir, tmp_path, 
         main("qqp", finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--tensor-parallel-size", "1")
              + ["--deepspeed_config", str(tmp_path / "ds.json")])
     assert joined.pop() == 3
-    for bad in ("0", "-1"):
+    for bad in ("0", "-1", "inf"):
         with pytest.raises(SystemExit) as exit_:
             main("qqp", finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--distributed-timeout-minutes", bad))
         assert exit_.value.code == 2

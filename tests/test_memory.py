@@ -220,6 +220,35 @@ def test_export_releases_the_mapped_source_pages(tmp_path):
     assert growth <= 0.35 * model_bytes, f"export peak {growth / model_bytes:.2f}x the model (bound 0.35x)"
 
 
+def test_released_pages_read_back_from_the_file_and_foreign_byte_order_is_left_alone(tmp_path):
+    """Released pages of a mapped checkpoint read back the same values (they are clean file pages); another
+    file mapped under a name that is not UTF-8 does not disturb the lookup; a checkpoint recorded in the other
+    byte order (which torch byteswaps in place on load) is never released."""
+    import mmap
+    import zipfile
+
+    from zoo.checkpoint.mapped_pages import loaded_unchanged, mapped_ranges, release_pages
+
+    path = tmp_path / "states.pt"
+    torch.save({"x": torch.randn(512, 1024)}, path)
+    tensor = torch.load(path, mmap=True)["x"]
+    total = tensor.sum().item()
+    odd = os.path.join(os.fsencode(tmp_path), b"\xff\xfe.bin")
+    with open(odd, "wb") as handle:
+        handle.write(bytes(mmap.PAGESIZE))
+    with open(odd, "rb") as handle, mmap.mmap(handle.fileno(), mmap.PAGESIZE, prot=mmap.PROT_READ):
+        ranges = mapped_ranges([path])
+    assert ranges and release_pages([tensor], ranges) >= tensor.nbytes - 2 * mmap.PAGESIZE
+    assert tensor.sum().item() == total
+
+    foreign = tmp_path / "foreign.pt"
+    other = "big" if sys.byteorder == "little" else "little"
+    with zipfile.ZipFile(path) as source, zipfile.ZipFile(foreign, "w") as target:
+        for name in source.namelist():
+            target.writestr(name, other if name.endswith("/byteorder") else source.read(name))
+    assert loaded_unchanged(path) and not loaded_unchanged(foreign) and mapped_ranges([foreign]) == []
+
+
 # --------------------------------------------------------------------------- a failing writer
 def _save_with_failing_writer(rank, world_size, out: Path, kind: str):
     import zoo.models.hf_io as hf_io

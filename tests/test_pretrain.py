@@ -229,6 +229,8 @@ def test_sigkill_during_save_keeps_previous_checkpoint(corpus_prefix, tmp_path):
 @pytest.mark.parametrize("flags, needle", [
     (["--model", "gpt2-huge"], "unknown model preset 'gpt2-huge'"),
     (["--deepspeed_config", "ds_configs/missing.json"], "ds_configs/missing.json does not exist"),
+    (["--distributed-timeout-minutes", "inf"], "distributed_timeout_minutes = inf must be a positive number of minutes"),
+    (["--distributed-timeout-minutes", "0"], "distributed_timeout_minutes = 0.0 must be a positive number of minutes"),
 ])
 def test_cli_config_errors_exit_2(flags, needle, tmp_path, capsys, monkeypatch):
     """Errors found before any process group starts: main() in this process (no interpreter start-up)."""

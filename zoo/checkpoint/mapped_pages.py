@@ -7,8 +7,9 @@ process (the kernel reads them again from the file if they are touched later), s
 reader holds only what it is working on.
 
 Only whole pages inside a mapping of one of the given files are released: a range of anonymous memory
-would be zeroed by the same call, so nothing outside those mappings is ever passed to it. Linux only;
-elsewhere (no ``/proc/self/maps``) nothing is released.
+would be zeroed by the same call, so nothing outside those mappings is ever passed to it, and a file
+torch byteswapped in place on load (another byte order) is not released at all. Linux only; elsewhere
+(no ``/proc/self/maps``) nothing is released.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ import ctypes
 import ctypes.util
 import mmap
 import os
+import sys
+import zipfile
 from pathlib import Path
 from typing import Iterable
 
@@ -25,18 +28,32 @@ import torch
 MADV_DONTNEED = 4   # Linux
 
 
-def mapped_ranges(paths: Iterable[str | os.PathLike]) -> list[tuple[int, int]]:
-    """The [start, end) address ranges at which this process maps any of ``paths`` (empty off Linux)."""
-    wanted = {os.path.realpath(path) for path in paths}
+def loaded_unchanged(path: str | os.PathLike) -> bool:
+    """``torch.load(path, mmap=True)`` leaves the mapped bytes as they are in the file: the checkpoint is in
+    this machine's byte order (torch byteswaps a foreign-order file's storages in place, making private
+    pages that a release would revert). A file that cannot be read as a zip archive counts as changed."""
     try:
-        lines = Path("/proc/self/maps").read_text().splitlines()
+        with zipfile.ZipFile(path) as archive:
+            records = [name for name in archive.namelist() if name.endswith("/byteorder")]
+            order = archive.read(records[0]).decode() if records else "little"   # torch's default without one
+    except (OSError, zipfile.BadZipFile, UnicodeDecodeError, KeyError):
+        return False
+    return order == sys.byteorder
+
+
+def mapped_ranges(paths: Iterable[str | os.PathLike]) -> list[tuple[int, int]]:
+    """The [start, end) address ranges at which this process maps any of ``paths`` whose mapped bytes torch
+    left unchanged (:func:`loaded_unchanged`); empty off Linux."""
+    wanted = {os.fsencode(os.path.realpath(path)) for path in paths if loaded_unchanged(path)}
+    try:
+        lines = Path("/proc/self/maps").read_bytes().splitlines()   # bytes: any file name, any encoding
     except OSError:
         return []
     ranges = []
     for line in lines:
         fields = line.split(maxsplit=5)
         if len(fields) == 6 and fields[5] in wanted:
-            start, end = (int(address, 16) for address in fields[0].split("-"))
+            start, end = (int(address, 16) for address in fields[0].split(b"-"))
             ranges.append((start, end))
     return ranges
 

@@ -120,7 +120,7 @@ def parse_args(task: str, argv=None) -> FinetuneConfig:
 
 
 def _is_positive_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value) and value > 0
 
 
 def validate(config: FinetuneConfig) -> FinetuneConfig:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import os
 import types
 import typing
@@ -183,7 +184,7 @@ def validate_static(config: RunConfig) -> RunConfig:
             raise ValueError(f"{name} = {getattr(config, name)} must be 0 (never) or positive; fix the zoo block "
                              "or the flag.")
     for name in ("exit_duration_in_mins", "distributed_timeout_minutes"):
-        if getattr(config, name) is not None and not getattr(config, name) > 0:
+        if getattr(config, name) is not None and not 0 < getattr(config, name) < math.inf:
             raise ValueError(f"{name} = {getattr(config, name)} must be a positive number of minutes; fix the zoo "
                              "block or the flag.")
     if config.recompute_granularity not in (None, "full", "selective"):
