@@ -144,3 +144,53 @@ def _copy_worker(rank, world_size):
 def test_row_parallel_and_embedding_g_make_no_copy_of_their_partial_product():
     for rank, copies in enumerate(spawn(_copy_worker, 2)):
         assert copies == {"row": 0, "embedding": 0}, f"rank {rank}: copies made in forward {copies}"
+
+
+def _autocast_worker(rank, world_size):
+    import torch.distributed as dist
+    import torch.nn.functional as F
+
+    from zoo.parallel import ColumnParallelLinear, ParallelState
+
+    ps = ParallelState.initialize(world_size)
+    errors = {}
+    for sp in (False, True):
+        torch.manual_seed(0)
+        layer = ColumnParallelLinear(IN, OUT, parallel=ps, sequence_parallel=sp)
+        with torch.no_grad():
+            layer.bias.normal_()
+        shards = [torch.empty_like(layer.weight) for _ in range(world_size)]
+        dist.all_gather(shards, layer.weight.detach())
+        bias_shards = [torch.empty_like(layer.bias) for _ in range(world_size)]
+        dist.all_gather(bias_shards, layer.bias.detach())
+        weight, bias = torch.cat(shards).requires_grad_(), torch.cat(bias_shards).requires_grad_()
+        x_full = torch.randn(B, S, IN, generator=torch.Generator().manual_seed(1))
+        x_ref = x_full.clone().requires_grad_()
+        x = (x_full.chunk(world_size, dim=1)[rank] if sp else x_full).clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+            y_ref = F.linear(x_ref, weight, bias)
+        cols = slice(rank * OUT // world_size, (rank + 1) * OUT // world_size)
+        y.float().pow(2).sum().backward()
+        y_ref[..., cols].float().pow(2).sum().backward()      # this rank's columns: the same loss terms
+        dist.all_reduce(x_ref.grad)                           # the reference's input grad summed over ranks' terms
+        want_x = x_ref.grad.chunk(world_size, dim=1)[rank] if sp else x_ref.grad
+        errors[sp] = {
+            "dtypes": (y.dtype, x.grad.dtype, layer.weight.grad.dtype, layer.bias.grad.dtype),
+            "y": ((y.float() - y_ref[..., cols].float()).abs().max() / y_ref.float().abs().max()).item(),
+            "x": ((x.grad - want_x).abs().max() / want_x.abs().max()).item(),
+            "w": ((layer.weight.grad - weight.grad[cols]).abs().max() / weight.grad[cols].abs().max()).item(),
+            "b": ((layer.bias.grad - bias.grad[cols]).abs().max() / bias.grad[cols].abs().max()).item(),
+        }
+    return errors
+
+
+def test_column_parallel_layer_under_autocast_matches_plain_linear():
+    """Under torch.autocast (bf16 on CPU) the layer computes as F.linear does there and returns gradients in
+    the parameters' and input's own dtype, plain and sequence-parallel (backward runs outside autocast, so
+    the fused layer casts its saved operands itself). Reference: F.linear on the merged weight under the
+    same autocast; both sides round through the same bf16 GEMMs, bound 1e-2 relative."""
+    for rank, errors in enumerate(spawn(_autocast_worker, 2)):
+        for sp, error in errors.items():
+            assert error.pop("dtypes") == (torch.bfloat16, torch.float32, torch.float32, torch.float32), (rank, sp)
+            assert all(value <= 1e-2 for value in error.values()), (rank, sp, error)

@@ -78,6 +78,12 @@ class _ColumnParallelLinear(torch.autograd.Function):
         ctx.parallel = parallel
         ctx.sequence_parallel = sequence_parallel
         ctx.has_bias = bias is not None
+        ctx.grad_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        # Under autocast F.linear would compute in the autocast dtype; backward runs outside autocast, so the
+        # operands are cast here, once, and saved as cast (as torch.amp.custom_fwd(cast_inputs=...) does).
+        dtype = autocast_dtype(x.device.type)
+        if dtype is not None:
+            x, weight, bias = (None if t is None else t.to(dtype) for t in (x, weight, bias))
         ctx.save_for_backward(x, weight)
         total = _gather_sequence(x, parallel) if sequence_parallel else x             # (b, s, in)
         return F.linear(total, weight, bias)                                          # (b, s, out / p)
@@ -105,7 +111,18 @@ class _ColumnParallelLinear(torch.autograd.Function):
             grad_bias = grad_2d.sum(dim=0)
         if work is not None:
             work.wait()
-        return grad_input, grad_weight, grad_bias, None, None
+        grads = tuple(None if g is None else g.to(dtype)
+                      for g, dtype in zip((grad_input, grad_weight, grad_bias), ctx.grad_dtypes))
+        return (*grads, None, None)
+
+
+def autocast_dtype(device_type: str) -> torch.dtype | None:
+    """The dtype autocast computes GEMMs in on ``device_type``, or None where it is off (or unknown there)."""
+    try:
+        enabled = torch.is_autocast_enabled(device_type)
+    except RuntimeError:                     # a device type autocast does not know, e.g. meta
+        return None
+    return torch.get_autocast_dtype(device_type) if enabled else None
 
 
 def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
