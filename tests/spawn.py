@@ -10,6 +10,8 @@ AssertionError carrying the traceback of every failed rank.
 
 from __future__ import annotations
 
+import contextlib
+import glob
 import os
 import pickle
 import queue
@@ -59,6 +61,14 @@ def _context():
     return ctx
 
 
+def remove_shared_memory_buffers(port: int) -> None:
+    """The /dev/shm workspaces DeepSpeed's CPU all-reduce made for this spawn's port (workers that call
+    ``deepspeed.initialize`` without zoo's join, which unlinks them itself): DeepSpeed never removes them."""
+    for path in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_127.0.0.1_{port}_*"):
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+
+
 def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> list:
     ctx = _context()
     results = ctx.Queue()
@@ -83,6 +93,7 @@ def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> lis
             if proc.is_alive():
                 proc.kill()
                 proc.join()
+        remove_shared_memory_buffers(port)
     failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
     if failures:
         raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())))

@@ -6,6 +6,7 @@ Tolerances: resume <= 1e-6 relative (fp32, same ops), DP equivalence <= 1e-5 rel
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import signal
@@ -262,7 +263,8 @@ def test_deepspeed_launcher_tp2_dp2(corpus_prefix, tmp_path):
 
     run_dir = tmp_path / "run"
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", str(free_port()),
+    port = free_port()
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "4", "--master_port", str(port),
            "launch/pretrain.py",
            "--deepspeed_config", "ds_configs/cpu_demo.json", "--data-path", corpus_prefix, "--save", str(run_dir),
            "--train-iters", "3", "--seq-length", "32", "--split", "80,20,0", "--log-interval", "1", "--eval-interval", "3",
@@ -282,6 +284,8 @@ def test_deepspeed_launcher_tp2_dp2(corpus_prefix, tmp_path):
     names = sorted(p.name for p in (run_dir / "checkpoints" / "iter_0000002").iterdir())
     assert "mp_rank_00_model_states.pt" in names and "mp_rank_01_model_states.pt" in names, names
     assert "validation perplexity" in proc.stdout
+    # DeepSpeed's CPU shared-memory all-reduce workspaces (~66 MB a rank in /dev/shm) are gone with the job.
+    assert not glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*")
 
 
 # ----------------------------------------------------------------------------- BERT through the same loop
