@@ -51,3 +51,24 @@ def test_a_bad_flag_is_one_sentence_and_exit_2(capsys):
     assert main(["--model", "bert-tiny"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --model 'bert-tiny' is not a GPT-2 preset") and err.count("\n") == 1, err
+
+
+def test_the_bert_step_caps_a_long_gpt2_sequence_at_the_bert_positions():
+    """Found on an H100: `--seq-length 1024 --bert-model bert-336m` passed 1024 to a BERT with 512
+    positions and the BERT step died with a traceback after all the GPT-2 checks had run."""
+    from zoo.smoke import parse_args, validate
+
+    args = parse_args(["--model", "gpt2-1.2b", "--seq-length", "1024", "--bert-model", "bert-336m"])
+    validate(args)
+    assert args.bert_seq_length == 512
+    short = parse_args(["--seq-length", "64"])
+    validate(short)
+    assert short.bert_seq_length == 64
+
+
+def test_a_bert_sequence_longer_than_its_positions_is_exit_2(capsys):
+    from zoo.smoke import main
+
+    assert main(["--bert-model", "bert-336m", "--bert-seq-length", "600"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --bert-seq-length 600 does not fit bert-336m's 512 positions") and err.count("\n") == 1

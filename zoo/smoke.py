@@ -50,6 +50,7 @@ class Smoke:
     device: torch.device
     is_writer: bool
     started: float = field(default_factory=time.perf_counter)
+    first_grad_norms: dict = field(default_factory=dict)    # precision -> DeepSpeed's norm after step 1
 
     def say(self, line: str) -> None:
         if self.is_writer:
@@ -73,6 +74,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--bert-model", default="bert-tiny", help="BERT preset of the BERT step (default bert-tiny)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: every launched rank")
     parser.add_argument("--seq-length", type=int, default=32)
+    parser.add_argument("--bert-seq-length", type=int, default=None,
+                        help="sequence length of the BERT step (default: --seq-length, capped at the BERT preset's "
+                             "positions, 512 for the paper's sizes)")
     parser.add_argument("--micro-batch-size", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10, help="training steps per precision")
     parser.add_argument("--lr", type=float, default=3e-4)
@@ -83,7 +87,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """The same ValueError on every rank, before any collective."""
-    from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS
+    from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS, bert_config
 
     if args.model not in GPT2_PRESETS:
         raise ValueError(f"--model {args.model!r} is not a GPT-2 preset; choose one of {sorted(GPT2_PRESETS)}.")
@@ -98,6 +102,12 @@ def validate(args: argparse.Namespace) -> None:
                          f"a length from 1 to {n_positions}.")
     if args.micro_batch_size < 1:
         raise ValueError(f"--micro-batch-size {args.micro_batch_size} must be a positive integer.")
+    bert_positions = bert_config(args.bert_model).max_position_embeddings
+    if args.bert_seq_length is None:
+        args.bert_seq_length = min(args.seq_length, bert_positions)
+    if not 1 <= args.bert_seq_length <= bert_positions:
+        raise ValueError(f"--bert-seq-length {args.bert_seq_length} does not fit {args.bert_model}'s {bert_positions} "
+                         f"positions; pass a length from 1 to {bert_positions}.")
 
 
 def setup(args: argparse.Namespace) -> Smoke:
@@ -178,7 +188,7 @@ def ds_config(smoke: Smoke, precision: str) -> dict:
               # The throughput timer synchronises twice per step; the steps are timed here instead.
               "timers": {"throughput": {"enabled": False}},
               "optimizer": {"type": "AdamW", "params": {"lr": smoke.args.lr, "weight_decay": 0.01,
-                                                        "torch_adam": True}}}
+                                                        "torch_adam": uses_torch_adam(smoke)}}}
     if precision == "fp16":
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 12}
     elif precision == "bf16":
@@ -186,11 +196,19 @@ def ds_config(smoke: Smoke, precision: str) -> dict:
     return config
 
 
+def uses_torch_adam(smoke: Smoke) -> bool:
+    """On an accelerator the steps run DeepSpeed's FusedAdam (JIT-built), as the GPU configs do; on a
+    CPU, torch's AdamW, as the CPU configs do."""
+    return smoke.device.type == "cpu"
+
+
 def engine_for(smoke: Smoke, model, precision: str):
     import deepspeed
 
     from zoo.models.families import param_groups
+    from zoo.training.cuda_arch import fit_cuda_arch_list_for_deepspeed
 
+    fit_cuda_arch_list_for_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01),
                                            config=ds_config(smoke, precision), mpu=smoke.parallel)
     return engine
@@ -216,8 +234,10 @@ def timed(smoke: Smoke, seconds: list[float]):
 
 def train_step(engine, ids: torch.Tensor) -> torch.Tensor:
     """One optimizer step of the LM loss on ``ids``; the loss, still on the device."""
+    from zoo.training.loss_scaling import backward
+
     loss = engine(ids, labels=ids).loss
-    engine.backward(loss)
+    backward(engine, loss)
     engine.step()
     return loss
 
@@ -226,11 +246,17 @@ def train_steps(smoke: Smoke, engine, ids: torch.Tensor) -> tuple[list[float], l
     """``--steps`` optimizer steps on one batch: the losses and the seconds of each step."""
     losses, seconds = [], []
     engine.train()
-    for _ in range(smoke.args.steps):
+    for step in range(smoke.args.steps):
         with timed(smoke, seconds):
             loss = train_step(engine, ids)
         losses.append(loss.item())
+        if step == 0:
+            smoke.first_grad_norms[engine_precision(engine)] = engine.get_global_grad_norm()
     return losses, seconds
+
+
+def engine_precision(engine) -> str:
+    return "fp16" if engine.fp16_enabled() else "bf16" if engine.bfloat16_enabled() else "fp32"
 
 
 def eval_loss(engine, ids: torch.Tensor) -> float:
@@ -272,6 +298,24 @@ def check_training(smoke: Smoke, precision: str, ids: torch.Tensor):
     return smoke.check(f"train {precision}", ok, detail), engine, seconds
 
 
+GRAD_NORM_AGREEMENT = 0.1
+
+
+def check_loss_scale(smoke: Smoke) -> bool:
+    """fp16's first-step gradient norm (DeepSpeed's, after unscaling) against bf16's, the same weights
+    and batch: a loss scale applied twice or never shows as a factor of S (4096 here), rounding as a few
+    percent. Passes vacuously where one of the two precisions did not run."""
+    fp16, bf16 = smoke.first_grad_norms.get("fp16"), smoke.first_grad_norms.get("bf16")
+    if fp16 is None or bf16 is None:
+        smoke.say("skipped: loss scale (needs both fp16 and bf16 steps with a DeepSpeed grad norm)")
+        return True
+    fp16, bf16 = float(fp16), float(bf16)
+    ratio = fp16 / bf16 if bf16 > 0 else float("inf")
+    ok = math.isfinite(ratio) and abs(ratio - 1.0) <= GRAD_NORM_AGREEMENT
+    return smoke.check("loss scale", ok, f"first-step grad norm fp16 {fp16:.4g} vs bf16 {bf16:.4g} (ratio {ratio:.4g}, "
+                                         f"limit 1 +- {GRAD_NORM_AGREEMENT})")
+
+
 BUNDLED_ARTICLES = 12    # of the bundled Wikipedia sample: the BERT run's corpus
 
 
@@ -296,9 +340,10 @@ def bert_run_config(smoke: Smoke, data_path: str, save: str):
     micro = smoke.args.micro_batch_size
     ds = {"train_batch_size": micro * smoke.parallel.dp_size, "train_micro_batch_size_per_gpu": micro,
           "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
-          "optimizer": {"type": "AdamW", "params": {"lr": smoke.args.lr, "weight_decay": 0.01, "torch_adam": True}}}
+          "optimizer": {"type": "AdamW", "params": {"lr": smoke.args.lr, "weight_decay": 0.01,
+                                                    "torch_adam": uses_torch_adam(smoke)}}}
     return validate_static(RunConfig(
-        tensor_parallel_size=smoke.parallel.tp_size, model=smoke.args.bert_model, seq_length=smoke.args.seq_length,
+        tensor_parallel_size=smoke.parallel.tp_size, model=smoke.args.bert_model, seq_length=smoke.args.bert_seq_length,
         train_iters=2, data_path=data_path, split="80,20,0", seed=smoke.args.seed, save=save, log_interval=1,
         eval_interval=2, eval_iters=1, ds_config=ds, ds_config_path="<smoke>"))
 
@@ -318,7 +363,7 @@ def check_bert(smoke: Smoke) -> bool:
     ok = all(isinstance(v, float) and math.isfinite(v) for v in values.values()) and result.get("iteration") == 2
     shown = ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in values.items())
     return smoke.check("bert", ok, f"{smoke.args.bert_model} pretraining loop at tp={smoke.parallel.tp_size}, "
-                                   f"{result.get('iteration')} iterations: {shown}")
+                                   f"sequence {smoke.args.bert_seq_length}, {result.get('iteration')} iterations: {shown}")
 
 
 def check_generation(smoke: Smoke, model) -> bool:
@@ -418,6 +463,7 @@ def run(smoke: Smoke) -> bool:
         if precision == "bf16":
             results.append(check_checkpoint(smoke, engine, ids))
         del engine
+    results.append(check_loss_scale(smoke))
     results.append(check_bert(smoke))
     return all(results)
 

@@ -37,3 +37,19 @@ def current_loss_scale(optimizer) -> float:
         if scale is not None:
             return float(scale)
     return 1.0
+
+
+def deepspeed_reports_true_norm(engine) -> bool:
+    """Whether ``engine.get_global_grad_norm()`` is the unscaled norm of the last step. fp32 engines keep
+    none; FP16_UnfusedOptimizer (fp16 with ``torch_adam`` or a non-fused optimizer) keeps it still
+    multiplied by the loss scale (deepspeedai/DeepSpeed#8588, open); FP16_Optimizer, BF16_Optimizer and
+    ZeRO divide it out."""
+    if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
+        return False
+    return not (type(engine.optimizer).__name__ == "FP16_UnfusedOptimizer" and current_loss_scale(engine.optimizer) != 1.0)
+
+
+def unscaled_grad_norm(engine, parallel) -> torch.Tensor:
+    """zoo's own norm of the module's gradients after backward (before the step unscales them), divided by
+    the loss scale they carry (1 outside fp16). A device tensor, as :func:`global_grad_norm`."""
+    return global_grad_norm(engine.module, parallel) / current_loss_scale(engine.optimizer)

@@ -36,6 +36,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
+from zoo.training.loss_scaling import backward
+
 __all__ = ["LoopState", "LoopPlugins", "StopConditions", "TrainingLoop", "LogWindow", "join", "setup_engine",
            "to_device", "pin_memory_here"]
 
@@ -69,8 +71,10 @@ def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], ps, weight_d
     import deepspeed
 
     from zoo.models.families import param_groups
+    from zoo.training.cuda_arch import fit_cuda_arch_list_for_deepspeed
     from zoo.training.engine import refresh_fp32_master_weights
 
+    fit_cuda_arch_list_for_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
                                            config=ds_config, mpu=ps)
     if refresh_masters:
@@ -263,7 +267,7 @@ class TrainingLoop:
         sums: dict[str, torch.Tensor] = {}
         for micro_step, batch in enumerate(batches):
             output, metrics = plugins.forward(engine, to_device(batch, engine.device))
-            engine.backward(output.loss)
+            backward(engine, output.loss)
             if micro_step == len(batches) - 1 and plugins.grad_norm_fallback is not None:
                 self.window.grad_norm = plugins.grad_norm_fallback(engine)
             engine.step()

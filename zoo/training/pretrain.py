@@ -20,7 +20,7 @@ from zoo.atomic import check_writable_directory, write_text_atomic
 from zoo.distributed import host_group, means_over_dp, raise_on_any_rank
 from zoo.models.families import build_model, shape_of
 from zoo.training.families import build_dataset, default_corpus, forward_with_metrics, pretrained_model
-from zoo.training.grad_norm import current_loss_scale, global_grad_norm
+from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm
 from zoo.training.loop import (LoopPlugins, LoopState, StopConditions, TrainingLoop, join, pin_memory_here,
                                setup_engine, to_device)
 from zoo.training.metrics import MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss
@@ -289,11 +289,11 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     stop = StopConditions(exit_interval=config.exit_interval, exit_duration_minutes=config.exit_duration_in_mins,
                           handle_signals=config.exit_signal_handler, group=host, started=started)
     loop: TrainingLoop
+    # zoo's own norm where DeepSpeed's is missing (fp32) or still carries the loss scale (unfused fp16)
+    own_norm = None if deepspeed_reports_true_norm(engine) else (lambda engine: unscaled_grad_norm(engine, ps))
 
     def log(state: LoopState, means: dict[str, float], window) -> dict[str, Any]:
-        grad_norm = engine.get_global_grad_norm()
-        if grad_norm is None:
-            grad_norm = window.grad_norm
+        grad_norm = engine.get_global_grad_norm() if own_norm is None else window.grad_norm
         step_time = window.step_time
         event = {
             "iteration": state.iteration,
@@ -339,8 +339,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
         is_save_step=lambda it: bool(config.save_interval) and it % config.save_interval == 0
                                 or it == config.train_iters,
         save=save,
-        grad_norm_fallback=None if config_uses_mixed_precision(ds_config)   # DeepSpeed discards it in fp32
-                           else (lambda engine: global_grad_norm(engine.module, ps)))
+        grad_norm_fallback=own_norm)
     loop = TrainingLoop(engine, ps, plugins, stop=stop, progress_desc="pretrain", is_writer=is_writer)
     try:
         state = loop.run(state)
@@ -405,10 +404,6 @@ def load_checkpoint(engine, load: str, ps, model_config: dict[str, Any]) -> dict
         return client
 
     return raise_on_any_rank(load_here)
-
-
-def config_uses_mixed_precision(ds_config: dict[str, Any]) -> bool:
-    return bool(ds_config.get("fp16", {}).get("enabled") or ds_config.get("bf16", {}).get("enabled"))
 
 
 def format_log_line(event: dict[str, Any], train_iters: int) -> str:

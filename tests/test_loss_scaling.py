@@ -1,0 +1,139 @@
+"""The fp16 loss scale is applied exactly once (zoo.training.loss_scaling).
+
+DeepSpeed 0.19's ``engine.backward`` leaves the loss unscaled at ZeRO stage 0 while FP16_Optimizer /
+FP16_UnfusedOptimizer still divide the gradients by S, so every fp16 ``tp*.json`` run updated S times too
+little and never clipped (found on an H100: grad norms of 3e-4 logged by a gpt2-medium run). These tests
+run DeepSpeed's real fp16 optimizer on CPU by overriding its capability check (DESIGN.md, "fp16 on this
+CPU") and compare one step with fp32's; on the old code the fp16 grad norm is the fp32 one divided by S
+and the update is a fraction of fp32's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.spawn import spawn
+
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+GRAD_NORM_RTOL = 1e-2     # fp16 vs fp32 gradients of the same step: fp16 rounding (seen: <= 2e-3)
+SCALE_RTOL = 1e-3         # the fp16 update at S = 2^16 vs S = 2^8 (seen: equal to 1e-6); the bug: ~1
+MIN_COSINE = 0.99         # the fp16 update's direction vs fp32's (seen: 0.9999+); the bug: < 0.95
+# The size of the first fp16 update is not compared with fp32's: DeepSpeed's fp16 optimizers take one Adam
+# step on zero gradients when they initialise their state, so their first real update is Adam's second
+# (bias corrections of step 2: ~0.74 of fp32's first update, at every loss scale, in the same direction).
+
+
+def _one_step_worker(rank, world_size, runs):
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from zoo.models import GPT2LMHeadModel, gpt2_config
+    from zoo.models.families import param_groups
+    from zoo.parallel import ParallelState, model_parallel_seed
+    from zoo.training.grad_norm import deepspeed_reports_true_norm, unscaled_grad_norm
+    from zoo.training.loss_scaling import backward
+
+    get_accelerator().is_fp16_supported = lambda: True
+    deepspeed.init_distributed()
+    ps = ParallelState.initialize(world_size)
+    out = {}
+    for name, (power, micro, global_batch) in runs.items():
+        model_parallel_seed(5, ps)
+        model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **NO_DROPOUT), parallel=ps)
+        before = [p.detach().double().clone() for p in model.parameters()]
+        config = {"train_batch_size": global_batch, "train_micro_batch_size_per_gpu": micro, "gradient_clipping": 1.0,
+                  "steps_per_print": 10 ** 9,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.0, "torch_adam": True}}}
+        if power is not None:
+            config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": power}
+        engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.0), config=config,
+                                               mpu=ps)
+        ids = torch.randint(0, 50257, (global_batch, 16), generator=torch.Generator().manual_seed(0))
+        for start in range(0, global_batch, micro):
+            micro_ids = ids[start:start + micro]
+            backward(engine, engine(input_ids=micro_ids, labels=micro_ids).loss)
+            if start + micro == global_batch:
+                out[f"{name} norm"] = unscaled_grad_norm(engine, ps).item()
+            engine.step()
+        out[f"{name} deepspeed's norm is true"] = deepspeed_reports_true_norm(engine)
+        update = [p.detach().double() - b for p, b in zip(engine.module.parameters(), before)]
+        out[f"{name} update"] = torch.cat([u.flatten() for u in update])
+    return out
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).norm() / b.norm()).item()
+
+
+def _cosine(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a @ b / (a.norm() * b.norm())).item()
+
+
+def test_an_fp16_step_equals_the_fp32_step_at_tp2():
+    runs = {"fp32": (None, 2, 2), "fp16 S=2^16": (16, 2, 2), "fp16 S=2^8": (8, 2, 2)}
+    for out in spawn(_one_step_worker, 2, runs):
+        true = out["fp32 norm"]
+        assert true > 1.0, out   # the clip at 1.0 fires: it is part of what is compared
+        for name in ("fp16 S=2^16", "fp16 S=2^8"):
+            assert abs(out[f"{name} norm"] - true) <= GRAD_NORM_RTOL * true, (name, out[f"{name} norm"], true)
+            assert _cosine(out[f"{name} update"], out["fp32 update"]) >= MIN_COSINE, name
+            # torch_adam: FP16_UnfusedOptimizer, whose own norm still carries S (DeepSpeed#8588): zoo logs its own
+            assert not out[f"{name} deepspeed's norm is true"]
+        assert _relative(out["fp16 S=2^16 update"], out["fp16 S=2^8 update"]) <= SCALE_RTOL
+
+
+def test_the_scale_is_applied_once_with_gradient_accumulation():
+    runs = {"fp32": (None, 1, 2), "fp16": (16, 1, 2)}
+    (out,) = spawn(_one_step_worker, 1, runs)
+    assert abs(out["fp16 norm"] - out["fp32 norm"]) <= GRAD_NORM_RTOL * out["fp32 norm"]
+    assert _cosine(out["fp16 update"], out["fp32 update"]) >= MIN_COSINE
+
+
+class _Optimizer:
+    cur_scale = 1024.0
+
+
+class _Engine:
+    """What backward() reads of a DeepSpeed fp16 engine at ZeRO stage 0; ``scales`` says whether its
+    backward multiplies by the loss scale (a DeepSpeed with #8393 fixed) or not (0.19)."""
+
+    def __init__(self, scales: bool, accumulation: int = 2):
+        self.scales, self.accumulation = scales, accumulation
+        self.optimizer, self.global_rank = _Optimizer(), 0
+
+    def fp16_enabled(self):
+        return True
+
+    def zero_optimization(self):
+        return False
+
+    def gradient_accumulation_steps(self):
+        return self.accumulation
+
+    def backward(self, loss):
+        root = loss / self.accumulation
+        (root * self.optimizer.cur_scale if self.scales else root).backward()
+        return root
+
+
+@pytest.mark.parametrize("deepspeed_scales", [False, True])
+def test_gradients_carry_the_scale_exactly_once(deepspeed_scales, capsys):
+    from zoo.training.loss_scaling import backward
+
+    weight = torch.tensor([3.0], requires_grad=True)
+    backward(_Engine(scales=deepspeed_scales), (weight * 2.0).sum())
+    assert weight.grad.item() == 2.0 / 2 * 1024.0
+    note = capsys.readouterr().err
+    assert ("does not apply the fp16 loss scale" in note) == (not deepspeed_scales)
+
+
+def test_bf16_fp32_and_zero_engines_are_left_alone():
+    from zoo.training.loss_scaling import scale_deepspeed_leaves_out
+
+    zero = _Engine(scales=True)
+    zero.zero_optimization = lambda: True
+    bf16 = _Engine(scales=False)
+    bf16.fp16_enabled = lambda: False
+    assert scale_deepspeed_leaves_out(zero) is None and scale_deepspeed_leaves_out(bf16) is None
+    assert scale_deepspeed_leaves_out(_Engine(scales=False)) == 1024.0
