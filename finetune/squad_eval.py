@@ -22,6 +22,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from zoo.errors import report_error
 
 
 def _read_json(path: str, what: str):
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
             write_text_atomic(args.out_file, json.dumps(scores))
     except (ValueError, FileNotFoundError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        report_error(error)
         return 2
     except OSError as error:
         print(f"error: cannot write {error.filename or args.out_file} ({error.strerror}); choose a path you can "

@@ -21,6 +21,7 @@ import sys
 from pathlib import Path
 
 from zoo.dtypes import add_dtype_argument, torch_dtype
+from zoo.errors import report_error
 
 
 
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None):
                 write_jsonl_atomic(args.output, [r.to_dict() for r in results])
         return results
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(err)
         sys.exit(2)
     finally:
         _leave_process_group()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from zoo.errors import report_error
 
 
 def main(argv=None) -> int:
@@ -36,7 +37,7 @@ def main(argv=None) -> int:
             append_eod=args.append_eod,
         )
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(err)
         return 2
     print(summary)
     return 0

@@ -4,7 +4,7 @@ Every import counts, function-local ones included: a function-local upward impor
 only waits for the function to be called. The layers, lowest first (a package may import its own
 layer's package and any package of a lower layer; packages of one layer are independent):
 
-    zoo.atomic | zoo.dtypes | zoo.assets         (import nothing from zoo)
+    zoo.atomic | zoo.dtypes | zoo.assets | zoo.errors   (import nothing from zoo)
     zoo.parallel
     zoo.distributed
     zoo.models | zoo.data
@@ -24,7 +24,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[set[str]] = [
-    {"zoo.atomic", "zoo.dtypes", "zoo.assets"},
+    {"zoo.atomic", "zoo.dtypes", "zoo.assets", "zoo.errors"},
     {"zoo.parallel"},
     {"zoo.distributed"},
     {"zoo.models", "zoo.data"},

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import os
 import socket
+from contextlib import contextmanager
 from datetime import timedelta
 from collections.abc import Sequence
 from typing import Callable, TypeVar
@@ -87,17 +88,44 @@ def join_process_group(local_rank: int, timeout: timedelta | None = None) -> str
     from deepspeed.accelerator import get_accelerator
 
     check_accelerator_matches_machine()
+    accelerator = get_accelerator()
+    if accelerator.device_name() != "cpu":
+        accelerator.set_device(local_rank)
+        bind_process_group_to_device(accelerator, local_rank, timeout)
     if timeout is None:
         deepspeed.init_distributed()
     else:
         deepspeed.init_distributed(timeout=timeout)
     share_cpu_threads()
-    accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        accelerator.set_device(local_rank)
-    else:
+    if accelerator.device_name() == "cpu":
         unlink_shared_memory_buffer()
     return accelerator.current_device_name()
+
+
+def bind_process_group_to_device(accelerator, local_rank: int, timeout: timedelta | None) -> None:
+    """On an accelerator, create the launcher's process group bound to this rank's device (torch's
+    ``device_id``) before DeepSpeed joins it (DeepSpeed adopts a group that exists). Unbound, every
+    barrier on NCCL guesses the device and warns "barrier(): using the device under current context"
+    (seen on an H100 at the first checkpoint of every run)."""
+    from deepspeed.constants import default_pg_timeout
+
+    if dist.is_initialized() or not launched_distributed():
+        return
+    dist.init_process_group(backend=accelerator.communication_backend_name(),
+                            timeout=default_pg_timeout if timeout is None else timeout,
+                            device_id=torch.device(accelerator.device_name(), local_rank))
+
+
+@contextmanager
+def process_group_left_on_success():
+    """Around a CLI's work: destroys the default process group on the way out if this block created it and
+    the work succeeded (torch warns at exit about a group never destroyed). A group the caller made (the
+    test harness's) is left alone, and after a failure nothing is torn down, where another rank may still
+    wait in a collective."""
+    existed = dist.is_available() and dist.is_initialized()
+    yield
+    if not existed and dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
 
 
 SHM_BUFFER_DIR = "/dev/shm"

@@ -25,7 +25,6 @@ import argparse
 import math
 import os
 import shutil
-import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -35,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.training.planner import peak_tflops_of   # the one table of GPU peaks (zoo.training.planner.GPUS)
+from zoo.errors import report_error
 
 REL_TOL = 1e-5
 PARITY_TEXT = "Megatron-LM splits every transformer layer across GPUs with two all-reduces forward."
@@ -111,19 +111,15 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def setup(args: argparse.Namespace) -> Smoke:
-    """init_distributed, then the accelerator's device for this local rank, then the TP x DP grid."""
-    import deepspeed
+    """Join the launcher's group as every zoo job does (bound to this rank's device), then the TP x DP grid."""
     from deepspeed.accelerator import get_accelerator
 
+    from zoo.distributed import join_process_group
     from zoo.parallel import ParallelState
-    from zoo.distributed import share_cpu_threads
 
-    deepspeed.init_distributed()
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
-    accelerator = get_accelerator()
-    accelerator.set_device(local_rank)
-    device = torch.device(accelerator.device_name(local_rank))
-    share_cpu_threads()
+    join_process_group(local_rank)
+    device = torch.device(get_accelerator().device_name(local_rank))
     ps = ParallelState.initialize(args.tensor_parallel_size or dist.get_world_size())
     return Smoke(args, ps, device, is_writer=dist.get_rank() == 0)
 
@@ -470,15 +466,18 @@ def run(smoke: Smoke) -> bool:
 
 def main(argv=None) -> int:
     """Exit status: 0 when every check passed on every rank, 1 otherwise, 2 for a bad flag."""
+    from zoo.distributed import process_group_left_on_success
+
     args = parse_args(argv)
-    try:
-        validate(args)
-        smoke = setup(args)
-    except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    smoke.say(f"smoke: {dist.get_world_size()} ranks on {smoke.device}, tp={smoke.parallel.tp_size} "
-              f"dp={smoke.parallel.dp_size}, {smoke.args.model} + {smoke.args.bert_model}")
-    ok = run(smoke)
-    smoke.say("smoke: all checks passed" if ok else "smoke: FAILED")
-    return 0 if ok else 1
+    with process_group_left_on_success():
+        try:
+            validate(args)
+            smoke = setup(args)
+        except (ValueError, FileNotFoundError) as err:
+            report_error(err)
+            return 2
+        smoke.say(f"smoke: {dist.get_world_size()} ranks on {smoke.device}, tp={smoke.parallel.tp_size} "
+                  f"dp={smoke.parallel.dp_size}, {smoke.args.model} + {smoke.args.bert_model}")
+        ok = run(smoke)
+        smoke.say("smoke: all checks passed" if ok else "smoke: FAILED")
+        return 0 if ok else 1

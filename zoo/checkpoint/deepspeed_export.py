@@ -42,6 +42,7 @@ from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, OutputTensor, che
 from zoo.models.pretrained import tokenizer_files, with_dtype
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.utils import merge_shards
+from zoo.errors import report_error
 
 __all__ = ["ExportResult", "export_checkpoint", "main", "merged_hf_state", "merged_master"]
 
@@ -180,7 +181,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         result = export_checkpoint(args.load, args.out, args.tag, torch_dtype(args.dtype), size)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(err)
         sys.exit(2)
     print(f"exported {result.tag_dir} (tp={result.tp_size}) to {result.out} as model_type {result.model_type!r} in "
           f"{str(result.dtype).replace('torch.', '')}; model config from {result.config_source}")

@@ -28,6 +28,7 @@ from zoo.distributed import (directory_bytes, join_process_group, launched_distr
                              single_device)
 from zoo.eval.wikitext import DEFAULT_OVERLAP
 from zoo.dtypes import add_dtype_argument, torch_dtype
+from zoo.errors import report_error
 
 TASKS = ("wikitext", "lambada")
 TF32_HELP = ("let float32 matmuls and cuDNN use TF32 tensor cores (Ampere/Hopper GPUs: several times faster, "
@@ -206,7 +207,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 log_to_wandb(args.wandb_project, results)
         return results
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(err)
         sys.exit(2)
     finally:
         if launched_distributed() and dist.is_available() and dist.is_initialized():

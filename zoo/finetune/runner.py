@@ -27,9 +27,10 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import write_text_atomic
-from zoo.distributed import single_process_env
+from zoo.distributed import process_group_left_on_success, single_process_env
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict, parse_args
 from zoo.finetune.tasks import EvalSet, Task, get_task
+from zoo.errors import report_error
 
 
 def _atomic_write(path: Path, text: str) -> None:
@@ -253,7 +254,8 @@ def main(task: str, argv=None) -> None:
     single_process_env()
     try:
         config = parse_args(task, argv)
-        finetune(config)
+        with process_group_left_on_success():
+            finetune(config)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(err)
         sys.exit(2)

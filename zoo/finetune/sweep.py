@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import atomic_file, write_text_atomic
+from zoo.errors import report_error
 
 SEED_KEY = "seed"
 
@@ -282,5 +283,5 @@ def main(argv=None) -> None:
         run_sweep(args.sweep, args.out, args.count, args.dry_run, args.launcher, args.project,
                   in_process=args.in_process)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(err)
         sys.exit(2)

@@ -40,10 +40,13 @@ def current_loss_scale(optimizer) -> float:
 
 
 def deepspeed_reports_true_norm(engine) -> bool:
-    """Whether ``engine.get_global_grad_norm()`` is the unscaled norm of the last step. fp32 engines keep
-    none; FP16_UnfusedOptimizer (fp16 with ``torch_adam`` or a non-fused optimizer) keeps it still
-    multiplied by the loss scale (deepspeedai/DeepSpeed#8588, open); FP16_Optimizer, BF16_Optimizer and
-    ZeRO divide it out."""
+    """Whether ``engine.get_global_grad_norm()`` is the unscaled norm of the last step. ZeRO keeps it in
+    every precision (and moves the gradients off the module, where zoo could not count them); fp32 without
+    ZeRO keeps none; FP16_UnfusedOptimizer (fp16 with ``torch_adam`` or a non-fused optimizer) keeps it
+    still multiplied by the loss scale (deepspeedai/DeepSpeed#8588, open); FP16_Optimizer and
+    BF16_Optimizer divide it out."""
+    if engine.zero_optimization():
+        return True
     if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
         return False
     return not (type(engine.optimizer).__name__ == "FP16_UnfusedOptimizer" and current_loss_scale(engine.optimizer) != 1.0)

@@ -24,6 +24,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 from zoo.training.run_config import RunConfig, load_run_config, validate_for_world, validate_static
+from zoo.errors import report_error
 
 
 @dataclass(frozen=True)
@@ -437,7 +438,7 @@ def main(argv: list[str] | None = None) -> None:
         result = plan(args.deepspeed_config, args.num_gpus, num_nodes=args.num_nodes, gpu=args.gpu,
                       gpu_memory=args.gpu_memory, mfu=args.mfu)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(err)
         sys.exit(2)
     print(result.to_json() if args.json else format_plan(result))
 

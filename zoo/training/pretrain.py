@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import check_writable_directory, write_text_atomic
-from zoo.distributed import host_group, means_over_dp, raise_on_any_rank
+from zoo.distributed import host_group, means_over_dp, process_group_left_on_success, raise_on_any_rank
 from zoo.models.families import build_model, shape_of
 from zoo.training.families import build_dataset, default_corpus, forward_with_metrics, pretrained_model
 from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm
@@ -28,6 +28,7 @@ from zoo.checkpoint.files import CHECKPOINT_SUBDIR
 from zoo.training.resume import checkpoint_to_load
 from zoo.training.run_config import (RunConfig, build_parser, clipped_warmup_warning, deepspeed_dict, load_run_config,
                                      lr_schedule, schedule_change_warning, validate_for_world)
+from zoo.errors import report_error
 
 
 
@@ -442,7 +443,8 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     try:
         config = load_run_config(args)
-        pretrain(config)
+        with process_group_left_on_success():
+            pretrain(config)
     except (ValueError, FileNotFoundError) as err:
-        print(f"error: {err}", file=sys.stderr)
+        report_error(err)
         sys.exit(2)
