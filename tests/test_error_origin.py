@@ -4,19 +4,19 @@ the user as ``error: invalid literal for int() with base 10: '0a'``, exit 2, wit
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
 from zoo.errors import error_line, report_error
 
 
 def _raised_by_a_library() -> ValueError:
+    from packaging.version import Version
+
     try:
-        json.loads("{not json")
+        Version("not a version")
     except ValueError as err:
         return err
-    raise AssertionError("json accepted it")
+    raise AssertionError("packaging accepted it")
 
 
 def _raised_by_zoo() -> ValueError:
@@ -31,14 +31,26 @@ def _raised_by_zoo() -> ValueError:
 
 def test_a_library_error_names_where_it_was_raised():
     line = error_line(_raised_by_a_library())
-    assert line.startswith("error: Expecting property name") and "\n" not in line
-    assert "(raised in " in line and "json" in line.split("(raised in ", 1)[1], line
+    assert line.startswith("error: Invalid version") and "\n" not in line
+    assert "(raised in packaging/version.py:" in line, line
     assert "ZOO_TRACEBACK=1" in line
 
 
 def test_zoos_own_sentence_is_left_as_it_is():
     err = _raised_by_zoo()
     assert error_line(err) == f"error: {err}"
+
+
+def test_a_standard_library_frame_is_skipped_for_the_code_that_called_it(tmp_path):
+    """A missing file raised inside pathlib for zoo's call is zoo's (its check), not a library's."""
+    from zoo.errors import raised_at
+
+    try:
+        (tmp_path / "missing.json").read_text()
+    except FileNotFoundError as err:
+        assert raised_at(err)[0] == __file__
+    else:
+        raise AssertionError("the file exists")
 
 
 def test_zoo_traceback_prints_the_traceback_before_the_line(monkeypatch, capsys):
@@ -56,16 +68,17 @@ def test_without_zoo_traceback_it_is_one_line(value, monkeypatch, capsys):
 
 
 def test_the_pretraining_cli_reports_a_library_error_with_its_origin(monkeypatch, capsys):
-    """Through pretraining's main(): a ValueError raised inside a library while the run is set up (json's
-    here, standing in for DeepSpeed's op builder) is still one line and exit 2, and now says where."""
+    """Through pretraining's main(): a ValueError raised inside a library while the run is set up
+    (packaging's here, standing in for DeepSpeed's op builder) is still one line and exit 2, and now says
+    where."""
     from zoo.training import pretrain as pretraining
 
     def deepspeed_like_failure(args):
-        return json.loads("{not json")
+        raise _raised_by_a_library()
 
     monkeypatch.setattr(pretraining, "load_run_config", deepspeed_like_failure)
     with pytest.raises(SystemExit) as exit_info:
         pretraining.main(["--deepspeed_config", "ds_configs/cpu_demo.json"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "(raised in " in err and "json" in err, err
+    assert err.count("\n") == 1 and "(raised in packaging/version.py:" in err, err

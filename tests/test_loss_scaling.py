@@ -137,3 +137,29 @@ def test_bf16_fp32_and_zero_engines_are_left_alone():
     bf16.fp16_enabled = lambda: False
     assert scale_deepspeed_leaves_out(zero) is None and scale_deepspeed_leaves_out(bf16) is None
     assert scale_deepspeed_leaves_out(_Engine(scales=False)) == 1024.0
+
+
+@pytest.mark.parametrize("head", ["BertForSequenceClassification", "BertForMultipleChoice", "BertForQuestionAnswering",
+                                  "BertForPreTraining"])
+def test_fp16_models_return_an_fp32_loss_that_carries_the_scale(head):
+    """An fp16 loss cannot carry S = 65,536 back (fp16 overflows at 65,504): the heads' losses were fp16,
+    so every fp16 finetuning run skipped its first steps and each attempt to grow the scale."""
+    import zoo.models
+    from zoo.models import bert_config
+
+    config = bert_config("bert-tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+    cls = getattr(zoo.models, head, None) or getattr(__import__("zoo.models.bert_heads", fromlist=[head]), head)
+    if head == "BertForSequenceClassification":
+        config = cls.configure_head(config, 3, None)
+    torch.manual_seed(0)
+    model = cls(config).half()
+    ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
+    batch = {"BertForSequenceClassification": dict(input_ids=ids, labels=torch.tensor([0, 2])),
+             "BertForMultipleChoice": dict(input_ids=ids.view(1, 2, 16), labels=torch.tensor([1])),
+             "BertForQuestionAnswering": dict(input_ids=ids, start_positions=torch.tensor([1, 3]),
+                                              end_positions=torch.tensor([2, 5])),
+             "BertForPreTraining": dict(input_ids=ids, labels=ids, next_sentence_label=torch.tensor([0, 1]))}[head]
+    loss = model(**batch).loss
+    assert loss.dtype == torch.float32
+    (loss * 65536.0).backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)

@@ -91,7 +91,6 @@ def join_process_group(local_rank: int, timeout: timedelta | None = None) -> str
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
-        bind_process_group_to_device(accelerator, local_rank, timeout)
     if timeout is None:
         deepspeed.init_distributed()
     else:
@@ -100,20 +99,6 @@ def join_process_group(local_rank: int, timeout: timedelta | None = None) -> str
     if accelerator.device_name() == "cpu":
         unlink_shared_memory_buffer()
     return accelerator.current_device_name()
-
-
-def bind_process_group_to_device(accelerator, local_rank: int, timeout: timedelta | None) -> None:
-    """On an accelerator, create the launcher's process group bound to this rank's device (torch's
-    ``device_id``) before DeepSpeed joins it (DeepSpeed adopts a group that exists). Unbound, every
-    barrier on NCCL guesses the device and warns "barrier(): using the device under current context"
-    (seen on an H100 at the first checkpoint of every run)."""
-    from deepspeed.constants import default_pg_timeout
-
-    if dist.is_initialized() or not launched_distributed():
-        return
-    dist.init_process_group(backend=accelerator.communication_backend_name(),
-                            timeout=default_pg_timeout if timeout is None else timeout,
-                            device_id=torch.device(accelerator.device_name(), local_rank))
 
 
 @contextmanager

@@ -10,17 +10,27 @@ from __future__ import annotations
 
 import os
 import sys
+import sysconfig
 import traceback
 
 _OWN_DIRECTORIES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name) + os.sep
                          for name in ("zoo", "launch", "finetune", "benchmarks"))
+_STANDARD_LIBRARY = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 TRACEBACK_VARIABLE = "ZOO_TRACEBACK"
 
 
+def _in_standard_library(path: str) -> bool:
+    return os.path.abspath(path).startswith(_STANDARD_LIBRARY) and "-packages" + os.sep not in path
+
+
 def raised_at(err: BaseException) -> tuple[str, int] | None:
-    """(file, line) of the innermost frame that raised ``err``, or None without a traceback."""
+    """(file, line) of the innermost frame that raised ``err`` outside Python's standard library (a missing
+    file raised by pathlib for zoo's call counts as zoo's), or None without such a frame."""
     frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ is not None else []
-    return (frames[-1].filename, frames[-1].lineno) if frames else None
+    for frame in reversed(frames):
+        if not _in_standard_library(frame.filename):
+            return frame.filename, frame.lineno
+    return None
 
 
 def raised_outside_zoo(err: BaseException) -> tuple[str, int] | None:

@@ -15,6 +15,8 @@ Run directory: ``metrics.jsonl``, ``results.json`` (best and final metrics, the 
 
 from __future__ import annotations
 
+import contextlib
+
 import json
 import math
 import os
@@ -249,12 +251,14 @@ class BestTracker:
             engine.module.save_pretrained(self.run_dir / "best")
 
 
-def main(task: str, argv=None) -> None:
-    """Entry point of ``finetune/<task>.py``: user errors print one sentence and exit with code 2."""
+def main(task: str, argv=None, leave_process_group: bool = True) -> None:
+    """Entry point of ``finetune/<task>.py``: user errors print one sentence and exit with code 2. A
+    process group the run creates is destroyed after it succeeds, unless ``leave_process_group`` is False
+    (an in-process sweep keeps one group for all its runs)."""
     single_process_env()
     try:
         config = parse_args(task, argv)
-        with process_group_left_on_success():
+        with process_group_left_on_success() if leave_process_group else contextlib.nullcontext():
             finetune(config)
     except (ValueError, FileNotFoundError) as err:
         report_error(err)

@@ -198,7 +198,7 @@ def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> 
     os.environ.update(env)
     try:
         with log_path.open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            finetune_main(Path(command[0]).stem, command[1:])
+            finetune_main(Path(command[0]).stem, command[1:], leave_process_group=False)
         return 0
     except SystemExit as exit_:
         return int(exit_.code or 0)

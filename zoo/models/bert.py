@@ -290,7 +290,7 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
                                                       vocab_size=self.config.vocab_size)  # (b, s)
             loss = token_loss.sum() / (labels != -100).sum().clamp(min=1)
             if next_sentence_label is not None:
-                loss = loss + F.cross_entropy(sop_logits, next_sentence_label.view(-1))
+                loss = loss + F.cross_entropy(sop_logits.float(), next_sentence_label.view(-1))   # fp32
         logits = local_logits
         if gather_output:
             from zoo.parallel import gather_from_tp_region

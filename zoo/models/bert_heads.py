@@ -128,8 +128,9 @@ class BertForSequenceClassification(_BertTaskModel):
         logits = self.classifier(self.dropout(pooled))                                          # (b, labels)
         loss = None
         if labels is not None:
-            loss = (F.mse_loss(logits.squeeze(-1), labels.to(logits.dtype)) if self.num_labels == 1
-                    else F.cross_entropy(logits, labels.view(-1)))
+            # fp32 losses: an fp16 loss cannot carry the fp16 loss scale back (65,536 overflows fp16)
+            loss = (F.mse_loss(logits.squeeze(-1).float(), labels.float()) if self.num_labels == 1
+                    else F.cross_entropy(logits.float(), labels.view(-1)))
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
@@ -154,7 +155,7 @@ class BertForMultipleChoice(_BertTaskModel):
         pooled = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids),
                            flat(position_ids)).pooler_output                                  # (b*n, h)
         logits = self.classifier(self.dropout(pooled)).view(b, n)                             # (b, n)
-        loss = F.cross_entropy(logits, labels.view(-1)) if labels is not None else None
+        loss = F.cross_entropy(logits.float(), labels.view(-1)) if labels is not None else None   # fp32
         return MultipleChoiceModelOutput(loss=loss, logits=logits)
 
 
@@ -190,7 +191,7 @@ class BertForQuestionAnswering(_BertTaskModel):
             s = input_ids.shape[1]
             start = start_positions.view(-1).clamp(0, s)
             end = end_positions.view(-1).clamp(0, s)
-            loss = (F.cross_entropy(start_logits, start, ignore_index=s)
-                    + F.cross_entropy(end_logits, end, ignore_index=s)) / 2
+            loss = (F.cross_entropy(start_logits.float(), start, ignore_index=s)                 # fp32
+                    + F.cross_entropy(end_logits.float(), end, ignore_index=s)) / 2
         return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits.contiguous(),
                                             end_logits=end_logits.contiguous())

@@ -49,7 +49,7 @@ def deepspeed_reports_true_norm(engine) -> bool:
         return True
     if not (engine.fp16_enabled() or engine.bfloat16_enabled()):
         return False
-    return not (type(engine.optimizer).__name__ == "FP16_UnfusedOptimizer" and current_loss_scale(engine.optimizer) != 1.0)
+    return type(engine.optimizer).__name__ != "FP16_UnfusedOptimizer"   # decided once: its scale may grow from 1
 
 
 def unscaled_grad_norm(engine, parallel) -> torch.Tensor:

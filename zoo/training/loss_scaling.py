@@ -12,7 +12,12 @@ fires, fp16 gradients underflow, and ``get_global_grad_norm()`` reports the norm
 S/g when DeepSpeed scaled the loss (g = gradient accumulation steps), 1/g when it did not; only in the
 second case does it multiply by S. So the gradients reach the optimizer scaled by S once, on a DeepSpeed
 that has the bug and on one that has the fix, with no host synchronisation (the choice is made on the
-device). bf16, fp32 and ZeRO engines never get the hook.
+device). bf16, fp32 and ZeRO engines never get the hook. The loss must be fp32 (zoo's losses are): an
+fp16 loss cannot carry S = 65,536 back, whoever applies it.
+
+What zoo cannot change: on a step where the dynamic scale grows (once per ``loss_scale_window`` good
+steps), DeepSpeed's fp16 optimizers update the scale before they unscale, so that step's gradients are
+divided by 2S (and its logged norm halved), as in every DeepSpeed version that scales the loss itself.
 """
 
 from __future__ import annotations
