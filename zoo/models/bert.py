@@ -49,6 +49,12 @@ def init_head_params(model: nn.Module, names: list[str], seed: int, std: float,
             param.copy_(values.to(device=param.device, dtype=param.dtype))
 
 
+def at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    """Logits for a loss: fp16/bf16 upcast to fp32, fp32/fp64 as they are. An fp16 loss cannot carry the
+    fp16 loss scale back (65,536 overflows fp16); a float64 model keeps float64 (the parity tests)."""
+    return logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+
+
 class BertEmbeddings(nn.Module):
     """word (vocab-parallel) + position + token type; LayerNorm only in the post-norm layout.
 
@@ -290,7 +296,7 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
                                                       vocab_size=self.config.vocab_size)  # (b, s)
             loss = token_loss.sum() / (labels != -100).sum().clamp(min=1)
             if next_sentence_label is not None:
-                loss = loss + F.cross_entropy(sop_logits.float(), next_sentence_label.view(-1))   # fp32
+                loss = loss + F.cross_entropy(at_least_fp32(sop_logits), next_sentence_label.view(-1))
         logits = local_logits
         if gather_output:
             from zoo.parallel import gather_from_tp_region

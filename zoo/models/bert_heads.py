@@ -23,7 +23,7 @@ from torch import nn
 from transformers.modeling_outputs import (MultipleChoiceModelOutput, QuestionAnsweringModelOutput,
                                            SequenceClassifierOutput)
 
-from zoo.models.bert import BertModel, _BertCheckpoints, init_head_params
+from zoo.models.bert import BertModel, _BertCheckpoints, at_least_fp32, init_head_params
 from zoo.models.config import BertConfig
 from zoo.models.hf_io import HFParam, read_config_json
 from zoo.parallel.state import ParallelState, as_state
@@ -129,8 +129,9 @@ class BertForSequenceClassification(_BertTaskModel):
         loss = None
         if labels is not None:
             # fp32 losses: an fp16 loss cannot carry the fp16 loss scale back (65,536 overflows fp16)
-            loss = (F.mse_loss(logits.squeeze(-1).float(), labels.float()) if self.num_labels == 1
-                    else F.cross_entropy(logits.float(), labels.view(-1)))
+            scores = at_least_fp32(logits)
+            loss = (F.mse_loss(scores.squeeze(-1), labels.to(scores.dtype)) if self.num_labels == 1
+                    else F.cross_entropy(scores, labels.view(-1)))
         return SequenceClassifierOutput(loss=loss, logits=logits)
 
 
@@ -155,7 +156,7 @@ class BertForMultipleChoice(_BertTaskModel):
         pooled = self.bert(flat(input_ids), flat(attention_mask), flat(token_type_ids),
                            flat(position_ids)).pooler_output                                  # (b*n, h)
         logits = self.classifier(self.dropout(pooled)).view(b, n)                             # (b, n)
-        loss = F.cross_entropy(logits.float(), labels.view(-1)) if labels is not None else None   # fp32
+        loss = F.cross_entropy(at_least_fp32(logits), labels.view(-1)) if labels is not None else None
         return MultipleChoiceModelOutput(loss=loss, logits=logits)
 
 
@@ -191,7 +192,7 @@ class BertForQuestionAnswering(_BertTaskModel):
             s = input_ids.shape[1]
             start = start_positions.view(-1).clamp(0, s)
             end = end_positions.view(-1).clamp(0, s)
-            loss = (F.cross_entropy(start_logits.float(), start, ignore_index=s)                 # fp32
-                    + F.cross_entropy(end_logits.float(), end, ignore_index=s)) / 2
+            loss = (F.cross_entropy(at_least_fp32(start_logits), start, ignore_index=s)
+                    + F.cross_entropy(at_least_fp32(end_logits), end, ignore_index=s)) / 2
         return QuestionAnsweringModelOutput(loss=loss, start_logits=start_logits.contiguous(),
                                             end_logits=end_logits.contiguous())
