@@ -144,7 +144,22 @@ def hf_model(args):
                                                      dtype=torch.float32)
 
 
+def join_deepspeed_on_this_host(rank: int, world_size: int, port: int) -> None:
+    """What zoo's jobs do under the deepspeed launcher: DeepSpeed joins the group with every rank on this
+    host (``LOCAL_SIZE``), so the TP sums go through its shared-memory kernel (zoo.parallel.host_all_reduce);
+    the kernel's workspace names are unlinked at once, as zoo's join does."""
+    import deepspeed
+
+    from zoo.distributed import unlink_shared_memory_buffer
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    unlink_shared_memory_buffer()
+
+
 def _tp_worker(rank: int, world_size: int, port: int, args, results) -> None:
+    from zoo.parallel.host_all_reduce import tp_all_reduce_
     from zoo.parallel.state import ParallelState
 
     torch.set_num_threads(1)
@@ -153,6 +168,8 @@ def _tp_worker(rank: int, world_size: int, port: int, args, results) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world_size)
     try:
+        if args.tp_all_reduce == "deepspeed-shm":
+            join_deepspeed_on_this_host(rank, world_size, port)
         parallel = ParallelState.initialize(world_size)
         times = {}
         for sp in (False, True):     # one model at a time: the default shape's AdamW state is large
@@ -160,7 +177,7 @@ def _tp_worker(rank: int, world_size: int, port: int, args, results) -> None:
             times[sp] = time_steps(step, args.steps, args.warmup, sync=dist.barrier)
             del step
         activation = torch.randn(args.batch, args.seq, args.hidden)     # what f and g all-reduce
-        comm = time_steps(lambda: dist.all_reduce(activation), 10, 2, sync=dist.barrier)
+        comm = time_steps(lambda: tp_all_reduce_(activation, parallel.tp_group), 10, 2, sync=dist.barrier)
         if rank == 0:
             results.put((times, comm))
     finally:
@@ -208,6 +225,9 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1,
                         help="alternate the tp=1 and tp=2 timings this many times (table 4: per-round efficiency)")
     parser.add_argument("--skip-hf", action="store_true", help="do not time transformers (table 2: zoo only)")
+    parser.add_argument("--tp-all-reduce", choices=("deepspeed-shm", "gloo"), default="deepspeed-shm",
+                        help="the tp=2 ranks join DeepSpeed on one host as zoo's jobs do, so TP sums use its "
+                             "shared-memory kernel (default), or stay on gloo")
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke shape: 2 layers, h=128, 4 heads, s=64, b=2, 5 steps, 1 warm-up")
     args = parser.parse_args()
@@ -224,7 +244,8 @@ def main() -> None:
     flops = megatron_flops_per_step(args.batch, args.seq, args.layers, args.hidden, args.vocab)
     print(f"GPT-2 step benchmark: layers={args.layers} hidden={args.hidden} heads={args.heads} "
           f"seq={args.seq} batch={args.batch} vocab={args.vocab}; fp32, dropout 0, AdamW; "
-          f"median of {args.steps} steps after {args.warmup} warm-up; host allocator: {args.host_allocator}")
+          f"median of {args.steps} steps after {args.warmup} warm-up; host allocator: {args.host_allocator}; "
+          f"tp sums: {args.tp_all_reduce}")
     print(f"torch {torch.__version__}, {os.cpu_count()} logical CPUs")
     print(FLOPS_FORMULA)
     print(f"  = {flops / 1e9:.1f} GFLOP per step (B={args.batch}, s={args.seq}, l={args.layers}, "
@@ -273,7 +294,7 @@ def main() -> None:
                  f"SP on {100 * t_zoo / (2 * t_sp2):.0f}% (from the minimum step times: "
                  f"{100 * min(zoo_times) / (2 * min(tp_times[False])):.0f}%, "
                  f"{100 * min(zoo_times) / (2 * min(tp_times[True])):.0f}%)",
-                 f"gloo all-reduce of one ({args.batch}, {args.seq}, {args.hidden}) fp32 activation: "
+                 f"{'gloo' if args.tp_all_reduce == 'gloo' else 'shared-memory'} all-reduce of one ({args.batch}, {args.seq}, {args.hidden}) fp32 activation: "
                  f"{t_comm * 1e3:.1f} ms; {n_reduce} per step (4 l + 2) = {n_reduce * t_comm * 1e3:.0f} ms, "
                  f"{100 * n_reduce * t_comm / t_tp2:.0f}% of the tp=2 step (SP moves the same volume as "
                  "all-gathers / reduce-scatters, plus 2 re-gathers per layer in backward)",

@@ -21,10 +21,10 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.parallel.host_all_reduce import start_tp_all_reduce_
 from zoo.parallel.mappings import (_gather_sequence, _start_gather_sequence, _start_reduce_scatter_sequence,
                                    all_reduce_grads_of_replicated, gather_from_tp_region, reduce_from_tp_region_,
                                    reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
@@ -102,7 +102,7 @@ class _ColumnParallelLinear(torch.autograd.Function):
             if sequence_parallel:
                 work, grad_input = _start_reduce_scatter_sequence(grad_input, parallel)  # -> (b, s/p, in)
             else:
-                work = dist.all_reduce(grad_input, group=parallel.tp_group, async_op=True)
+                work = start_tp_all_reduce_(grad_input, parallel.tp_group)
         grad_weight = grad_bias = None
         grad_2d = grad.reshape(-1, grad.shape[-1])                                    # (b*s, out / p)
         if need_weight:

@@ -39,7 +39,8 @@ pooler): every rank then holds the same full gradient and keeps its own tokens o
 
 Collectives are called as ``torch.distributed.all_reduce`` / ``all_gather`` /
 ``reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13), looked up at call time, so
-the tests can count them.
+the tests can count them. On one host's CPU ranks whose TP group is the world, the sums go through
+DeepSpeed's shared-memory kernel instead (``zoo.parallel.host_all_reduce``).
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zoo.parallel.host_all_reduce import tp_all_reduce_
 from zoo.parallel.state import ParallelState, as_state
 
 
@@ -64,7 +66,7 @@ def _all_reduce_copy(tensor: torch.Tensor, parallel: ParallelState) -> torch.Ten
     GEMM (``zoo.parallel.layers``), whose input gradient is a fresh tensor.
     """
     tensor = tensor.clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(tensor, group=parallel.tp_group)
+    tp_all_reduce_(tensor, parallel.tp_group)
     return tensor
 
 
@@ -170,7 +172,7 @@ class _ReduceFromTensorParallelRegionInPlace(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, parallel):
         ctx.mark_dirty(x)
-        dist.all_reduce(x, group=parallel.tp_group)
+        tp_all_reduce_(x, parallel.tp_group)
         return x
 
     @staticmethod
@@ -247,7 +249,7 @@ class _AllReduceGradOfReplicated(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grads):
         flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat, group=ctx.parallel.tp_group)
+        tp_all_reduce_(flat, ctx.parallel.tp_group)
         pieces = flat.split([g.numel() for g in grads])
         return (None, *(piece.view_as(g) for piece, g in zip(pieces, grads)))
 

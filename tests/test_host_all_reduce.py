@@ -1,0 +1,66 @@
+"""On one host's CPU ranks, the TP sums go through DeepSpeed's shared-memory kernel when DeepSpeed joined
+the group (zoo.parallel.host_all_reduce): the same values as gloo, bit for bit at two ranks, and none of
+the activation-sized all-reduces left on gloo. Where the kernel would be wrong (a dtype it skips, a group
+smaller than the world, ranks it cannot see) the sum stays on torch.distributed."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from tests.checks import record_collectives
+from tests.spawn import spawn
+
+NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+
+
+def _step(model, ids):
+    model.zero_grad(set_to_none=True)
+    with record_collectives() as calls:
+        output = model(input_ids=ids, labels=ids, gather_output=True)
+        output.loss.backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    summed = [numel for name, numel, op in calls if name == "all_reduce" and op == "SUM"]
+    return output.logits.detach(), output.loss.detach(), grads, summed
+
+
+def _kernel_worker(rank, world_size):
+    import deepspeed
+    import torch.distributed as dist
+
+    from zoo.models import GPT2LMHeadModel, gpt2_config
+    from zoo.parallel import ParallelState, model_parallel_seed
+    from zoo.parallel.host_all_reduce import shared_memory_all_reduce_applies
+
+    os.environ["LOCAL_SIZE"] = str(world_size)         # as the deepspeed launcher sets it
+    deepspeed.init_distributed(dist_backend="gloo")     # adopts the harness's group, builds the kernel
+    ps = ParallelState.initialize(world_size)
+    out = {"applies fp32": shared_memory_all_reduce_applies(torch.zeros(4), ps.tp_group),
+           "applies fp64": shared_memory_all_reduce_applies(torch.zeros(4, dtype=torch.float64), ps.tp_group),
+           "applies strided": shared_memory_all_reduce_applies(torch.zeros(4, 2).t(), ps.tp_group),
+           "applies rank-1 group": shared_memory_all_reduce_applies(
+               torch.zeros(4), dist.new_group([rank], use_local_synchronization=True))}
+    model_parallel_seed(3, ps)
+    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **NO_DROPOUT), parallel=ps)
+    ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
+    kernel = _step(model, ids)
+    del os.environ["LOCAL_SIZE"]                          # the kernel no longer applies: gloo
+    out["applies without LOCAL_SIZE"] = shared_memory_all_reduce_applies(torch.zeros(4), ps.tp_group)
+    gloo = _step(model, ids)
+    out["logits equal"] = torch.equal(kernel[0], gloo[0])
+    out["loss equal"] = torch.equal(kernel[1], gloo[1])
+    out["grads equal"] = [name for name in gloo[2] if not torch.equal(kernel[2][name], gloo[2][name])] == []
+    out["gloo sums with the kernel"], out["gloo sums without"] = kernel[3], gloo[3]
+    out["activation numel"] = 2 * 32 * model.config.n_embd
+    return out
+
+
+def test_the_shared_memory_kernel_gives_gloos_sums_and_takes_the_activation_all_reduces():
+    for out in spawn(_kernel_worker, 2):
+        assert out["applies fp32"] and not out["applies fp64"] and not out["applies strided"], out
+        assert not out["applies rank-1 group"] and not out["applies without LOCAL_SIZE"], out
+        assert out["logits equal"] and out["loss equal"] and out["grads equal"], out
+        activation = out["activation numel"]
+        assert out["gloo sums without"].count(activation) >= 4, out     # g forward, f backward, per layer
+        assert activation not in out["gloo sums with the kernel"], out
