@@ -31,12 +31,13 @@ def _kernel_worker(rank, world_size):
 
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.parallel import ParallelState, model_parallel_seed
-    from zoo.parallel.host_all_reduce import shared_memory_all_reduce_applies
+    from zoo.parallel.host_all_reduce import _deepspeed_kernel_level, shared_memory_all_reduce_applies
 
     os.environ["LOCAL_SIZE"] = str(world_size)         # as the deepspeed launcher sets it
     deepspeed.init_distributed(dist_backend="gloo")     # adopts the harness's group, builds the kernel
     ps = ParallelState.initialize(world_size)
-    out = {"applies fp32": shared_memory_all_reduce_applies(torch.zeros(4), ps.tp_group),
+    out = {"kernel level": _deepspeed_kernel_level(),
+           "applies fp32": shared_memory_all_reduce_applies(torch.zeros(4), ps.tp_group),
            "applies fp64": shared_memory_all_reduce_applies(torch.zeros(4, dtype=torch.float64), ps.tp_group),
            "applies strided": shared_memory_all_reduce_applies(torch.zeros(4, 2).t(), ps.tp_group),
            "applies rank-1 group": shared_memory_all_reduce_applies(
@@ -58,9 +59,12 @@ def _kernel_worker(rank, world_size):
 
 def test_the_shared_memory_kernel_gives_gloos_sums_and_takes_the_activation_all_reduces():
     for out in spawn(_kernel_worker, 2):
-        assert out["applies fp32"] and not out["applies fp64"] and not out["applies strided"], out
+        assert not out["applies fp64"] and not out["applies strided"], out
         assert not out["applies rank-1 group"] and not out["applies without LOCAL_SIZE"], out
         assert out["logits equal"] and out["loss equal"] and out["grads equal"], out
         activation = out["activation numel"]
         assert out["gloo sums without"].count(activation) >= 4, out     # g forward, f backward, per layer
-        assert activation not in out["gloo sums with the kernel"], out
+        if out["kernel level"] >= 1:      # DeepSpeed built its kernel and the CPU has AVX2 (every x86-64 since 2013)
+            assert out["applies fp32"] and activation not in out["gloo sums with the kernel"], out
+        else:                             # otherwise the guard keeps every sum on gloo
+            assert not out["applies fp32"] and out["gloo sums with the kernel"] == out["gloo sums without"], out
