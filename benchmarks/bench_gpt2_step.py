@@ -148,13 +148,11 @@ def join_deepspeed_on_this_host(rank: int, world_size: int, port: int) -> None:
     """What zoo's jobs do under the deepspeed launcher: DeepSpeed joins the group with every rank on this
     host (``LOCAL_SIZE``), so the TP sums go through its shared-memory kernel (zoo.parallel.host_all_reduce);
     the kernel's workspace names are unlinked at once, as zoo's join does."""
-    import deepspeed
-
-    from zoo.distributed import unlink_shared_memory_buffer
+    from zoo.distributed import join_deepspeed, unlink_shared_memory_buffer
 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_SIZE=str(world_size),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    deepspeed.init_distributed(dist_backend="gloo", verbose=False)
+    join_deepspeed(dist_backend="gloo", verbose=False)
     unlink_shared_memory_buffer()
 
 

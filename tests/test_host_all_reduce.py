@@ -1,7 +1,8 @@
 """On one host's CPU ranks, the TP sums go through DeepSpeed's shared-memory kernel when DeepSpeed joined
 the group (zoo.parallel.host_all_reduce): the same values as gloo, bit for bit at two ranks, and none of
 the activation-sized all-reduces left on gloo. Where the kernel would be wrong (a dtype it skips, a group
-smaller than the world, ranks it cannot see) the sum stays on torch.distributed."""
+smaller than the world, 2 GiB or more, a group joined again after the kernel was set up for an earlier
+one: a hang, seen) the sum stays on torch.distributed."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ import os
 import torch
 
 from tests.checks import record_collectives
-from tests.spawn import spawn
+from tests.spawn import free_port, spawn
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
@@ -26,28 +27,37 @@ def _step(model, ids):
 
 
 def _kernel_worker(rank, world_size):
-    import deepspeed
     import torch.distributed as dist
+
+    from zoo.distributed import join_deepspeed
 
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.parallel.host_all_reduce import _deepspeed_kernel_level, shared_memory_all_reduce_applies
 
     os.environ["LOCAL_SIZE"] = str(world_size)         # as the deepspeed launcher sets it
-    deepspeed.init_distributed(dist_backend="gloo")     # adopts the harness's group, builds the kernel
+    join_deepspeed(dist_backend="gloo")                 # adopts the harness's group, builds the kernel
     ps = ParallelState.initialize(world_size)
     out = {"kernel level": _deepspeed_kernel_level(),
            "applies fp32": shared_memory_all_reduce_applies(torch.zeros(4), ps.tp_group),
            "applies fp64": shared_memory_all_reduce_applies(torch.zeros(4, dtype=torch.float64), ps.tp_group),
            "applies strided": shared_memory_all_reduce_applies(torch.zeros(4, 2).t(), ps.tp_group),
+           "applies 2 GiB": shared_memory_all_reduce_applies(torch.empty(2 ** 29), ps.tp_group),   # never touched
            "applies rank-1 group": shared_memory_all_reduce_applies(
                torch.zeros(4), dist.new_group([rank], use_local_synchronization=True))}
     model_parallel_seed(3, ps)
     model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **NO_DROPOUT), parallel=ps)
     ids = torch.randint(0, 50257, (2, 32), generator=torch.Generator().manual_seed(0))
     kernel = _step(model, ids)
-    del os.environ["LOCAL_SIZE"]                          # the kernel no longer applies: gloo
-    out["applies without LOCAL_SIZE"] = shared_memory_all_reduce_applies(torch.zeros(4), ps.tp_group)
+    port = [free_port() if rank == 0 else None]
+    dist.broadcast_object_list(port, src=0)
+    dist.destroy_process_group()                          # joined again: the kernel was set up for the old group
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port[0]}", rank=rank, world_size=world_size)
+    join_deepspeed(dist_backend="gloo")
+    ps = ParallelState.initialize(world_size)
+    model_parallel_seed(3, ps)
+    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **NO_DROPOUT), parallel=ps)   # the same weights
+    out["applies after joining again"] = shared_memory_all_reduce_applies(torch.zeros(4), ps.tp_group)
     gloo = _step(model, ids)
     out["logits equal"] = torch.equal(kernel[0], gloo[0])
     out["loss equal"] = torch.equal(kernel[1], gloo[1])
@@ -59,8 +69,8 @@ def _kernel_worker(rank, world_size):
 
 def test_the_shared_memory_kernel_gives_gloos_sums_and_takes_the_activation_all_reduces():
     for out in spawn(_kernel_worker, 2):
-        assert not out["applies fp64"] and not out["applies strided"], out
-        assert not out["applies rank-1 group"] and not out["applies without LOCAL_SIZE"], out
+        assert not out["applies fp64"] and not out["applies strided"] and not out["applies 2 GiB"], out
+        assert not out["applies rank-1 group"] and not out["applies after joining again"], out
         assert out["logits equal"] and out["loss equal"] and out["grads equal"], out
         activation = out["activation numel"]
         assert out["gloo sums without"].count(activation) >= 4, out     # g forward, f backward, per layer

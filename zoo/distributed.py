@@ -84,17 +84,13 @@ def join_process_group(local_rank: int, timeout: timedelta | None = None) -> str
     (before anything seeds or allocates on it) and return its name. ``timeout`` bounds every collective
     of the group (DeepSpeed's default, 10 minutes or ``$DEEPSPEED_TIMEOUT``, when None): a rank that
     never arrives ends the job with the backend's timeout error instead of a hang."""
-    import deepspeed
     from deepspeed.accelerator import get_accelerator
 
     check_accelerator_matches_machine()
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
-    if timeout is None:
-        deepspeed.init_distributed()
-    else:
-        deepspeed.init_distributed(timeout=timeout)
+    join_deepspeed(timeout)
     share_cpu_threads()
     if accelerator.device_name() == "cpu":
         unlink_shared_memory_buffer()
@@ -111,6 +107,20 @@ def process_group_left_on_success():
     yield
     if not existed and dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def join_deepspeed(timeout: timedelta | None = None, **init_kwargs) -> None:
+    """``deepspeed.init_distributed`` (adopting a group that exists), then whether DeepSpeed's CPU
+    shared-memory kernel serves this group's TP sums (``zoo.parallel.host_all_reduce``)."""
+    import deepspeed
+
+    from zoo.parallel.host_all_reduce import adopt_deepspeed_kernel, deepspeed_backend_exists
+
+    created_now = not deepspeed_backend_exists()
+    if timeout is not None:
+        init_kwargs["timeout"] = timeout
+    deepspeed.init_distributed(**init_kwargs)
+    adopt_deepspeed_kernel(created_now)
 
 
 SHM_BUFFER_DIR = "/dev/shm"
