@@ -111,7 +111,7 @@ def validate(args: argparse.Namespace) -> None:
 
 
 def setup(args: argparse.Namespace) -> Smoke:
-    """Join the launcher's group as every zoo job does (bound to this rank's device), then the TP x DP grid."""
+    """Join the launcher's group as every zoo job does (on this rank's device), then the TP x DP grid."""
     from deepspeed.accelerator import get_accelerator
 
     from zoo.distributed import join_process_group
@@ -199,15 +199,9 @@ def uses_torch_adam(smoke: Smoke) -> bool:
 
 
 def engine_for(smoke: Smoke, model, precision: str):
-    import deepspeed
+    from zoo.training.loop import setup_engine
 
-    from zoo.models.families import param_groups
-    from zoo.training.cuda_arch import fit_cuda_arch_list_for_deepspeed
-
-    fit_cuda_arch_list_for_deepspeed()
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, 0.01),
-                                           config=ds_config(smoke, precision), mpu=smoke.parallel)
-    return engine
+    return setup_engine(model, ds_config(smoke, precision), smoke.parallel, weight_decay=0.01, refresh_masters=False)
 
 
 def train_batch(smoke: Smoke, vocab_size: int) -> torch.Tensor:

@@ -16,7 +16,6 @@ Run directory: ``metrics.jsonl``, ``results.json`` (best and final metrics, the 
 from __future__ import annotations
 
 import contextlib
-
 import json
 import math
 import os
