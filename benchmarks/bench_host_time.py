@@ -69,7 +69,7 @@ def before_reader(dataset, micro: int):
     """18ce9da's training read: ``micro_batch_at`` in the training process, then ``model_forward_kwargs``."""
     from zoo.parallel import ParallelState
     from zoo.training.families import model_forward_kwargs
-    from zoo.training.pretrain import PretrainingData
+    from zoo.training.pretraining_data import PretrainingData
 
     data = object.__new__(PretrainingData)   # only the two fields micro_batch_at reads
     data.ps, data.micro_batch = ParallelState.single(), micro

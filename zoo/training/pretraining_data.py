@@ -1,0 +1,99 @@
+"""The data of a pretraining run: train/valid datasets of the model's family and this rank's
+micro-batches, read by DataLoader worker processes and agreed across ranks."""
+
+from __future__ import annotations
+
+import atexit
+
+import torch
+import torch.distributed as dist
+
+from zoo.distributed import raise_on_any_rank
+from zoo.training.families import build_dataset, default_corpus
+from zoo.training.run_config import RunConfig
+
+__all__ = ["PretrainingData", "can_start_workers"]
+
+
+class PretrainingData:
+    """Train/valid datasets of the model's family and this rank's micro-batches through DataLoaders.
+
+    Global sample order is fixed by the seed; a global batch of ``G`` samples is split into ``gas``
+    micro-steps of ``micro * dp`` samples, and DP rank r reads its own ``micro`` of each
+    (:class:`zoo.data.gpt_dataset.DistributedPretrainingSampler`). TP ranks of a group share a DP rank
+    and so read the same samples. ``workers`` processes read (and mask, for BERT) the next micro-batches
+    while the model trains; batches are pinned on an accelerator.
+    """
+
+    def __init__(self, config: RunConfig, model_config, ps, micro_batch: int, global_batch: int,
+                 workers: int, pin_memory: bool, agreement_group=None):
+        prefix = config.data_path
+        if prefix is None:  # bundled corpus: preprocess once on rank 0, the others wait for its outcome
+            raise_on_any_rank(lambda: default_corpus(model_config, progress=True) if dist.get_rank() == 0 else None)
+            prefix = default_corpus(model_config, progress=False)
+        self.is_bundled_corpus = config.data_path is None
+        self.ps = ps
+        self.micro_batch = micro_batch
+        self.workers = workers if can_start_workers() else 0
+        self.pin_memory = pin_memory
+        self.agreement_group = agreement_group
+        self.indexed, self.train, self.valid = raise_on_any_rank(
+            lambda: self._datasets(config, model_config, prefix, global_batch))
+        self._train_batches = None
+        # Workers ignore SIGTERM (a launcher signals the whole process tree; the training process stops at
+        # an iteration boundary instead), so multiprocessing's exit handler, which terminates them with
+        # SIGTERM, would wait for them forever: they are shut down before it runs, on every way out.
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Shut the workers down (dropping the last reference to an iterator ends its workers)."""
+        self._train_batches = None
+        atexit.unregister(self.close)
+
+    def _datasets(self, config: RunConfig, model_config, prefix: str, global_batch: int):
+        from zoo.data import IndexedDataset
+
+        indexed = IndexedDataset(prefix)
+        train = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split, "train",
+                              config.train_iters * global_batch)
+        valid = None
+        if config.eval_interval:
+            valid = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split, "valid",
+                                  config.eval_iters * self.micro_batch * self.ps.dp_size)
+        return indexed, train, valid
+
+    def loader(self, dataset, first_global_sample: int):
+        from zoo.data.gpt_dataset import build_pretraining_dataloader
+
+        return build_pretraining_dataloader(dataset, self.micro_batch, first_global_sample, self.ps,
+                                            num_workers=self.workers, pin_memory=self.pin_memory)
+
+    def next_micro_batches(self, batches, count: int) -> list[dict[str, torch.Tensor]]:
+        """The next ``count`` micro-batches of ``batches``, read on every rank before any of them is used:
+        a bad sample (e.g. a token id outside the vocabulary) on one DP rank stops every rank with the
+        same sentence instead of hanging the others' all-reduce. The agreement runs on the host group."""
+        from zoo.data.gpt_dataset import batch_or_raise
+
+        return raise_on_any_rank(lambda: [batch_or_raise(next(batches)) for _ in range(count)],
+                                 group=self.agreement_group)
+
+    def train_micro_batches(self, consumed: int, count: int) -> list[dict[str, torch.Tensor]]:
+        """The iteration's micro-batches from ``consumed`` samples on (the loader is started there once)."""
+        if self._train_batches is None:
+            self._train_batches = iter(self.loader(self.train, consumed))
+        return self.next_micro_batches(self._train_batches, count)
+
+    def valid_micro_batches(self, count: int) -> list[dict[str, torch.Tensor]]:
+        batches = iter(self.loader(self.valid, 0))
+        try:
+            return self.next_micro_batches(batches, count)
+        finally:
+            del batches   # its workers end here, not at exit
+
+
+def can_start_workers() -> bool:
+    """A daemonic process (a worker of a multiprocessing pool or harness) may not start DataLoader workers:
+    it reads its batches itself."""
+    import multiprocessing
+
+    return not multiprocessing.current_process().daemon
