@@ -103,7 +103,7 @@ def rank_worker(workdir: Path, tp: int, rank: int, port: int, seq_length: int) -
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState
     from zoo.models.families import param_groups
-    from zoo.training.pretrain import save_checkpoint
+    from zoo.checkpoint.save import save_checkpoint
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp),

@@ -25,6 +25,7 @@ from zoo.training.loop import (LoopPlugins, LoopState, StopConditions, TrainingL
 from zoo.training.pretraining_data import PretrainingData
 from zoo.training.metrics import MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR
+from zoo.checkpoint.save import save_checkpoint
 from zoo.training.resume import checkpoint_to_load
 from zoo.training.run_config import (RunConfig, build_parser, clipped_warmup_warning, deepspeed_dict, load_run_config,
                                      lr_schedule, schedule_change_warning, validate_for_world)
@@ -32,7 +33,7 @@ from zoo.errors import report_error
 
 
 
-__all__ = ["pretrain", "main", "reseed_tp_rng", "save_checkpoint"]
+__all__ = ["pretrain", "main", "reseed_tp_rng"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -331,16 +332,6 @@ def format_log_line(event: dict[str, Any], train_iters: int) -> str:
             f"{event['tflops']:.3f} TFLOPs/device | ETA {eta}"
             + ("" if "sop_acc" not in event else
                f" | MLM {event['mlm_loss']:.4f} | SOP {event['sop_loss']:.4f} | SOP acc {event['sop_acc']:.3f}"))
-
-
-def save_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, Any]) -> None:
-    """DeepSpeed checkpoint under ``directory/tag``; ``latest`` is replaced atomically only after every
-    rank has finished writing, so a crash mid-save leaves the previous checkpoint as ``latest``."""
-    engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
-    dist.barrier()
-    if dist.get_rank() == 0:
-        write_text_atomic(directory / "latest", tag, fsync=True)
-    dist.barrier()
 
 
 def _truncate_metrics_after(path: Path, iteration: int) -> None:

@@ -69,6 +69,7 @@ class RunConfig:
     exit_duration_in_mins: float | None = None   # stop with a checkpoint before this much wall time
     exit_signal_handler: bool = True   # SIGTERM/SIGUSR1: stop at the next iteration with a checkpoint
     distributed_timeout_minutes: float | None = None   # every collective's timeout (DeepSpeed's default: 10)
+    overwrite: bool = False          # a fresh run (no --load) may replace the checkpoints of a --save directory
     ds_config: dict[str, Any] = field(default_factory=dict, repr=False)
     ds_config_path: str | None = None
 
@@ -130,6 +131,9 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--exit-signal-handler", dest="exit_signal_handler", action=argparse.BooleanOptionalAction,
                         default=None, help="on SIGTERM or SIGUSR1 every rank stops at the next iteration with a "
                                            "checkpoint and exits 0 (default on; --no-exit-signal-handler: off)")
+    parser.add_argument("--overwrite", dest="overwrite", action="store_true", default=None,
+                        help="let a run without --load write into a --save directory that already holds "
+                             "checkpoints (its checkpoints and metrics are replaced)")
     parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
     return deepspeed.add_config_arguments(parser)
 
