@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import write_text_atomic
-from zoo.distributed import process_group_left_on_success, single_process_env
+from zoo.distributed import process_group_left_on_success, raise_on_any_rank, single_process_env
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict, parse_args
 from zoo.finetune.tasks import EvalSet, Task, get_task
 from zoo.errors import report_error
@@ -100,8 +100,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     from zoo.data.tokenizers import load_bert_tokenizer
     from zoo.models.hf_io import read_config_json
     from zoo.models.bert import BertConfig
-    from zoo.training.loop import LoopPlugins, LoopState, TrainingLoop, join, setup_engine
-    from zoo.training.metrics import MetricsLogger, plot_loss
+    from zoo.training.loop import join
+    from zoo.training.run_directory import claim_finetuning_directory
 
     task = get_task(config.task)
     # Everything a user can get wrong in files and flags is checked before any process group starts.
@@ -122,6 +122,20 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
 
     ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
     is_writer = dist.get_rank() == 0
+    # one run per directory, and never over an earlier run's results: checked before the model is read
+    lock = raise_on_any_rank(lambda: claim_finetuning_directory(config.save) if is_writer else None)
+    try:
+        return train_and_evaluate(config, task, data, model_config, ps, is_writer)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, ps, is_writer: bool) -> dict[str, Any]:
+    """The finetuning run proper, in a claimed run directory: the model, the engine, the epochs and their
+    evaluations; returns the results also written to ``results.json``."""
+    from zoo.training.loop import LoopPlugins, LoopState, TrainingLoop, setup_engine
+    from zoo.training.metrics import MetricsLogger, plot_loss
 
     overrides = {"sequence_parallel": True} if config.sequence_parallel else {}
     if config.dropout is not None:

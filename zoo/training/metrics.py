@@ -3,13 +3,18 @@ nothing), optional Weights & Biases, and loss.png at the end."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import sys
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zoo.atomic import atomic_file
+from zoo.atomic import atomic_file, write_text_atomic
+
+METRICS_FILE = "metrics.jsonl"
 
 
 def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int, vocab: int,
@@ -30,32 +35,57 @@ def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
 
 
 class MetricsLogger:
-    """Writes events on one rank (the writer); other ranks' calls are no-ops."""
+    """Appends the run's events to ``metrics.jsonl`` on one rank (the writer).
+
+    :meth:`log` is collective over ``group`` (default: the world; every rank calls it, the writer writes), so
+    a write that fails on the writer (a full disk, a quota) ends every rank with the same sentence, naming the
+    file, instead of leaving the others waiting in their next collective. A line cut short by that failure
+    is cut off again where possible; one that stays (the process was killed mid-append) is dropped on resume.
+
+    An existing ``metrics.jsonl`` is appended to only when ``resume``; otherwise it belongs to another run and
+    is refused (the run directory's claim, :mod:`zoo.training.run_directory`, says so before anything runs).
+    """
 
     def __init__(self, run_dir: str | os.PathLike, is_writer: bool, wandb_project: str | None = None,
-                 wandb_config: dict[str, Any] | None = None, resume: bool = False):
+                 wandb_config: dict[str, Any] | None = None, resume: bool = False, group=None):
         self.run_dir = Path(run_dir)
         self.is_writer = is_writer
-        self.path = self.run_dir / "metrics.jsonl"
+        self.path = self.run_dir / METRICS_FILE
+        self.group = group
         self._wandb = None
         if not is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not resume and self.path.exists():
-            self.path.unlink()
+            raise ValueError(f"{self.path} already exists (an earlier run's metrics); pass another --save, or "
+                             "resume that run with --load.")
         if wandb_project:
             self._wandb = _start_wandb(wandb_project, wandb_config, self.run_dir)
 
     def log(self, event: dict[str, Any]) -> None:
-        if not self.is_writer:
-            return
-        with self.path.open("a") as handle:
-            handle.write(json.dumps(event) + "\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        if self._wandb is not None:
+        from zoo.distributed import raise_on_any_rank
+
+        raise_on_any_rank(lambda: self._append(event) if self.is_writer else None, self.group)
+        if self.is_writer and self._wandb is not None:
             self._wandb.log({k: v for k, v in event.items() if isinstance(v, (int, float))},
                             step=event.get("iteration"))
+
+    def _append(self, event: dict[str, Any]) -> None:
+        line = json.dumps(event) + "\n"
+        size = self.path.stat().st_size if self.path.exists() else 0
+        try:
+            with self.path.open("a") as handle:
+                handle.write(line)
+                handle.flush()
+                os.fsync(handle.fileno())
+        except OSError as err:
+            with contextlib.suppress(OSError):   # a full disk still lets a file shrink
+                if self.path.stat().st_size > size:
+                    os.truncate(self.path, size)
+            reason = err.strerror or type(err).__name__
+            raise ValueError(f"appending to {self.path} failed ({reason}); free space in {self.run_dir} or pass "
+                             "another --save, then run again (a pretraining run resumes from its last checkpoint "
+                             f"with --load {self.run_dir}).") from None
 
     def summary(self, values: dict[str, Any]) -> None:
         """Final values of the run (W&B's run summary, e.g. the best score); no-op without W&B."""
@@ -80,9 +110,65 @@ def _start_wandb(project: str, config: dict[str, Any] | None, run_dir: Path):
         return None
 
 
+@dataclass
+class MetricsFile:
+    """``metrics.jsonl`` as read: each whole event with its text, and the number of a torn last line."""
+
+    path: Path
+    events: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    torn_line: int | None = None
+
+
+def read_metrics_file(path: str | os.PathLike) -> MetricsFile:
+    """Every event of ``path`` (blank lines skipped). A last line that is not a whole JSON object is an
+    append cut short (a full disk, a killed writer): it is left out and its number kept in ``torn_line``.
+    Any other line that is not a JSON object raises ``ValueError`` naming the file and the line."""
+    path = Path(path)
+    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
+    while lines and not lines[-1].strip():
+        lines.pop()
+    content = MetricsFile(path)
+    for number, text in enumerate(lines, start=1):
+        if not text.strip():
+            continue
+        event = _event(text)
+        if event is not None:
+            content.events.append((text, event))
+        elif number == len(lines):
+            content.torn_line = number
+        else:
+            shown = text if len(text) <= 60 else text[:57] + "..."
+            raise ValueError(f"{path} line {number} is not a JSON object ({shown!r}); delete or repair that line "
+                             "(every line holds one logged event), then run again.")
+    return content
+
+
+def _event(text: str) -> dict[str, Any] | None:
+    try:
+        event = json.loads(text)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
+
+
+def truncate_metrics_after(path: str | os.PathLike, iteration: int) -> None:
+    """On resume, keep the events up to ``iteration`` (the checkpoint's; later ones are logged again) and drop
+    a torn last line with a warning naming the file. Rewritten atomically, and only when something goes."""
+    path = Path(path)
+    if not path.exists():
+        return
+    content = read_metrics_file(path)
+    if content.torn_line is not None:
+        print(f"warning: {path} ends in a partial line (line {content.torn_line}, an append cut short); "
+              "dropping it.", file=sys.stderr, flush=True)
+    kept = [text for text, event in content.events if event.get("iteration", 0) <= iteration]
+    if content.torn_line is not None or len(kept) != len(content.events):
+        write_text_atomic(path, "".join(text + "\n" for text in kept))
+
+
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    """The events of ``<run_dir>/metrics.jsonl``; a torn last line is left out (see :func:`read_metrics_file`)."""
+    return [event for _, event in read_metrics_file(Path(run_dir) / METRICS_FILE).events]
 
 
 def plot_loss(run_dir: str | os.PathLike) -> Path:

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from zoo.atomic import check_writable_directory, write_text_atomic
+from zoo.atomic import check_writable_directory
 from zoo.distributed import host_group, means_over_dp, process_group_left_on_success, raise_on_any_rank
 from zoo.models.families import build_model, shape_of
 from zoo.training.families import forward_with_metrics, pretrained_model
@@ -23,10 +23,12 @@ from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_no
 from zoo.training.loop import (LoopPlugins, LoopState, StopConditions, TrainingLoop, join, pin_memory_here,
                                setup_engine, to_device)
 from zoo.training.pretraining_data import PretrainingData
-from zoo.training.metrics import MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss
+from zoo.training.metrics import (MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss,
+                                  truncate_metrics_after)
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR
 from zoo.checkpoint.save import save_checkpoint
 from zoo.training.resume import checkpoint_to_load
+from zoo.training.run_directory import claim_pretraining_directory
 from zoo.training.run_config import (RunConfig, build_parser, clipped_warmup_warning, deepspeed_dict, load_run_config,
                                      lr_schedule, schedule_change_warning, validate_for_world)
 from zoo.errors import report_error
@@ -170,14 +172,38 @@ def has_checkpoint(load: str) -> bool:
 
 
 def pretrain(config: RunConfig) -> dict[str, Any]:
-    import deepspeed
-
+    """Train as ``config`` says. The writer rank first claims ``--save`` (:mod:`zoo.training.run_directory`):
+    a directory another run holds, or an earlier run's checkpoints under a run that would start from
+    iteration 0, end every rank with one sentence before the model or the engine is built and before
+    anything is written there. The claim is held until this function returns or raises."""
     started = time.monotonic()   # --exit-duration-in-mins counts from here: the set-up is part of the job's time
     ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
     gas = validate_for_world(config, dist.get_world_size())
+    is_writer = dist.get_rank() == 0
+    lock = raise_on_any_rank(lambda: claim_pretraining_directory(
+        config.save, starts_at_zero=not (config.load and has_checkpoint(config.load)),
+        resuming=continues_save_directory(config), overwrite=config.overwrite) if is_writer else None)
+    try:
+        return pretrain_in_claimed_directory(config, ps, gas, is_writer, started)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def continues_save_directory(config: RunConfig) -> bool:
+    """Whether ``--load`` names the ``--save`` run itself (the run directory or its checkpoints/): then this
+    run continues that run's metrics.jsonl; any other run into a --save holding one is refused."""
+    if not config.load:
+        return False
+    save = Path(config.save).resolve()
+    return Path(config.load).resolve() in (save, save / CHECKPOINT_SUBDIR)
+
+
+def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bool, started: float) -> dict[str, Any]:
+    import deepspeed
+
     model, model_config, shape = build_pretraining_model(config, ps)
     ds_config = deepspeed_dict(config, gas)
-    is_writer = dist.get_rank() == 0
     if is_writer and clipped_warmup_warning(config):
         print(f"warning: {clipped_warmup_warning(config)}", file=sys.stderr)
     if config.recompute:   # full or selective: DeepSpeed's checkpointing restores the TP RNG on recompute
@@ -194,12 +220,14 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
     run_dir = Path(config.save)
     # every rank writes checkpoint files there: prove it can, before training
     raise_on_any_rank(lambda: check_writable_directory(run_dir, "--save"))
+    resuming = continues_save_directory(config)
     logger = MetricsLogger(run_dir, is_writer, config.wandb_project,
                            wandb_config={"zoo": {k: v for k, v in vars(config).items() if k != "ds_config"},
                                          "deepspeed": ds_config},
-                           resume=bool(config.load))
-    if logger.is_writer and config.load:
-        _truncate_metrics_after(logger.path, state.iteration)
+                           resume=resuming, group=host)
+    if resuming:   # events after the checkpoint are logged again; a torn last line goes (warned about)
+        raise_on_any_rank(lambda: truncate_metrics_after(logger.path, state.iteration) if is_writer else None,
+                          group=host)
 
     flops = megatron_flops_per_iteration(global_batch, config.seq_length, shape.layers, shape.hidden, shape.vocab,
                                          recompute=config.recompute == "full")
@@ -332,17 +360,6 @@ def format_log_line(event: dict[str, Any], train_iters: int) -> str:
             f"{event['tflops']:.3f} TFLOPs/device | ETA {eta}"
             + ("" if "sop_acc" not in event else
                f" | MLM {event['mlm_loss']:.4f} | SOP {event['sop_loss']:.4f} | SOP acc {event['sop_acc']:.3f}"))
-
-
-def _truncate_metrics_after(path: Path, iteration: int) -> None:
-    """On resume, drop events logged after the checkpoint (they will be logged again)."""
-    import json
-
-    if not path.exists():
-        return
-    kept = [line for line in path.read_text().splitlines()
-            if line.strip() and json.loads(line).get("iteration", 0) <= iteration]
-    write_text_atomic(path, "".join(line + "\n" for line in kept))
 
 
 def main(argv=None) -> None:
