@@ -1,7 +1,8 @@
 """Process-group helpers every layer above the parallel primitives shares.
 
-* Joining: :func:`join_process_group` (under a launcher), :func:`single_process_env` (a world of one
-  for ``python script.py``), :func:`share_cpu_threads` (CPU ranks split the cores).
+* Joining: :func:`join_process_group` (under a launcher, which the rank then does not outlive),
+  :func:`single_process_env` (a world of one for ``python script.py``), :func:`share_cpu_threads` (CPU
+  ranks split the cores).
 * Data parallelism: :func:`dp_block` (this DP rank's contiguous block of items) and the DP sums and
   means (:func:`dp_sum`, :func:`means_over_dp`), one all-reduce each.
 * Host-side agreement: :func:`host_group` (a gloo group next to NCCL, so that small flags agreed every
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
 from contextlib import contextmanager
 from datetime import timedelta
 from collections.abc import Sequence
@@ -74,27 +76,72 @@ def check_accelerator_matches_machine(gpus: int | None = None) -> None:
                          "torch on a GPU node), or set DS_ACCELERATOR=cpu to run on the CPU on purpose.")
 
 
-def launched_distributed() -> bool:
+def launched_distributed(environ: dict[str, str] | None = None) -> bool:
     """Started by a launcher (deepspeed, torchrun, mpirun): the process-group variables are set."""
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    environ = os.environ if environ is None else environ
+    return "RANK" in environ and "WORLD_SIZE" in environ
 
 
 def join_process_group(local_rank: int, timeout: timedelta | None = None) -> str:
     """Join the launcher's process group (NCCL on GPUs, gloo on CPU), bind this rank's device at once
     (before anything seeds or allocates on it) and return its name. ``timeout`` bounds every collective
     of the group (DeepSpeed's default, 10 minutes or ``$DEEPSPEED_TIMEOUT``, when None): a rank that
-    never arrives ends the job with the backend's timeout error instead of a hang."""
+    never arrives ends the job with the backend's timeout error instead of a hang.
+
+    Started without a launcher, or on a rendezvous port another job holds, it raises one sentence
+    (:func:`check_launched`, :func:`master_port_named`). From here on the rank watches its launchers
+    (:mod:`zoo.launcher_watch`): it does not outlive them."""
     from deepspeed.accelerator import get_accelerator
 
+    from zoo.launcher_watch import watch_launchers
+
+    check_launched()
+    watch_launchers()
     check_accelerator_matches_machine()
     accelerator = get_accelerator()
     if accelerator.device_name() != "cpu":
         accelerator.set_device(local_rank)
-    join_deepspeed(timeout)
+    with master_port_named():
+        join_deepspeed(timeout)
     share_cpu_threads()
     if accelerator.device_name() == "cpu":
         unlink_shared_memory_buffer()
     return accelerator.current_device_name()
+
+
+def check_launched(environ: dict[str, str] | None = None, script: str | None = None) -> None:
+    """Refuse to join without a launcher: with neither a launcher's variables (RANK, WORLD_SIZE) nor MPI's
+    (mpirun, which DeepSpeed discovers through mpi4py), DeepSpeed would fail on a missing mpi4py."""
+    environ = os.environ if environ is None else environ
+    if launched_distributed(environ) or any(name.startswith(("OMPI_COMM_WORLD_", "PMI_")) for name in environ):
+        return
+    script = script or (sys.argv[0] if sys.argv and sys.argv[0] else "the script")
+    raise ValueError(f"{script} was started without a launcher (RANK and WORLD_SIZE are not set); run it under "
+                     f"deepspeed, e.g. `deepspeed --num_gpus 2 {script} ...` (or torchrun, or zoo's `python "
+                     f"launch/run.py --num_gpus 2 {script} ...`); see the README.")
+
+
+def master_port_in_use(err: BaseException) -> bool:
+    """Whether ``err`` is the store's "address already in use" on the rendezvous port."""
+    text = str(err)
+    return isinstance(err, RuntimeError) and ("EADDRINUSE" in text or "address already in use" in text.lower())
+
+
+@contextmanager
+def master_port_named(environ: dict[str, str] | None = None):
+    """Around joining: the rendezvous port already taken (another job on this host listens on it) becomes
+    one sentence naming the port and the launcher's flag, instead of the store's traceback."""
+    environ = os.environ if environ is None else environ
+    try:
+        yield
+    except RuntimeError as err:
+        if not master_port_in_use(err):
+            raise
+        port = environ.get("MASTER_PORT", "29500")
+        other = int(port) + 1 if port.isdigit() else 29501
+        raise ValueError(f"port {port} on {environ.get('MASTER_ADDR', 'this host')} (MASTER_PORT) is already in "
+                         f"use, probably by another job; pass another port to the launcher, e.g. `deepspeed "
+                         f"--master_port {other} ...` (torchrun: --master-port).") from None
 
 
 @contextmanager

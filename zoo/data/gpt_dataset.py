@@ -281,6 +281,26 @@ def ignore_stop_signals(worker_id: int) -> None:
         signal.signal(signum, signal.SIG_IGN)
 
 
+def shut_down_workers(batches, timeout_s: float = 10.0) -> None:
+    """End the worker processes of a DataLoader iterator now, and wait for them.
+
+    The workers ignore SIGTERM (:func:`ignore_stop_signals`), so nothing may leave them to
+    multiprocessing's exit handler, which terminates them with SIGTERM and then joins them forever. Nor
+    to the iterator's garbage collection: an exception's traceback keeps the iterator alive through
+    ``sys.exit``, and torch's own shutdown does nothing once the interpreter is exiting. So the iterator
+    is asked to shut them down (torch's ``_shutdown_workers``: a done event and a sentinel on every index
+    queue, each worker joined), and any worker still alive after ``timeout_s`` is killed. An iterator
+    without workers (``num_workers=0``) or already shut down is left as it is."""
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is not None:
+        shutdown()
+    for worker in getattr(batches, "_workers", ()):
+        worker.join(timeout_s)
+        if worker.is_alive():
+            worker.kill()
+            worker.join(timeout_s)
+
+
 def build_pretraining_dataloader(
     dataset: torch.utils.data.Dataset,
     micro_batch_size: int,

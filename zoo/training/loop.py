@@ -188,7 +188,11 @@ class StopConditions:
       one iteration);
     * ``signals``: SIGTERM and SIGUSR1 (what SLURM and Kubernetes send before killing a job, and
       DeepSpeed's launcher forwards to every rank) only set a flag here; the loop stops at the next
-      iteration boundary.
+      iteration boundary;
+    * the launcher's exit (:mod:`zoo.launcher_watch`: the ``deepspeed`` runner or the per-node launcher
+      killed, even with SIGKILL) is the same stop, for the reason "the exit of the launcher (pid N, ...)".
+
+    ``received`` holds the reasons this rank saw, first first ("signal SIGTERM", ...).
 
     Ranks agree with one all-reduce (MAX) of two host flags per iteration on a gloo group, so a signal
     or a clock that reaches one rank stops every rank at the same iteration, and the agreement never
@@ -208,18 +212,28 @@ class StopConditions:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
     def install(self) -> None:
+        from zoo.launcher_watch import current_watch
+
+        watch = current_watch()
+        if watch is not None:
+            watch.listen(self.received.append)
         if not self.handle_signals:
             return
         for signum in self.SIGNALS:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
 
     def uninstall(self) -> None:
+        from zoo.launcher_watch import current_watch
+
+        watch = current_watch()
+        if watch is not None:
+            watch.listen(None)
         for signum, handler in self._previous_handlers.items():
             signal.signal(signum, handler)
         self._previous_handlers.clear()
 
     def _on_signal(self, signum, frame) -> None:
-        self.received.append(signal.Signals(signum).name)
+        self.received.append(f"signal {signal.Signals(signum).name}")
 
     def out_of_time(self) -> bool:
         if self.exit_duration_minutes is None:
@@ -233,7 +247,7 @@ class StopConditions:
 
         signalled, late = agree_max([bool(self.received), self.out_of_time()], self.group)
         if signalled:
-            return f"signal {self.received[0]}" if self.received else "a signal on another rank"
+            return self.received[0] if self.received else "a signal on another rank"
         if late:
             return f"--exit-duration-in-mins {self.exit_duration_minutes:g}"
         if self.exit_interval and iteration % self.exit_interval == 0:
@@ -292,11 +306,17 @@ class TrainingLoop:
             self.plugins.evaluate(state)
 
     def maybe_save(self, state: LoopState) -> None:
+        """The save of a save step, and of an early stop; after the stop's save (its ``latest`` written),
+        the writer tells zoo's launcher that the run stopped with a checkpoint (:mod:`zoo.stop_report`)."""
+        from zoo.stop_report import report_stop
+
         if self.plugins.is_save_step(state.iteration) or state.stopped_by is not None:
             start = time.perf_counter()
             self.plugins.save(state)
             if self.stop is not None:
                 self.stop.last_save_s = time.perf_counter() - start
+            if state.stopped_by is not None and self.is_writer and self.plugins.save is not _nothing:
+                report_stop(state.stopped_by, state.iteration)
 
     def check_stop(self, state: LoopState) -> None:
         if self.stop is not None and state.iteration < self.plugins.total_iterations:

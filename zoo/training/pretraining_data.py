@@ -46,8 +46,13 @@ class PretrainingData:
         atexit.register(self.close)
 
     def close(self) -> None:
-        """Shut the workers down (dropping the last reference to an iterator ends its workers)."""
-        self._train_batches = None
+        """Shut the training iterator's workers down, explicitly: an error's traceback may still hold the
+        iterator, so dropping this reference alone would leave them to the interpreter's exit."""
+        from zoo.data.gpt_dataset import shut_down_workers
+
+        batches, self._train_batches = self._train_batches, None
+        if batches is not None:
+            shut_down_workers(batches)
         atexit.unregister(self.close)
 
     def _datasets(self, config: RunConfig, model_config, prefix: str, global_batch: int):
@@ -84,11 +89,13 @@ class PretrainingData:
         return self.next_micro_batches(self._train_batches, count)
 
     def valid_micro_batches(self, count: int) -> list[dict[str, torch.Tensor]]:
+        from zoo.data.gpt_dataset import shut_down_workers
+
         batches = iter(self.loader(self.valid, 0))
         try:
             return self.next_micro_batches(batches, count)
         finally:
-            del batches   # its workers end here, not at exit
+            shut_down_workers(batches)   # here, also when reading failed, never at exit
 
 
 def can_start_workers() -> bool:
