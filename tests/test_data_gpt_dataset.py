@@ -121,3 +121,28 @@ def test_dataloader_batches(corpus):
     assert len(batches) == (len(ds) - 2) // 2
     assert batches[0]["input_ids"].shape == (2, SEQ)
     assert torch.equal(batches[0]["input_ids"][1], ds[3]["input_ids"])
+
+
+def test_workers_are_shut_down_while_an_error_still_holds_their_iterator(corpus):
+    """The workers ignore SIGTERM; an error whose traceback holds the iterator must not leave them alive
+    (multiprocessing's exit handler would wait for them forever): shut_down_workers ends them."""
+    from zoo.data import build_pretraining_dataloader
+    from zoo.data.gpt_dataset import shut_down_workers
+
+    indexed, _ = corpus
+    ds = GPTDataset(indexed, SEQ, seed=0, split="1,0,0")
+    batches = iter(build_pretraining_dataloader(ds, micro_batch_size=2, num_workers=2))
+    workers = list(batches._workers)
+
+    def read_then_fail(batches):
+        next(batches)
+        raise ValueError("a bad sample")
+
+    try:
+        read_then_fail(batches)
+    except ValueError as err:
+        held = err                       # the traceback's frame holds the iterator, as sys.exit(2) does
+    del batches
+    assert all(worker.is_alive() for worker in workers)
+    shut_down_workers(held.__traceback__.tb_next.tb_frame.f_locals["batches"])
+    assert not any(worker.is_alive() for worker in workers)

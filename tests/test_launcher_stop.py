@@ -31,9 +31,15 @@ STOPPED_AND_CHECKPOINTED = 75
 CHILD = """
 import os, sys, time
 from zoo.launcher_watch import LauncherWatch
+
+def write_and_exit(reason):
+    with open(sys.argv[2], "w") as marker:
+        marker.write(reason)
+    os._exit(0)
+
 watch = LauncherWatch([os.getppid()], interval_s=0.05)
 if sys.argv[1] == "listen":
-    watch.listen(lambda reason: (open(sys.argv[2], "w").write(reason), os._exit(0)))
+    watch.listen(write_and_exit)
 watch.start()
 open(sys.argv[2] + ".ready", "w").close()
 time.sleep(60)
@@ -66,7 +72,8 @@ def test_a_watch_reports_its_launchers_exit_to_its_listener(tmp_path):
     middle, child = _orphan_child("listen", marker)
     _wait_for(marker, 30)
     assert marker.read_text() == f"the exit of the launcher (pid {middle.pid})"
-    psutil.wait_procs([psutil.Process(child)], timeout=30) if psutil.pid_exists(child) else None
+    if psutil.pid_exists(child):
+        psutil.wait_procs([psutil.Process(child)], timeout=30)
 
 
 def test_a_watch_without_listener_ends_its_process_with_sigterm(tmp_path):

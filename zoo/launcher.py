@@ -11,7 +11,8 @@ scheduler that waits on the job's first process needs:
   its parent becomes its child, and it returns only after every one of them has exited;
 * a SIGTERM, SIGINT or SIGUSR1 sent to this process alone reaches the ranks (the processes DeepSpeed's
   per-node launcher started) as SIGTERM (SIGUSR1 as SIGUSR1): they stop at the next iteration boundary
-  with a checkpoint. When the whole group was signalled they receive it twice, which changes nothing;
+  with a checkpoint. When the whole group was signalled they receive it twice, which changes nothing.
+  Before any rank has started, every process of the job gets SIGTERM instead;
 * its exit code says how the job ended:
 
   - :data:`STOPPED_AND_CHECKPOINTED` (75, ``EX_TEMPFAIL`` of sysexits.h): the run stopped before its last
@@ -23,6 +24,9 @@ scheduler that waits on the job's first process needs:
 The ranks tell it through the file ``$ZOO_STOP_REPORT`` (:mod:`zoo.stop_report`), which the training loop's
 writer rank writes only after the stop's ``latest``; ``$ZOO_LAUNCHER_PID`` names this process to the
 ranks' launcher watch (:mod:`zoo.launcher_watch`), so that killing it (even with SIGKILL) also stops them.
+The report is a file on this host, so the code 75 is a single-node guarantee: DeepSpeed's multi-node
+runners pass only some variables to the other hosts (not these two), and there the runner's code is
+returned.
 
 DeepSpeed's per-node launcher, when it gets SIGTERM itself, gives its ranks 30 s to exit and then kills
 them; a stop whose checkpoint takes longer needs the signal sent to this process alone (``scancel
@@ -82,8 +86,12 @@ def ranks_of(root: int) -> list[int]:
 
 
 def forward_to_ranks(signum: int) -> None:
-    """Send the ranks below this process the signal that stops them cleanly for ``signum``."""
-    for pid in ranks_of(os.getpid()):
+    """Send the ranks below this process the signal that stops them cleanly for ``signum``. Before any
+    rank exists there is nothing to checkpoint: every process of the job gets SIGTERM, and ends."""
+    targets = ranks_of(os.getpid())
+    if not targets:
+        targets, signum = descendants(os.getpid()), signal.SIGTERM
+    for pid in targets:
         try:
             os.kill(pid, FORWARDED[signum])
         except ProcessLookupError:
