@@ -10,7 +10,10 @@ gathered), scored, logged to metrics.jsonl / W&B, and the best model (by the tas
 saved with ``save_pretrained`` next to its prediction files. ``--epochs 0`` evaluates only.
 
 Run directory: ``metrics.jsonl``, ``results.json`` (best and final metrics, the settings),
-``predictions/<split>.<ext>`` (of the best epoch), ``best/`` (transformers layout), ``loss.png``.
+``predictions/<split>.<ext>`` (of the best epoch), ``best/`` (transformers layout), ``loss.png``. The writer
+rank holds the directory's lock for the whole run; a directory another run holds, or one holding an earlier
+run's ``metrics.jsonl`` or ``results.json``, is refused before the model is read
+(:mod:`zoo.training.run_directory`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,8 @@
 """Run-directory logging: metrics.jsonl (one JSON object per event, flushed at once so a crash loses
-nothing), optional Weights & Biases, and loss.png at the end."""
+nothing), optional Weights & Biases, and loss.png at the end.
+
+A line cut short (a full disk, a killed writer) can only be the last one: readers leave it out, a resume
+drops it with a warning; any other line that is not a JSON object is named with its number."""
 
 from __future__ import annotations
 
@@ -163,7 +166,11 @@ def truncate_metrics_after(path: str | os.PathLike, iteration: int) -> None:
               "dropping it.", file=sys.stderr, flush=True)
     kept = [text for text, event in content.events if event.get("iteration", 0) <= iteration]
     if content.torn_line is not None or len(kept) != len(content.events):
-        write_text_atomic(path, "".join(text + "\n" for text in kept))
+        try:
+            write_text_atomic(path, "".join(text + "\n" for text in kept))
+        except OSError as err:
+            raise ValueError(f"rewriting {path} to the checkpoint's iteration {iteration} failed ({err.strerror}); "
+                             f"free space in {path.parent}, then resume again.") from None
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
