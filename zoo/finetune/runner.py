@@ -159,8 +159,9 @@ def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, p
     micro = engine.train_micro_batch_size_per_gpu()
 
     run_dir = Path(config.save)
-    logger = MetricsLogger(run_dir, is_writer, config.wandb_project or os.environ.get("WANDB_PROJECT"),
-                           wandb_config={**config.to_dict(), "deepspeed": ds_config})
+    logger = raise_on_any_rank(lambda: MetricsLogger(run_dir, is_writer,
+                                                     config.wandb_project or os.environ.get("WANDB_PROJECT"),
+                                                     wandb_config={**config.to_dict(), "deepspeed": ds_config}))
     tracker = BestTracker(task, run_dir, is_writer, save_model=config.epochs > 0)
     loop: TrainingLoop
 

@@ -221,10 +221,9 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
     # every rank writes checkpoint files there: prove it can, before training
     raise_on_any_rank(lambda: check_writable_directory(run_dir, "--save"))
     resuming = continues_save_directory(config)
-    logger = MetricsLogger(run_dir, is_writer, config.wandb_project,
-                           wandb_config={"zoo": {k: v for k, v in vars(config).items() if k != "ds_config"},
-                                         "deepspeed": ds_config},
-                           resume=resuming, group=host)
+    logger = raise_on_any_rank(lambda: MetricsLogger(
+        run_dir, is_writer, config.wandb_project, resume=resuming, group=host,
+        wandb_config={"zoo": {k: v for k, v in vars(config).items() if k != "ds_config"}, "deepspeed": ds_config}))
     if resuming:   # events after the checkpoint are logged again; a torn last line goes (warned about)
         raise_on_any_rank(lambda: truncate_metrics_after(logger.path, state.iteration) if is_writer else None,
                           group=host)
