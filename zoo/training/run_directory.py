@@ -213,8 +213,9 @@ class RunDirectoryLock:
                 check()
                 print(f"warning: {self.path} names {holder.describe()}, which no longer runs; taking the lock "
                       "over.", file=sys.stderr, flush=True)
-                with contextlib.suppress(FileNotFoundError):
-                    self.path.unlink()
+                if read_holder(self.path, wait_s=0) == holder:   # not a run that took it over meanwhile
+                    with contextlib.suppress(FileNotFoundError):
+                        self.path.unlink()
             else:
                 check()
             try:
