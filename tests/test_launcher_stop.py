@@ -24,7 +24,7 @@ from tests.test_preemption import SLOW_DRIVER, _launcher, _logged_iterations
 from tests.test_pretrain import NO_DROPOUT, corpus_prefix, ds_config  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
-ITERS = 40
+ITERS = 200         # 0.5 s each under the slow driver: far more than the 30 s a kill may take
 KILL_BOUND_S = 30          # the bound: no rank alive 30 s after the runner was killed
 STOPPED_AND_CHECKPOINTED = 75
 
