@@ -4,13 +4,13 @@ Every import counts, function-local ones included: a function-local upward impor
 only waits for the function to be called. The layers, lowest first (a package may import its own
 layer's package and any package of a lower layer; packages of one layer are independent):
 
-    zoo.atomic | zoo.dtypes | zoo.assets | zoo.errors   (import nothing from zoo)
-    zoo.parallel
+    zoo.atomic | zoo.dtypes | zoo.assets | zoo.errors | zoo.launcher_watch   (import nothing from zoo)
+    zoo.parallel | zoo.stop_report
     zoo.distributed
     zoo.models | zoo.data
     zoo.checkpoint
     zoo.training | zoo.eval | zoo.inference
-    zoo.finetune | zoo.smoke
+    zoo.finetune | zoo.smoke | zoo.launcher
     scripts: launch/, finetune/, benchmarks/     (nothing in zoo imports them)
 """
 
@@ -24,13 +24,13 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[set[str]] = [
-    {"zoo.atomic", "zoo.dtypes", "zoo.assets", "zoo.errors"},
-    {"zoo.parallel"},
+    {"zoo.atomic", "zoo.dtypes", "zoo.assets", "zoo.errors", "zoo.launcher_watch"},
+    {"zoo.parallel", "zoo.stop_report"},
     {"zoo.distributed"},
     {"zoo.models", "zoo.data"},
     {"zoo.checkpoint"},
     {"zoo.training", "zoo.eval", "zoo.inference"},
-    {"zoo.finetune", "zoo.smoke"},
+    {"zoo.finetune", "zoo.smoke", "zoo.launcher"},
 ]
 
 
