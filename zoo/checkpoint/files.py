@@ -8,12 +8,13 @@ the ``lr_scheduler`` state, DeepSpeed's counters and zoo's client state (``zoo_m
 
 from __future__ import annotations
 
+import json
 import pickle
 import re
 from pathlib import Path
 from typing import Any
 
-import torch
+from zoo.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
 
 CHECKPOINT_SUBDIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -30,41 +31,141 @@ def checkpoints_root(load: str | Path) -> Path:
                                 "--save or its checkpoints/ directory.")
     if (load / CHECKPOINT_SUBDIR).is_dir():
         return load / CHECKPOINT_SUBDIR
-    if (load / LATEST_FILE).is_file() or tags_in(load):
+    if (load / LATEST_FILE).is_file() or tags_with_model_states(load):
         return load
     raise FileNotFoundError(f"no DeepSpeed checkpoint under {load}; pass a run directory written with --save "
                             "(it holds checkpoints/latest) or its checkpoints/ directory.")
 
 
-def tags_in(root: Path) -> list[str]:
-    """Sub-directories of ``root`` that hold at least one model-states file."""
-    if not root.is_dir():
+COMPLETE_MARKER = "zoo_complete.json"
+
+
+def tag_order(name: str) -> tuple:
+    """Sort key of a tag name: its digit runs compare as numbers (``iter_10`` after ``iter_9``)."""
+    return tuple(int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name))
+
+
+def tags_with_model_states(root: Path) -> list[str]:
+    """Sub-directories of ``root`` that hold at least one model-states file, complete or not."""
+    if not Path(root).is_dir():
         return []
-    return sorted(d.name for d in root.iterdir() if d.is_dir() and any(d.glob("mp_rank_*_model_states.pt")))
+    return sorted((d.name for d in Path(root).iterdir() if d.is_dir() and any(d.glob("mp_rank_*_model_states.pt"))),
+                  key=tag_order)
+
+
+def read_latest(root: Path) -> str | None:
+    """The tag ``root/latest`` names, or None without a readable ``latest``."""
+    try:
+        return (Path(root) / LATEST_FILE).read_text().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+def completion_record(tag_dir: Path) -> dict[str, Any]:
+    """What :data:`COMPLETE_MARKER` says of a finished save: the tag and every file in it with its size."""
+    return {"tag": tag_dir.name,
+            "files": {p.name: p.stat().st_size for p in sorted(tag_dir.iterdir())
+                      if p.is_file() and p.name != COMPLETE_MARKER}}
+
+
+def marker_says_complete(tag_dir: Path) -> bool:
+    """``tag_dir`` holds a readable :data:`COMPLETE_MARKER` and every file it lists. (A listed file of
+    another size is a damaged checkpoint, not an unfinished save: its reader names it in one sentence.)"""
+    try:
+        record = json.loads((tag_dir / COMPLETE_MARKER).read_text())
+        files = record["files"]
+        return bool(files) and all((tag_dir / name).is_file() for name in files)
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError):
+        return False
+
+
+def incomplete_reason(root: Path, tag: str) -> str | None:
+    """Why tag ``tag`` under ``root`` is not a complete checkpoint, or None when it is one.
+
+    A tag is complete when its save finished: zoo's save writes :data:`COMPLETE_MARKER` (listing every
+    file and its size) after every rank's files are written, and only then ``latest``. A tag without the
+    marker was written by a zoo that wrote none, or its save did not finish; it counts as complete only
+    as such an older checkpoint: ``latest`` exists, the tag sorts no later than the tag ``latest`` names,
+    and before every marked tag under ``root`` (later unmarked tags are saves that did not finish)."""
+    root = Path(root)
+    tag_dir = root / tag
+    if not tag_dir.is_dir():
+        return "it is not a directory"
+    if (tag_dir / COMPLETE_MARKER).exists():
+        return None if marker_says_complete(tag_dir) else f"files listed in its {COMPLETE_MARKER} are missing"
+    latest = read_latest(root)
+    marked = [name for name in tags_with_model_states(root) if (root / name / COMPLETE_MARKER).exists()]
+    if latest and tag_order(tag) <= tag_order(latest) and all(tag_order(tag) < tag_order(m) for m in marked):
+        return None
+    return f"it has no {COMPLETE_MARKER}: its save did not finish"
+
+
+def tags_in(root: Path) -> list[str]:
+    """The complete checkpoint tags under ``root`` (:func:`incomplete_reason`), oldest first."""
+    return [tag for tag in tags_with_model_states(root) if incomplete_reason(root, tag) is None]
+
+
+def selectable_tags(root: Path) -> list[str]:
+    """The tags ``--tag`` may name: the complete ones, and, under a ``root`` where no tag has a
+    :data:`COMPLETE_MARKER` (all written by a zoo that wrote none), every tag with model states."""
+    tags = tags_with_model_states(root)
+    if not any((Path(root) / tag / COMPLETE_MARKER).exists() for tag in tags):
+        return tags
+    return tags_in(root)
 
 
 TAG_FLAG_FIX = "pass --tag with one of {tags}"
 
 
 def tag_directory(load: str | Path, tag: str | None = None, fix: str = TAG_FLAG_FIX) -> Path:
-    """The directory of checkpoint ``tag``, by default the one named in ``latest``.
+    """The directory of checkpoint ``tag``, by default the one named in ``latest``; an incomplete tag (a save
+    that did not finish, :func:`incomplete_reason`) is refused.
 
-    ``fix`` is the caller's way to pick another checkpoint, said when the tag is missing: a template
-    with ``{tags}`` (the complete tags present) and ``{latest}`` (the path of the ``latest`` file);
-    by default the ``--tag`` flag of export and evaluation.
+    ``fix`` is the caller's way to pick another checkpoint, said when the tag is missing or incomplete: a
+    template with ``{tags}`` (the tags that may be chosen) and ``{latest}`` (the path of the ``latest``
+    file); by default the ``--tag`` flag of export and evaluation.
     """
     root = checkpoints_root(load)
     latest = root / LATEST_FILE
     if tag is None:
         if not latest.is_file():
             raise FileNotFoundError(f"{root} has no '{LATEST_FILE}' file naming the checkpoint to read; "
-                                    f"{fix.format(tags=tags_in(root), latest=latest)}.")
+                                    f"{fix.format(tags=selectable_tags(root), latest=latest)}.")
         tag = latest.read_text().strip()
     directory = root / tag
     if not tag or not directory.is_dir():
         raise FileNotFoundError(f"checkpoint tag {tag!r} is not a directory under {root}; "
-                                f"{fix.format(tags=tags_in(root), latest=latest)}.")
+                                f"{fix.format(tags=selectable_tags(root), latest=latest)}.")
+    if tag not in selectable_tags(root) and any(directory.glob("mp_rank_*_model_states.pt")):
+        raise ValueError(f"checkpoint tag {tag!r} under {root} is incomplete ({incomplete_reason(root, tag)}); "
+                         f"{fix.format(tags=tags_in(root), latest=latest)}.")
     return directory
+
+
+def resume_tag_directory(load: str | Path) -> tuple[Path | None, str | None]:
+    """(The tag directory a resumed run reads, a line saying why it is not the one ``latest`` names).
+
+    The tag ``latest`` names when it is complete; otherwise (``latest`` missing, or naming a save that did
+    not finish) the newest complete tag, said in the line; (None, the line) when there is no complete tag,
+    so the run starts from iteration 0."""
+    root = checkpoints_root(load)
+    latest = read_latest(root)
+    complete = tags_in(root)
+    if latest and latest in complete:
+        return root / latest, None
+    where = (f"{root / LATEST_FILE} is missing" if latest is None else
+             f"{root / LATEST_FILE} names {latest!r}, which is incomplete ({incomplete_reason(root, latest)})")
+    if complete:
+        return root / complete[-1], f"{where}; resuming from {complete[-1]}, the newest complete checkpoint"
+    return None, f"{where} and {root} holds no complete checkpoint; starting from iteration 0"
+
+
+def has_complete_checkpoint(load: str | Path) -> bool:
+    """Whether ``load`` (a run directory or its checkpoints/) holds a complete checkpoint to resume."""
+    try:
+        return bool(tags_in(checkpoints_root(load)))
+    except FileNotFoundError:
+        return False
 
 
 def model_states_path(tag_dir: Path, tp_rank: int) -> Path:
@@ -102,9 +203,9 @@ def read_model_states(path: Path) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"{path} does not exist; copy every mp_rank_XX_model_states.pt of the tag.")
     try:
-        # weights_only=False: DeepSpeed's model-states files pickle the client state (python/numpy RNG
-        # states, configs), which the weights-only unpickler refuses. Only load checkpoints you trust.
-        states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        states = safe_torch_load(path)   # weights-only: a file that names other globals is refused, not run
+    except UnsafeCheckpointError as err:
+        raise ValueError(str(err)) from None   # a plain ValueError: ranks agree on it by its type name
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, AttributeError,
             ModuleNotFoundError) as err:
         raise ValueError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated or "

@@ -44,7 +44,8 @@ from zoo.atomic import check_output_directory, staged_directory
 from zoo.checkpoint.files import (MODEL_STATES, MODEL_STATES_RE, check_rank_files,
                                   model_states_path, read_model_states, tp_size_of_states)
 from zoo.checkpoint.layout import check_layout, checked_layout_model, optimizer_groups, recover_config
-from zoo.checkpoint.zero_reshard import OPTIM_STATES_RE, partition_files, write_zero_resharded
+from zoo.checkpoint.zero_reshard import (OPTIM_STATES_RE, check_reshardable_zero_config, partition_files,
+                                         write_zero_resharded)
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.utils import merge_shards, shard_tensor
 
@@ -266,6 +267,8 @@ def reshard_checkpoint(tag_dir: str | Path, new_tp: int, out: str | Path, new_dp
     if partitions is not None and new_dp is None:
         raise ValueError(f"{tag_dir} keeps its optimizer state in ZeRO/BF16 partitions over dp={partitions.dp_size}; "
                          "pass the new data-parallel degree (new_dp) to reshard it.")
+    if partitions is not None:
+        check_reshardable_zero_config(first, first_path)
     if partitions is not None and partitions.tp_size != old_tp:
         raise ValueError(f"{tag_dir} holds optimizer partitions of tp={partitions.tp_size} but model states of "
                          f"tp={old_tp}; the tag mixes files of two checkpoints, re-save it.")

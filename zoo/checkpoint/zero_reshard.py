@@ -49,6 +49,7 @@ import torch
 
 from zoo.checkpoint.files import MODEL_STATES, first_line, model_states_path
 from zoo.checkpoint.layout import optimizer_groups
+from zoo.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
 
 OPTIM_STATES_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 OPTIM_STATES = "{prefix}zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
@@ -96,8 +97,9 @@ def partition_files(tag_dir: Path) -> PartitionFiles | None:
 def read_partition(path: Path) -> dict[str, Any]:
     """One (dp, tp) rank's optimizer partition, memory-mapped."""
     try:
-        # weights_only=False: DeepSpeed pickles its loss scaler object and enums here. Only load trusted files.
-        states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+        states = safe_torch_load(path)   # weights-only, with DeepSpeed's loss scaler and enum types allowed
+    except UnsafeCheckpointError as err:
+        raise ValueError(str(err)) from None   # a plain ValueError: ranks agree on it by its type name
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
         raise ValueError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated, "
                          "re-save it.") from None
@@ -105,10 +107,30 @@ def read_partition(path: Path) -> dict[str, Any]:
     if not isinstance(optimizer, dict) or not {FP32, BASE, PADDINGS} <= optimizer.keys():
         raise ValueError(f"{path} is not a DeepSpeed ZeRO stage 1/2 or BF16 optimizer partition (ZeRO stage 3 "
                          "checkpoints cannot be resharded); resume it at its own layout.")
+    check_reshardable_zero_config(states, path)
     if any(any(group) for group in optimizer.get(ALIGNMENT_PADDINGS) or []):
         raise ValueError(f"{path} was written with zero_optimization.parameter_alignment (per-parameter padding), "
                          "which zoo cannot reshard; resume it at its own layout.")
     return states
+
+
+REFUSED_ZERO_OPTIONS = ("round_robin_gradients", "elastic_checkpoint")
+
+
+def check_reshardable_zero_config(states: dict[str, Any], path: Path) -> None:
+    """The ZeRO options recorded in a checkpoint (DeepSpeed keeps the run's ``ds_config`` in its model-states
+    and partition files) lay the partitions out as zoo's resharder reads them: ``round_robin_gradients``
+    reorders each group's parameters across ranks and ``elastic_checkpoint`` saves the optimizer state per
+    parameter instead of per partition, so such checkpoints are refused rather than resharded wrongly."""
+    config = states.get("ds_config")
+    zero = config.get("zero_optimization") if isinstance(config, dict) else None
+    if not isinstance(zero, dict):
+        return
+    enabled = [option for option in REFUSED_ZERO_OPTIONS if zero.get(option)]
+    if enabled:
+        raise ValueError(f"{path} was written with zero_optimization.{enabled[0]}: true, whose partitions zoo cannot "
+                         "reshard; resume it at the tp x dp layout it was written with (or export it with "
+                         "launch/export.py).")
 
 
 def group_layout(param_shapes: list[dict[str, torch.Size]]) -> list[list[tuple[str, torch.Size]]]:

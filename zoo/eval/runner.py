@@ -107,30 +107,46 @@ def transformers_directory(load: str) -> str:
     """``load`` itself when it holds a transformers-layout model (config.json); for a zoo DeepSpeed
     training checkpoint (a run directory or its checkpoints/), the tag in ``latest`` exported once
     to this user's private cache directory by local rank 0 of each node, the other ranks waiting
-    (collective; an export error reaches every rank as the same sentence)."""
-    import hashlib
+    (collective; an export error reaches every rank as the same sentence).
 
+    The cached export is keyed on the tag's content (:func:`export_cache_key`: the path and the name,
+    size and modification time of every file in it), so a tag whose files were rewritten (a new run with
+    the same ``--save``) is exported again; rank 0 says when a cached export is used."""
     from zoo.checkpoint.deepspeed_export import export_checkpoint
-    from zoo.checkpoint.files import checkpoints_root
+    from zoo.checkpoint.files import tag_directory
 
     if (Path(load) / "config.json").is_file():
         return str(load)
-    root = checkpoints_root(load)  # one-sentence FileNotFoundError when it is neither
-    tag = (root / "latest").read_text().strip() if (root / "latest").is_file() else "newest"
-    key = hashlib.sha1(f"{root.resolve()}:{tag}:{(root / tag).stat().st_mtime_ns if (root / tag).exists() else 0}"
-                       .encode()).hexdigest()[:16]
-    target = export_cache_path() / key
+    tag_dir = tag_directory(load)   # one-sentence error for a missing or incomplete checkpoint
+    target = export_cache_path() / export_cache_key(tag_dir)
+    is_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
 
     def export_here() -> None:
         make_private_directory(target.parent)
-        if not (target / "config.json").is_file():
-            export_checkpoint(load, target)
+        if (target / "config.json").is_file():
+            if int(os.environ.get("RANK", 0)) == 0:
+                print(f"using the cached export {target} of {tag_dir} (its files are unchanged since it was "
+                      "exported)", flush=True)
+            return
+        export_checkpoint(load, target, tag=tag_dir.name)
 
     # The other ranks wait on a host group whose timeout is sized from the checkpoint's bytes, not in the
     # NCCL group under its watchdog (zoo.distributed.run_on_first_rank says why).
-    run_on_first_rank(export_here, work_bytes=directory_bytes(root / tag),
-                      first=lambda: int(os.environ.get("LOCAL_RANK", 0)) == 0)
+    run_on_first_rank(export_here, work_bytes=directory_bytes(tag_dir), first=lambda: is_first)
     return str(target)
+
+
+def export_cache_key(tag_dir: Path) -> str:
+    """A name for the export of ``tag_dir`` that changes whenever its content may have: a hash of the tag's
+    resolved path and of the name, size and modification time (ns) of every file in it."""
+    import hashlib
+
+    digest = hashlib.sha256(str(tag_dir.resolve()).encode())
+    for path in sorted(tag_dir.iterdir()):
+        if path.is_file():
+            info = path.stat()
+            digest.update(f"\0{path.name}:{info.st_size}:{info.st_mtime_ns}".encode())
+    return digest.hexdigest()[:24]
 
 
 def export_cache_path() -> Path:

@@ -17,8 +17,9 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zoo.checkpoint.files import (checkpoints_root, model_states_path, rank_files_tp, read_model_states,
-                                  tag_directory)
+from zoo.checkpoint.files import (LATEST_FILE, checkpoints_root, model_states_path, rank_files_tp,
+                                  read_model_states, resume_tag_directory)
+from zoo.checkpoint.safe_load import check_tag_files
 from zoo.distributed import directory_bytes, raise_on_any_rank, run_on_first_rank
 
 __all__ = ["checkpoint_to_load", "check_rank_states", "model_config_differences"]
@@ -33,6 +34,11 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
                        engine=None) -> tuple[Path, str]:
     """The (DeepSpeed load directory, tag) to resume from at this run's layout, checked on every rank.
 
+    The checkpoint is the tag ``latest`` names when that save finished, else the newest complete tag
+    (:func:`zoo.checkpoint.files.resume_tag_directory`, said in one line on rank 0). Every ``.pt`` file it
+    holds is first loaded with the weights-only unpickler (:mod:`zoo.checkpoint.safe_load`): a file that
+    names any other global ends the run on every rank with one sentence, before DeepSpeed unpickles it.
+
     When the checkpoint named by ``latest`` was written at another tp (or, for a ZeRO/BF16 checkpoint,
     another tp x dp), rank 0 writes (or reuses) a resharded copy under
     ``<checkpoints>/resharded/<tag>-tp<N>[-dp<M>]/`` and every rank reads that. Each rank proves it can
@@ -46,7 +52,13 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
 
     def locate() -> tuple[Path, Path, int, Any]:
         root = checkpoints_root(load)
-        tag_dir = tag_directory(root, fix=LATEST_FIX)
+        tag_dir, note = resume_tag_directory(root)
+        if tag_dir is None:
+            raise ValueError(f"--load {load}: {note.replace('; starting from iteration 0', '')}; remove "
+                             f"{root / LATEST_FILE} to start the run from iteration 0, or pass --load of a run "
+                             "with a finished checkpoint.")
+        if note and is_first_rank():
+            print(f"--load {load}: {note}", flush=True)
         source_tp = rank_files_tp(tag_dir)
         partitions = partition_files(tag_dir)
         if engine is not None:
@@ -54,6 +66,9 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
         return root, tag_dir, source_tp, partitions
 
     root, tag_dir, source_tp, partitions = raise_on_any_rank(locate)
+    # Every .pt of the tag loads with the weights-only unpickler (each rank a share, agreed) before
+    # DeepSpeed's load_checkpoint, which unpickles with weights_only=False, reads any of them.
+    raise_on_any_rank(lambda: check_tag_files(tag_dir, *rank_and_world()))
     same_dp = partitions is None or partitions.dp_size == ps.dp_size
     if source_tp == ps.tp_size and same_dp:
         raise_on_any_rank(lambda: check_rank_states(tag_dir, ps.tp_rank, model_config, load))
@@ -67,8 +82,22 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
     # the process group's timeout.
     run_on_first_rank(lambda: ensure_resharded(tag_dir, ps.tp_size, target, new_dp),
                       work_bytes=directory_bytes(tag_dir))
+    raise_on_any_rank(lambda: check_tag_files(target, *rank_and_world()))
     raise_on_any_rank(lambda: check_rank_states(target, ps.tp_rank, model_config, load))
     return target.parent, target.name
+
+
+def is_first_rank() -> bool:
+    return rank_and_world()[0] == 0
+
+
+def rank_and_world() -> tuple[int, int]:
+    """(global rank, world size), (0, 1) without a process group."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
 
 def engine_optimizer_files(engine) -> str | None:

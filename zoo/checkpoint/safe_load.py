@@ -1,0 +1,121 @@
+"""Reading DeepSpeed ``.pt`` files without running code from them.
+
+``torch.load`` with ``weights_only=False`` unpickles whatever a file names: a states file carrying an
+object whose ``__reduce__`` calls ``os.system`` runs that command on the machine that reads it.
+Checkpoints are downloaded and shared, so every zoo read of a ``.pt`` goes through
+:func:`safe_torch_load`: torch's weights-only unpickler, which builds tensors, containers and
+primitive values and, beyond those, only the classes and functions of :func:`checkpoint_globals`.
+
+Those are exactly the non-tensor types that DeepSpeed 0.19 and zoo's pretraining write into a
+checkpoint (found by scanning real GPT-2 and BERT checkpoints at tp = 2, ZeRO-1/2, bf16 with and
+without ZeRO, and fp16 with and without ZeRO with ``torch.serialization.get_unsafe_globals_in_checkpoint``):
+
+* DeepSpeed's loss scalers (``LossScaler``, ``DynamicLossScaler``; plain attribute bags), its
+  ``ZeroStageEnum`` and the ``fragment_address`` dataclass of ZeRO's ``param_slice_mappings``;
+* numpy's array reconstruction, for the numpy RNG state of zoo's client state (a uint32 array), under
+  numpy 2's module name and numpy 1's (``numpy.core``), so checkpoints written with either load.
+
+None of them runs code when unpickled: the weights-only unpickler creates the instance and sets its
+attributes, calling no constructor or ``__setstate__`` of the file's choosing. Anything else in a file
+is refused with one sentence naming the file and the global, before anything of it is built.
+
+DeepSpeed's own ``engine.load_checkpoint`` unpickles with ``weights_only=False`` and takes no option to
+change that; :func:`check_tag_files` loads every ``.pt`` of a tag this way first, so a file that would
+run code never reaches it.
+"""
+
+from __future__ import annotations
+
+import pickle
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["UnsafeCheckpointError", "checkpoint_globals", "safe_torch_load", "check_tag_files", "refused_global"]
+
+# "Unsupported global: GLOBAL posix.system was not an allowed global ..." (torch's weights-only unpickler)
+_REFUSED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|but got) <?(?:class )?'?([\w.]+)")
+
+
+class UnsafeCheckpointError(ValueError):
+    """A checkpoint file names a global outside :func:`checkpoint_globals` (it could run code when loaded)."""
+
+
+def checkpoint_globals() -> list:
+    """The classes and functions, beyond torch's defaults, that a zoo DeepSpeed checkpoint may name.
+
+    Built on each call (no module-level state) and passed to ``torch.serialization.safe_globals`` for
+    the one load, so zoo never widens the allow-list of other ``torch.load`` calls in the process."""
+    import numpy as np
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    try:
+        from numpy._core.multiarray import _reconstruct
+    except ImportError:   # numpy 1.x
+        from numpy.core.multiarray import _reconstruct
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address,
+            np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+            (_reconstruct, "numpy._core.multiarray._reconstruct"),
+            (_reconstruct, "numpy.core.multiarray._reconstruct")]
+
+
+def refused_global(err: BaseException, path: Path) -> str:
+    """The global the weights-only unpickler refused in ``path``: from its message, else from torch's scan."""
+    match = _REFUSED_GLOBAL.search(str(err))
+    if match:
+        return match.group(1)
+    try:
+        allowed = {name if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
+                   for entry in checkpoint_globals() for name in ([entry[1]] if isinstance(entry, tuple) else [None])}
+        names = [name for name in torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+                 if name not in allowed]
+    except Exception:  # noqa: BLE001 - the scan is only to name the global; the file is refused either way
+        names = []
+    return names[0] if names else "an object the weights-only unpickler cannot build"
+
+
+def is_refused_global(err: BaseException) -> bool:
+    """``err`` is the weights-only unpickler refusing something the file names (a global, an opcode, a
+    reduce call), not a truncated or foreign file."""
+    return "WeightsUnpickler error" in str(err)
+
+
+def safe_torch_load(path: str | Path, mmap: bool = True) -> Any:
+    """``torch.load(path)`` on the CPU with the weights-only unpickler and :func:`checkpoint_globals`.
+
+    Raises :class:`UnsafeCheckpointError` (a ValueError) naming the file and the refused global when the
+    file names anything else; other read errors (truncated file, not a torch file) propagate as torch
+    raises them, for the caller's own sentence."""
+    path = Path(path)
+    try:
+        with torch.serialization.safe_globals(checkpoint_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as err:
+        if not is_refused_global(err):
+            raise
+        raise UnsafeCheckpointError(
+            f"{path} holds the pickled global {refused_global(err, path)}, which zoo refuses to load because "
+            "unpickling it could run code; use only checkpoints written by zoo's pretrain (DeepSpeed states "
+            "files) from a source you trust, or an exported safetensors directory.") from None
+
+
+def check_tag_files(tag_dir: str | Path, rank: int = 0, world_size: int = 1) -> None:
+    """Load every ``.pt`` file of checkpoint ``tag_dir`` (this rank's share: the files at positions
+    ``rank``, ``rank + world_size``, ... in name order) with :func:`safe_torch_load`, memory-mapped (the
+    tensors are not read), so that no file of the tag reaches an unpickler that could run code from it.
+    A file that does not load this way is refused: one sentence naming it."""
+    files = sorted(Path(tag_dir).glob("*.pt"))
+    for path in files[rank::world_size]:
+        try:
+            safe_torch_load(path)
+        except UnsafeCheckpointError as err:
+            raise ValueError(str(err)) from None   # a plain ValueError: ranks agree on it by its type name
+        except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
+            text = str(err).strip().splitlines()
+            raise ValueError(f"{path} cannot be read as a torch checkpoint ({text[0] if text else type(err).__name__});"
+                             " it is truncated or not a DeepSpeed states file, copy the complete checkpoint tag or "
+                             "re-save it.") from None
