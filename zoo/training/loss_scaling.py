@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-from zoo.training.grad_norm import current_loss_scale
+from zoo.training.grad_norm import current_loss_scale, let_deepspeed_count_every_tp_rank
 
 _NOTED = "_zoo_noted_unscaled_fp16_backward"
 
@@ -40,7 +40,15 @@ def scale_deepspeed_leaves_out(engine) -> float | None:
 
 
 def backward(engine, loss: torch.Tensor):
-    """``engine.backward(loss)`` with the fp16 loss scale applied exactly once (see the module doc)."""
+    """``engine.backward(loss)`` with the fp16 loss scale applied exactly once (see the module doc), and the
+    gradients tagged so that DeepSpeed's clipping norm counts every TP rank
+    (:func:`zoo.training.grad_norm.let_deepspeed_count_every_tp_rank`)."""
+    result = _backward_scaled_once(engine, loss)
+    let_deepspeed_count_every_tp_rank(engine)
+    return result
+
+
+def _backward_scaled_once(engine, loss: torch.Tensor):
     scale = scale_deepspeed_leaves_out(engine)
     if scale is None or not loss.requires_grad:
         return engine.backward(loss)
