@@ -54,13 +54,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
-    """--prompt values, then the non-blank lines of --prompt-file."""
+    """--prompt values, then the non-blank lines of --prompt-file (UTF-8 text)."""
     prompts = list(args.prompt)
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
             raise FileNotFoundError(f"prompt file '{path}' does not exist; pass a text file with one prompt per line.")
-        prompts += [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = data.count(b"\n", 0, err.start) + 1
+            raise ValueError(f"prompt file '{path}' is not UTF-8 text (byte {data[err.start]:#04x} on line {line}); "
+                             "convert it, e.g. iconv -f latin1 -t utf-8.") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
         raise ValueError("no prompts given; pass --prompt TEXT (repeatable) or --prompt-file FILE.")
     return prompts

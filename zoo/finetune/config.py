@@ -92,9 +92,10 @@ def build_parser(task: str) -> argparse.ArgumentParser:
 
 def parse_args(task: str, argv=None) -> FinetuneConfig:
     args = build_parser(task).parse_args(argv)
-    from zoo.training.run_config import read_ds_config
+    from zoo.training.run_config import check_ds_config, read_ds_config
 
     ds_config = read_ds_config(args.deepspeed_config)
+    check_ds_config(ds_config, args.deepspeed_config, needs_optimizer=False)   # deepspeed_dict fills the optimizer
     zoo_block = ds_config.get("zoo", {})
     unknown = sorted(set(zoo_block) - FINETUNE_ZOO_KEYS)
     if unknown:

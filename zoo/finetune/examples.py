@@ -11,6 +11,20 @@ from zoo.finetune.skips import SkippedExamples
 
 ANSWER_LETTERS = ("A", "B", "C", "D")
 
+# The longest text (a RACE article, a SQuAD context, a GLUE sentence, a question or an option) read into an
+# example, in characters: about 1 MB of text, some 70 times the longest RACE article and 25 times the longest
+# SQuAD context. A longer one is skipped and counted before it is tokenised, since tokenising it costs about
+# 100 bytes of memory per character (a 50 MB article would take ~6 GB) for a model that sees its first few
+# hundred tokens only.
+MAX_TEXT_CHARS = 1_000_000
+
+
+def over_long(texts) -> str | None:
+    """The reason to skip an example holding one of ``texts`` longer than :data:`MAX_TEXT_CHARS`, else None."""
+    if any(isinstance(text, str) and len(text) > MAX_TEXT_CHARS for text in texts):
+        return f"example(s) with a text longer than {MAX_TEXT_CHARS:,} characters (zoo.finetune.examples.MAX_TEXT_CHARS)"
+    return None
+
 
 @dataclass(frozen=True)
 class PairExample:
@@ -37,7 +51,12 @@ class RaceExample:
 def make_race_example(
     guid: str, level: str, article: str, question: str, options, answer, skipped: SkippedExamples,
 ) -> RaceExample | None:
-    """The example, or None (counted in ``skipped``) when its options or answer are malformed."""
+    """The example, or None (counted in ``skipped``) when its options or answer are malformed or one of its
+    texts is longer than :data:`MAX_TEXT_CHARS`."""
+    too_long = over_long([article, question, *(options if isinstance(options, (list, tuple)) else ())])
+    if too_long:
+        skipped.skip(guid, too_long)
+        return None
     four_texts = isinstance(options, (list, tuple)) and len(options) == len(ANSWER_LETTERS)
     if not four_texts or not all(isinstance(option, str) for option in options):
         skipped.skip(guid, "question(s) without exactly 4 text options")
@@ -69,7 +88,12 @@ def make_squad_example(
     skipped: SkippedExamples,
     seen_ids: set[str],
 ) -> SquadExample | None:
-    """The example, or None (counted in ``skipped``) when it is malformed."""
+    """The example, or None (counted in ``skipped``) when it is malformed or its context or question is longer
+    than :data:`MAX_TEXT_CHARS`."""
+    too_long = over_long([context, question])
+    if too_long:
+        skipped.skip(qid, too_long)
+        return None
     if qid in seen_ids:
         skipped.skip(qid, "duplicate question id(s)")
         return None

@@ -7,8 +7,8 @@ Layouts read by :func:`read_mnli` and :func:`read_qqp` (``data_dir`` is one task
   (contradiction/entailment/neutral) and ``index`` for the id. QQP: ``train.tsv``, ``dev.tsv``
   (and ``test.tsv`` when it carries labels) with ``question1``, ``question2``, ``is_duplicate``
   (0/1) and ``id``. Fields are tab-separated and never quoted (GLUE's own reading: MNLI
-  sentences contain bare double quotes), so rows are read with :mod:`csv` and ``QUOTE_NONE``; that
-  keeps the row-by-row checking below exact.
+  sentences contain bare double quotes), so each line is split at its tabs; that keeps the row-by-row
+  checking below exact.
 - When no TSV is there: the Hugging Face hub layout of glue/mnli or glue/qqp already on disk;
   or, for ``data_dir`` ``hub:glue/mnli`` / ``hub:glue/qqp``, the hub dataset itself, through
   ``datasets.load_dataset`` (see :mod:`zoo.finetune.hub_layouts`).
@@ -18,14 +18,13 @@ Labels: ``MNLI_LABELS`` gives the ids 0, 1, 2 (GLUE's processor order); QQP's la
 
 Bad input (the policy of :mod:`zoo.finetune.skips`): a missing directory, a missing required
 column or a directory without any split raises ``FileNotFoundError``/``ValueError`` naming it; a
-row whose field count differs from the header's or whose label is outside the label set is
-skipped and counted, and one :class:`~zoo.finetune.skips.MalformedExampleWarning` per file
+row whose field count differs from the header's, whose label is outside the label set or with a text
+longer than :data:`~zoo.finetune.examples.MAX_TEXT_CHARS` is skipped and counted, and one :class:`~zoo.finetune.skips.MalformedExampleWarning` per file
 reports them.
 """
 
 from __future__ import annotations
 
-import csv
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Mapping, Sequence
 import numpy as np
 import torch
 
-from zoo.finetune.examples import PairExample
+from zoo.finetune.examples import PairExample, over_long
 from zoo.finetune.hub_names import TASK_EXAMPLES, is_hub_name
 from zoo.finetune.skips import SkippedExamples
 
@@ -60,10 +59,12 @@ QQP_COLUMNS = TsvColumns(text_a="question1", text_b="question2", label="is_dupli
 
 
 def _read_tsv(path: Path) -> tuple[list[str], list[list[str]]]:
-    """The header and the non-blank rows of a GLUE TSV file."""
+    """The header and the non-blank rows of a GLUE TSV file: each line split at its tabs, which is what
+    :mod:`csv` with ``QUOTE_NONE`` does, without its 131,072-character field limit (over-long texts are
+    skipped per row by :func:`read_pair_tsv`, see :data:`~zoo.finetune.examples.MAX_TEXT_CHARS`)."""
     try:
         with open(path, encoding="utf-8-sig", newline="") as f:
-            rows = [row for row in csv.reader(f, delimiter="\t", quoting=csv.QUOTE_NONE) if row]
+            rows = [line.rstrip("\r\n").split("\t") for line in f if line.rstrip("\r\n")]
     except UnicodeDecodeError:
         raise ValueError(f"'{path}' is not UTF-8 text; pass the GLUE TSV file as distributed.") from None
     if not rows:
@@ -95,6 +96,10 @@ def read_pair_tsv(
         row_id = row[id_column] if id_column is not None and id_column < len(row) else f"row {row_number}"
         if len(row) != len(header):
             skipped.skip(row_id, f"row(s) with a field count other than the header's {len(header)}")
+            continue
+        too_long = over_long(row)
+        if too_long:
+            skipped.skip(row_id, too_long)
             continue
         label = row[position[columns.label]].strip()
         if label not in label_ids:

@@ -34,8 +34,9 @@ from pathlib import Path
 
 import datasets
 
-from zoo.finetune.examples import PairExample, RaceExample, SquadExample, make_race_example, make_squad_example
-from zoo.finetune.hub_names import TASK_EXAMPLES, is_hub_name, split_hub_name
+from zoo.finetune.examples import (PairExample, RaceExample, SquadExample, make_race_example, make_squad_example,
+                                   over_long)
+from zoo.finetune.hub_names import HUB_PREFIX, TASK_EXAMPLES, is_hub_name, split_hub_name
 from zoo.finetune.skips import SkippedExamples
 
 _SHARD_NAME = re.compile(r"^(?P<split>\w+?)-\d{5}-of-\d{5}\.parquet$")
@@ -118,8 +119,16 @@ def load_hub_dataset(data_dir: str, task: str) -> dict[str, datasets.Dataset]:
     """
     name, config = split_hub_name(data_dir, task)
     shown = f"{name}/{config}" if config else name
+    refuse_task_files(data_dir, name)
     try:
         loaded = datasets.load_dataset(name, config)
+    except datasets.exceptions.DatasetGenerationError as err:
+        detail = (str(err.__cause__ or err).strip().splitlines() or [type(err).__name__])[0].rstrip(".:")
+        raise ValueError(
+            f"hub dataset {shown} cannot be built by datasets.load_dataset ({detail}: its files do not form one "
+            f"table per split); pass a dataset in the hub's layout, e.g. --data-dir {TASK_EXAMPLES[task]}, or the "
+            "task's original files as --data-dir DIR without hub:."
+        ) from None
     except ConnectionError:
         if datasets.config.HF_HUB_OFFLINE:
             raise FileNotFoundError(
@@ -148,6 +157,27 @@ def load_hub_dataset(data_dir: str, task: str) -> dict[str, datasets.Dataset]:
         raise ValueError(f"hub dataset {shown} did not load as a dictionary of splits; pass a dataset with "
                          "train/validation splits.")
     return dict(loaded)
+
+
+# File names of the tasks' original distributions (GLUE TSV, SQuAD JSON): a directory holding them is read by
+# the task's own reader (--data-dir DIR), never by datasets.load_dataset.
+_ORIGINAL_FILES = ("train.tsv", "dev.tsv", "dev_matched.tsv", "dev_mismatched.tsv", "test.tsv", "train-v1.1.json",
+                   "dev-v1.1.json", "train-v2.0.json", "dev-v2.0.json")
+
+
+def refuse_task_files(data_dir: str, name: str) -> None:
+    """Refuse ``hub:DIR`` where DIR is a local directory of a task's original files (GLUE's TSV, SQuAD's
+    JSON): ``datasets.load_dataset`` would read them as one table with another schema per file and fail
+    after writing to its cache; the task's reader reads them as ``--data-dir DIR``."""
+    for candidate in dict.fromkeys((data_dir[len(HUB_PREFIX):].strip().rstrip("/"), name)):
+        directory = Path(candidate)
+        found = [file for file in _ORIGINAL_FILES if (directory / file).is_file()] if directory.is_dir() else []
+        if found:
+            raise ValueError(
+                f"--data-dir {data_dir} is a local directory of the task's original files ({', '.join(found)}), "
+                f"which hub: does not read (it loads Hugging Face datasets); pass --data-dir {directory} without "
+                "hub: to read them."
+            )
 
 
 def _label(source: str | os.PathLike) -> str | Path:
@@ -192,6 +222,10 @@ def read_glue_hub(source: str | os.PathLike, task: str) -> dict[str, list[PairEx
         for row_id, text_a, text_b, label in zip(ids, rows[column_a], rows[column_b], rows["label"]):
             if not isinstance(label, int) or not 0 <= label < len(names):
                 skipped.skip(str(row_id), f"label(s) outside 0..{len(names) - 1}")
+                continue
+            too_long = over_long([text_a, text_b])
+            if too_long:
+                skipped.skip(str(row_id), too_long)
                 continue
             label_id = our_ids[names[label]]
             examples.append(PairExample(guid=f"{split}-{row_id}", text_a=text_a, text_b=text_b, label=label_id))

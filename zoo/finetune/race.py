@@ -14,7 +14,8 @@ first (and the end of the question only if it alone does not fit).
 Bad input (policy of :mod:`zoo.finetune.skips`): a missing directory, a file that is not a JSON
 object with ``article``, ``questions``, ``options`` and ``answers`` (lists of one length), or a
 directory without any split raises ``FileNotFoundError``/``ValueError`` naming it; a question
-without exactly four options or with an answer letter outside A-D is skipped and counted, with one
+without exactly four options, with an answer letter outside A-D or with a text (article, question,
+option) longer than :data:`~zoo.finetune.examples.MAX_TEXT_CHARS` is skipped and counted, with one
 :class:`~zoo.finetune.skips.MalformedExampleWarning` per split directory.
 """
 

@@ -15,9 +15,9 @@ character offsets come from the fast tokenizer, so spans map back to the exact c
 Bad input (policy of :mod:`zoo.finetune.skips`): a missing file, text that is not JSON or JSON
 without a ``data`` list of articles with paragraphs raises ``FileNotFoundError``/``ValueError``
 naming it; a question with a duplicate id, an answer whose ``answer_start`` does not point at its
-text in the context, an empty answer text, an answerable question without answers or an impossible
-one with answers is skipped and counted, with one
-:class:`~zoo.finetune.skips.MalformedExampleWarning` per file.
+text in the context, an empty answer text, an answerable question without answers, an impossible
+one with answers, or a context or question longer than :data:`~zoo.finetune.examples.MAX_TEXT_CHARS`
+is skipped and counted, with one :class:`~zoo.finetune.skips.MalformedExampleWarning` per file.
 """
 
 from __future__ import annotations

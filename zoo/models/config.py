@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,6 +20,30 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 ZOO_RUN_FIELDS = ("make_vocab_size_divisible_by", "activation_checkpointing", "sequence_parallel",
                   "recompute_granularity")
 _GELU_APPROXIMATION = {"gelu_new": "tanh", "gelu_pytorch_tanh": "tanh", "gelu_fast": "tanh", "gelu": "none"}
+
+# Upper bounds on a model's shape fields. They are sanity limits, far above any released model (vocabularies
+# reach ~256k tokens, contexts ~1M positions, widths ~25k, depths ~200 layers), that stop a typo or a hostile
+# config.json from asking for an embedding table of terabytes before anything is read: 10M vocabulary rows
+# of a 65,536-wide model would already be 2.6 TB of fp32.
+MAX_VOCAB_SIZE = 10_000_000
+MAX_POSITIONS = 1_048_576
+MAX_HIDDEN_SIZE = 65_536
+MAX_LAYERS = 4_096
+MAX_TOKEN_TYPES = 1_024
+# field -> (upper bound, None allowed) of each family's integer shape fields; each must be at least 1.
+GPT2_SHAPE_FIELDS = {"vocab_size": (MAX_VOCAB_SIZE, False), "n_positions": (MAX_POSITIONS, False),
+                     "n_embd": (MAX_HIDDEN_SIZE, False), "n_layer": (MAX_LAYERS, False),
+                     "n_head": (MAX_HIDDEN_SIZE, False), "n_inner": (4 * MAX_HIDDEN_SIZE, True)}
+BERT_SHAPE_FIELDS = {"vocab_size": (MAX_VOCAB_SIZE, False), "hidden_size": (MAX_HIDDEN_SIZE, False),
+                     "num_hidden_layers": (MAX_LAYERS, False), "num_attention_heads": (MAX_HIDDEN_SIZE, False),
+                     "max_position_embeddings": (MAX_POSITIONS, False), "type_vocab_size": (MAX_TOKEN_TYPES, False),
+                     "intermediate_size": (4 * MAX_HIDDEN_SIZE, True)}
+# The fields a config.json must state: zoo never guesses the shape of a model it loads weights into.
+GPT2_REQUIRED_FIELDS = ("vocab_size", "n_positions", "n_embd", "n_layer", "n_head")
+BERT_REQUIRED_FIELDS = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                        "max_position_embeddings")
+GPT2_PROBABILITY_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
+BERT_PROBABILITY_FIELDS = ("hidden_dropout_prob", "attention_probs_dropout_prob")
 
 
 @dataclass
@@ -69,6 +94,7 @@ class GPT2Config:
 
     def validate(self, tp_size: int = 1) -> "GPT2Config":
         """Refuse impossible shapes with one sentence naming the numbers and the fix."""
+        check_field_values(self, GPT2_SHAPE_FIELDS, GPT2_PROBABILITY_FIELDS, "GPT-2 config")
         validate_tp_shapes(self.n_embd, self.n_head, self.ffn_hidden_size, tp_size,
                            hidden_name="n_embd", heads_name="n_head")
         recompute_mode(self)
@@ -149,6 +175,7 @@ class BertConfig:
         return pad_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
 
     def validate(self, tp_size: int = 1) -> "BertConfig":
+        check_field_values(self, BERT_SHAPE_FIELDS, BERT_PROBABILITY_FIELDS, "BERT config")
         validate_tp_shapes(self.hidden_size, self.num_attention_heads, self.ffn_hidden_size, tp_size,
                            hidden_name="hidden_size", heads_name="num_attention_heads")
         recompute_mode(self)
@@ -212,3 +239,83 @@ def validate_tp_shapes(hidden: int, heads: int, ffn: int, tp_size: int, *, hidde
     if ffn % tp_size != 0:
         raise ValueError(f"MLP size {ffn} is not divisible by tensor-parallel size {tp_size}; "
                          "use a tp degree that divides it.")
+
+
+def shape_field_problem(value: Any, maximum: int, nullable: bool) -> str | None:
+    """What is wrong with a shape field's value ("is -1, not a positive integer"), or None when it is fine."""
+    if value is None and nullable:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int):
+        return f"is {_shown(value)} ({_json_kind(value)}), not an integer"
+    if value < 1:
+        return f"is {value}, not a positive integer"
+    if value > maximum:
+        return (f"is {value}, above zoo's bound of {maximum:,} (a sanity limit far beyond any released model, which "
+                "keeps a wrong value from allocating terabytes)")
+    return None
+
+
+def probability_problem(value: Any) -> str | None:
+    """What is wrong with a dropout probability, or None when it is a number in [0, 1]."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"is {_shown(value)} ({_json_kind(value)}), not a number"
+    if not 0 <= value <= 1:
+        return f"is {value}, not a probability in [0, 1]"
+    return None
+
+
+def check_field_values(config: GPT2Config | BertConfig, shape_fields: dict[str, tuple[int, bool]],
+                       probability_fields: tuple[str, ...], what: str) -> None:
+    """Shape fields are integers in [1, bound] and dropouts probabilities, else one sentence naming the field."""
+    for name, (maximum, nullable) in shape_fields.items():
+        problem = shape_field_problem(getattr(config, name), maximum, nullable)
+        if problem:
+            raise ValueError(f"{what} field {name} {problem}; set it to a positive integer of at most {maximum:,}.")
+    for name in probability_fields:
+        problem = probability_problem(getattr(config, name))
+        if problem:
+            raise ValueError(f"{what} field {name} {problem}; set it to a dropout probability such as 0.1.")
+
+
+def check_hf_config_values(values: Any, path: Any) -> None:
+    """A transformers config.json of a GPT-2 or BERT (``model_type`` "gpt2", "bert", "megatron-bert") states
+    every shape field (:data:`GPT2_REQUIRED_FIELDS`, :data:`BERT_REQUIRED_FIELDS`) as an integer within the
+    bounds above, and its dropouts as probabilities; anything else is one sentence naming the file and the
+    field. Other model types are left to the loader that reads them, which names the type it expects."""
+    if not isinstance(values, dict):
+        raise ValueError(f"{path} holds {_json_kind(values)}, not a JSON object; pass a model directory whose "
+                         "config.json is the model's configuration as save_pretrained writes it.")
+    model_type = values.get("model_type")
+    if model_type == "gpt2":
+        required, shape_fields, probabilities = GPT2_REQUIRED_FIELDS, GPT2_SHAPE_FIELDS, GPT2_PROBABILITY_FIELDS
+    elif model_type in ("bert", "megatron-bert"):
+        required, shape_fields, probabilities = BERT_REQUIRED_FIELDS, BERT_SHAPE_FIELDS, BERT_PROBABILITY_FIELDS
+    else:
+        return
+    for name in required:
+        if name not in values:
+            raise ValueError(f"{path} has no {name} field, and zoo does not guess a model's shape; add "
+                             f"\"{name}\": <the model's value> (transformers' save_pretrained always writes it).")
+    for name, (maximum, nullable) in shape_fields.items():
+        problem = shape_field_problem(values[name], maximum, nullable) if name in values else None
+        if problem:
+            raise ValueError(f"{path} field {name} {problem}; write the model's {name} there as a positive integer "
+                             f"of at most {maximum:,}.")
+    for name in probabilities:
+        problem = probability_problem(values[name]) if name in values else None
+        if problem:
+            raise ValueError(f"{path} field {name} {problem}; write a dropout probability such as 0.1.")
+
+
+def _shown(value: Any) -> str:
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def _json_kind(value: Any) -> str:
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a JSON list",
+            dict: "a JSON object"}.get(type(value), type(value).__name__)

@@ -33,6 +33,7 @@ import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
 from zoo.atomic import check_output_directory, staged_directory
+from zoo.models.config import check_hf_config_values
 from zoo.parallel.gather import gather_to_first
 from zoo.parallel.layers import is_tensor_parallel
 from zoo.parallel.state import ParallelState, as_state
@@ -528,8 +529,12 @@ def local_block(local: torch.Tensor, param: torch.Tensor, spec: HFParam, entry: 
     return local.chunk(len(spec.fused), dim=dim)[entry.block]
 
 
-def read_config_json(directory: str | os.PathLike) -> dict:
-    """config.json of a checkpoint directory, with one-sentence errors."""
+def read_config_json(directory: str | os.PathLike, check_values: bool = True) -> dict:
+    """config.json of a checkpoint directory, with one-sentence errors: it must be a JSON object, and a GPT-2
+    or BERT one must state its shape fields within bounds (:func:`zoo.models.config.check_hf_config_values`),
+    so every reader of a model directory (loading, export, generation, evaluation, finetuning, planning)
+    refuses a bad one before anything is allocated. ``check_values=False`` leaves the fields to a caller
+    that first checks the ``model_type`` it expects, then calls that check itself."""
     path = Path(directory) / "config.json"
     if not Path(directory).is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist; pass the directory that "
@@ -538,6 +543,12 @@ def read_config_json(directory: str | os.PathLike) -> dict:
         raise FileNotFoundError(f"checkpoint directory {directory} has no config.json; pass a directory "
                                 "written by save_pretrained (zoo or transformers).")
     try:
-        return json.loads(path.read_text())
+        values = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+                         "fix or re-save the checkpoint.") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"{path} is not valid JSON ({err}); fix or re-save the checkpoint.") from None
+    if not isinstance(values, dict) or check_values:
+        check_hf_config_values(values, path)
+    return values

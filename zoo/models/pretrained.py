@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from pathlib import Path
 
 import torch
 
 from zoo.assets import ASSETS_DIR
+from zoo.models.config import check_hf_config_values
 from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, CheckpointFiles, HFParam, check_max_shard_size,
                               check_pretrained_target, load_hf_weights, model_producer, output_tensors,
                               read_config_json, stream_pretrained)
@@ -33,6 +35,24 @@ TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json
 def tokenizer_files(directory: str | os.PathLike) -> list[Path]:
     """The tokenizer files present in ``directory``, to be copied next to saved weights."""
     return [Path(directory) / name for name in TOKENIZER_FILE_NAMES if (Path(directory) / name).is_file()]
+
+
+class BundledTokenizerWarning(UserWarning):
+    """A model directory holds no tokenizer files, so the model family's bundled tokenizer stands in for it."""
+
+
+def tokenizer_dir_of(directory: str | os.PathLike, default: Path) -> Path:
+    """Where the tokenizer of the model in ``directory`` is: ``directory`` itself when it holds vocabulary files
+    (vocab.json, vocab.txt or tokenizer.json), else ``default`` (the family's bundled one), with a
+    :class:`BundledTokenizerWarning` naming both, since the bundled vocabulary is right only for a model
+    trained with it and a wrong one gives wrong text without any error."""
+    if any((Path(directory) / name).is_file() for name in ("vocab.json", "vocab.txt", "tokenizer.json")):
+        return Path(directory)
+    warnings.warn(f"{directory} holds no tokenizer files (vocab.json, vocab.txt or tokenizer.json), so the bundled "
+                  f"{default.name} tokenizer ({default}) is used for it; if the model was trained with another "
+                  "vocabulary, put its tokenizer files there or pass --tokenizer DIR.", BundledTokenizerWarning,
+                  stacklevel=3)
+    return default
 
 
 def with_dtype(config_dict: dict, dtype: torch.dtype) -> dict:
@@ -73,9 +93,11 @@ class HFPretrainedMixin:
                         **config_overrides):
         """Build from a transformers directory (config.json + safetensors), reading only this rank's
         slices. ``config_overrides`` set config fields, e.g. ``activation_checkpointing=True``."""
-        values = read_config_json(directory)
+        values = read_config_json(directory, check_values=False)
+        config = cls.config_from_hf(values)   # a config.json of another model type is named as such first
+        check_hf_config_values(values, Path(directory) / "config.json")
         cls.check_overrides(directory, values, config_overrides)
-        config = cls.config_from_hf(values).replace(**config_overrides)
+        config = config.replace(**config_overrides)
         return cls.load_into(directory, config, parallel, dtype)
 
     @classmethod
@@ -102,9 +124,7 @@ class HFPretrainedMixin:
             model.init_new_params(missing, new_params_seed if new_params_seed is not None else 0)
             logger.warning("%s: %s not in %s; newly initialised (seed %s) - train this model before using it.",
                            cls.__name__, ", ".join(sorted(missing)), directory, new_params_seed or 0)
-        model.tokenizer_dir = Path(directory) if any(
-            (Path(directory) / name).is_file() for name in ("vocab.json", "vocab.txt", "tokenizer.json")) \
-            else cls.default_tokenizer_dir
+        model.tokenizer_dir = tokenizer_dir_of(directory, cls.default_tokenizer_dir)
         if dtype is not None:
             model.to(dtype)
         return model

@@ -145,9 +145,56 @@ def read_ds_config(path: str | None) -> dict[str, Any]:
     if not Path(path).is_file():
         raise FileNotFoundError(f"DeepSpeed config {path} does not exist; pass one of the files in ds_configs/.")
     try:
-        return json.loads(Path(path).read_text())
+        ds_config = json.loads(Path(path).read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise ValueError(f"DeepSpeed config {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+                         f"{err.start}); fix the file.") from None
     except json.JSONDecodeError as err:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON ({err}); fix the file.") from None
+    if not isinstance(ds_config, dict):
+        raise ValueError(f"DeepSpeed config {path} holds {_json_kind(ds_config)}, not a JSON object; write it as "
+                         "{\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 4, \"optimizer\": {...}, ...}, "
+                         "like the files in ds_configs/.")
+    return ds_config
+
+
+# Blocks of a ds_config that DeepSpeed reads as JSON objects.
+DS_CONFIG_BLOCKS = ("optimizer", "scheduler", "fp16", "bf16", "zero_optimization", "zoo")
+DS_CONFIG_BATCH_KEYS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def check_ds_config(ds_config: dict[str, Any], path: str | None, *, needs_optimizer: bool) -> None:
+    """The settings of a ds_config that zoo and DeepSpeed both rely on, checked before anything is built or
+    written (DeepSpeed's own checks come after the engine starts, as assertions): its blocks are JSON
+    objects, the batch sizes present are positive integers (``gradient_accumulation_steps`` may be
+    "auto"), at most one of fp16 and bf16 is enabled, and, where DeepSpeed builds the optimizer from the
+    file (``needs_optimizer``: pretraining), an ``optimizer`` block with a ``type`` is there."""
+    for block in DS_CONFIG_BLOCKS:
+        if block in ds_config and not isinstance(ds_config[block], dict):
+            raise ValueError(f"{block!r} in DeepSpeed config {path} is {_shown(ds_config[block])} "
+                             f"({_json_kind(ds_config[block])}), not a JSON object; write it as \"{block}\": "
+                             "{...} like the files in ds_configs/.")
+    for key in DS_CONFIG_BATCH_KEYS:
+        value = ds_config.get(key)
+        if key not in ds_config or (key == "gradient_accumulation_steps" and value == "auto"):
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            kind = "" if isinstance(value, int) and not isinstance(value, bool) else f" ({_json_kind(value)})"
+            raise ValueError(f"{key} in DeepSpeed config {path} is {_shown(value)}{kind}, not a positive integer; "
+                             f"write it as e.g. \"{key}\": 8.")
+    enabled = [name for name in ("fp16", "bf16") if ds_config.get(name, {}).get("enabled") is True]
+    if len(enabled) == 2:
+        raise ValueError(f"DeepSpeed config {path} enables both fp16 and bf16; set \"enabled\": false in one of "
+                         "them (bf16 needs no loss scaling, fp16 runs where bf16 is not supported).")
+    if needs_optimizer:
+        optimizer = ds_config.get("optimizer")
+        if optimizer is None:
+            raise ValueError(f"DeepSpeed config {path} has no optimizer block, and DeepSpeed builds the optimizer "
+                             "from it; add e.g. \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1.5e-4, "
+                             "\"weight_decay\": 0.01}}.")
+        if not isinstance(optimizer.get("type"), str):
+            raise ValueError(f"the optimizer block of DeepSpeed config {path} names no type (it has "
+                             f"{_shown(optimizer.get('type'))}); add e.g. \"type\": \"AdamW\".")
 
 
 def load_run_config(args: argparse.Namespace) -> RunConfig:
@@ -158,6 +205,7 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     if not isinstance(block, dict):
         raise ValueError(f"the zoo block of {path} is {block!r}, not a JSON object; write it as "
                          "\"zoo\": {\"tensor_parallel_size\": 1, \"model\": \"gpt2-tiny\", ...}.")
+    check_ds_config(ds_config, path, needs_optimizer=True)
     block = dict(block)
     known = {f.name for f in fields(RunConfig)} - {"ds_config", "ds_config_path"}
     unknown = sorted(set(block) - known)
@@ -168,12 +216,36 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
         value = getattr(args, name, None)
         if value is not None:
             setattr(config, name, value)
-    return validate_static(config)
+    return check_input_paths(validate_static(config))
+
+
+def check_input_paths(config: RunConfig) -> RunConfig:
+    """Every file the run reads exists, checked before a process group, a model or an engine is built: the
+    ``data_path`` prefix's ``.bin`` and ``.idx``, the ``pretrained`` directory and its config.json (read and
+    checked, see :func:`zoo.models.hf_io.read_config_json`), and ``load`` when it exists (a ``load`` not
+    there yet is a run to start, so a job script can always pass ``--save X --load X``)."""
+    from zoo.data.indexed_dataset import data_file_path, index_file_path
+    from zoo.models.hf_io import read_config_json
+
+    if config.data_path is not None:
+        missing = [path for path in (data_file_path(config.data_path), index_file_path(config.data_path))
+                   if not Path(path).is_file()]
+        if missing:
+            raise FileNotFoundError(f"--data-path {config.data_path} names no indexed dataset ({' and '.join(missing)} "
+                                    f"{'is' if len(missing) == 1 else 'are'} missing); pass the --output-prefix that "
+                                    "launch/preprocess.py wrote, without .bin or .idx.")
+    if config.pretrained is not None:
+        read_config_json(config.pretrained)
+    if config.load is not None and Path(config.load).exists() and not Path(config.load).is_dir():
+        raise FileNotFoundError(f"--load {config.load} is a file, not a directory; pass the run directory (or its "
+                                "checkpoints/ directory) to resume from.")
+    return config
 
 
 def validate_static(config: RunConfig) -> RunConfig:
     """Checks that need no process group."""
     check_field_types(config)
+    check_ds_config(config.ds_config, config.ds_config_path, needs_optimizer=False)
     family_config = model_config(config.model)  # raises on an unknown preset
     allowed = {f.name for f in fields(family_config)} - {"extra"}
     bad = sorted(set(config.model_overrides) - allowed)
