@@ -284,3 +284,25 @@ def test_missing_rank_file_and_zero_partitions_are_refused(tmp_path):
         reshard_checkpoint(tmp_path / "tp2", 4, tmp_path / "tp4")
     one_sentence(err)
     assert not (tmp_path / "tp4").exists()
+
+
+@pytest.mark.parametrize("option", ["round_robin_gradients", "elastic_checkpoint"])
+def test_zero_checkpoint_with_reordering_options_is_not_resharded(tmp_path, option):
+    """DeepSpeed records the run's ds_config in the model states: a ZeRO checkpoint written with
+    round_robin_gradients (parameters reordered across ranks) or elastic_checkpoint (optimizer state saved per
+    parameter) is refused in one sentence before anything is written."""
+    from zoo.checkpoint.reshard import reshard_checkpoint
+
+    synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
+    for rank in range(2):
+        path = tmp_path / "tp2" / f"mp_rank_{rank:02d}_model_states.pt"
+        states = torch.load(path, weights_only=False)
+        states["ds_config"] = {"train_batch_size": 2, "zero_optimization": {"stage": 1, option: True}}
+        torch.save(states, path)
+        (tmp_path / "tp2" / f"zero_pp_rank_0_mp_rank_{rank:02d}_optim_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match=rf"mp_rank_00_model_states.pt was written with zero_optimization.{option}: "
+                                         r"true, whose partitions zoo cannot reshard; resume it at the tp x dp layout "
+                                         r"it was written with") as err:
+        reshard_checkpoint(tmp_path / "tp2", 1, tmp_path / "tp1", new_dp=2)
+    one_sentence(err)
+    assert not (tmp_path / "tp1").exists()

@@ -1,0 +1,176 @@
+"""A checkpoint tag counts only once its save finished, and a failed save leaves nothing behind.
+
+One real tp = 2 run (2 iterations, a checkpoint after each, through pretrain in the spawn harness) is
+written once per module; each test copies it. Claims:
+* a run killed during its first save (a tag with some rank files, no completion marker, no ``latest``)
+  is not resumed: the resumed run starts from iteration 0;
+* with ``latest`` missing, or naming a tag whose save did not finish, resume takes the newest complete
+  tag and says which; export refuses the incomplete tag in one sentence;
+* a checkpoint directory written by a zoo without completion markers still loads through ``latest``;
+* a full disk (ENOSPC from torch.save on rank 1) during a save ends every rank with the same one
+  sentence naming the directory and the bytes needed, removes the partial tag and leaves ``latest``.
+"""
+
+from __future__ import annotations
+
+import errno
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.spawn import spawn
+
+COMPLETE = "zoo_complete.json"
+
+
+def _config(data_path, save, **changes):
+    from tests.test_pretrain import run_config
+    from tests.test_zero import MODEL
+
+    return run_config(data_path, save, 2, 1, 1, train_iters=changes.pop("train_iters", 2), model_overrides=dict(MODEL),
+                      data_workers=0, save_interval=1, **changes)
+
+
+def _train(rank, world_size, data_path, save):
+    from zoo.training.pretrain import pretrain
+
+    pretrain(_config(data_path, save))
+
+
+@pytest.fixture(scope="module")
+def real_run(tmp_path_factory) -> tuple[Path, str]:
+    from tests.test_zero import make_corpus
+
+    root = tmp_path_factory.mktemp("completion")
+    corpus = make_corpus(root / "random")
+    spawn(_train, 2, corpus, str(root / "run"))
+    return root / "run", corpus
+
+
+def copied(real_run, tmp_path) -> Path:
+    run = tmp_path / "run"
+    shutil.copytree(real_run[0], run)
+    return run
+
+
+def test_saves_write_a_marker_then_latest(real_run):
+    checkpoints = real_run[0] / "checkpoints"
+    assert (checkpoints / "latest").read_text() == "iter_0000002"
+    for tag in ("iter_0000001", "iter_0000002"):
+        assert (checkpoints / tag / COMPLETE).is_file()
+
+
+def _resume(rank, world_size, data_path, run):
+    from tests.test_pretrain import train_events
+    from zoo.training.pretrain import pretrain
+
+    pretrain(_config(data_path, run, train_iters=1, load=run))
+    return [e["iteration"] for e in train_events(run)]
+
+
+def test_run_killed_during_its_first_save_is_not_resumed(real_run, tmp_path):
+    """The first save's tag holds rank 0's file only, no marker and no `latest`: the run starts fresh."""
+    from zoo.checkpoint.files import has_complete_checkpoint, resume_tag_directory
+
+    run = tmp_path / "run"
+    partial = run / "checkpoints" / "iter_0000002"
+    partial.mkdir(parents=True)
+    shutil.copy(real_run[0] / "checkpoints" / "iter_0000002" / "mp_rank_00_model_states.pt", partial)
+    assert not has_complete_checkpoint(run)
+    tag_dir, note = resume_tag_directory(run)
+    assert tag_dir is None and note.endswith("holds no complete checkpoint; starting from iteration 0"), note
+    assert spawn(_resume, 2, real_run[1], str(run))[0] == [1]
+    assert (run / "checkpoints" / "latest").read_text() == "iter_0000001"
+
+
+def test_newest_complete_tag_is_resumed_and_said(real_run, tmp_path, capsys):
+    from zoo.training.resume import checkpoint_to_load
+
+    run = copied(real_run, tmp_path)
+    checkpoints = run / "checkpoints"
+    (checkpoints / "latest").unlink()
+    directory, tag = checkpoint_to_load(run, two_rank_view())
+    assert (directory, tag) == (checkpoints, "iter_0000002")
+    assert f"{checkpoints / 'latest'} is missing; resuming from iter_0000002, the newest complete checkpoint" in \
+        capsys.readouterr().out
+    # A later save that did not finish: its files are there, the marker is not; `latest` names it.
+    (checkpoints / "iter_0000002" / COMPLETE).unlink()
+    (checkpoints / "latest").write_text("iter_0000002")
+    directory, tag = checkpoint_to_load(run, two_rank_view())
+    assert tag == "iter_0000001"
+    assert ("names 'iter_0000002', which is incomplete (it has no zoo_complete.json: its save did not finish); "
+            "resuming from iter_0000001, the newest complete checkpoint") in capsys.readouterr().out
+
+
+def two_rank_view():
+    """Rank 0's view of a tp = 2 layout (no process group: the agreement helpers run locally)."""
+    from zoo.parallel import ParallelState
+
+    return ParallelState(tp_size=2, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None, world_size=2,
+                         rank=0)
+
+
+def test_export_refuses_an_incomplete_tag(real_run, tmp_path):
+    from zoo.checkpoint import export_checkpoint
+
+    run = copied(real_run, tmp_path)
+    (run / "checkpoints" / "iter_0000002" / COMPLETE).unlink()
+    for tag in (None, "iter_0000002"):
+        with pytest.raises(ValueError, match=r"checkpoint tag 'iter_0000002' under .* is incomplete \(it has no "
+                                             r"zoo_complete.json: its save did not finish\); pass --tag with one of "
+                                             r"\['iter_0000001'\]\.$"):
+            export_checkpoint(run, tmp_path / "hf", tag=tag)
+    assert not (tmp_path / "hf").exists()
+    assert export_checkpoint(run, tmp_path / "hf", tag="iter_0000001").tag_dir.name == "iter_0000001"
+
+
+def test_checkpoints_without_markers_load_through_latest(real_run, tmp_path):
+    """A checkpoint directory written by a zoo that wrote no markers: `latest` names the tag to load."""
+    from zoo.checkpoint import export_checkpoint
+    from zoo.training.resume import checkpoint_to_load
+
+    run = copied(real_run, tmp_path)
+    for marker in (run / "checkpoints").glob(f"*/{COMPLETE}"):
+        marker.unlink()
+    assert checkpoint_to_load(run, two_rank_view())[1] == "iter_0000002"
+    assert export_checkpoint(run, tmp_path / "hf").tag_dir.name == "iter_0000002"
+
+
+def _disk_full_on_second_save(rank, world_size, data_path, run):
+    import torch
+
+    from zoo.training.pretrain import pretrain
+
+    real_save = torch.save
+
+    def save(obj, path, *args, **kwargs):
+        if rank == 1 and "iter_0000002" in str(path):
+            real_save(obj, path, *args, **kwargs)   # a partial file first, as a write that ran out of space
+            raise OSError(errno.ENOSPC, "No space left on device", str(path))
+        return real_save(obj, path, *args, **kwargs)
+
+    torch.save = save
+    try:
+        pretrain(_config(data_path, run))
+    except ValueError as err:
+        return str(err)
+    finally:
+        torch.save = real_save
+    return None
+
+
+def test_disk_full_during_a_save_is_one_sentence_on_every_rank(real_run, tmp_path):
+    run = tmp_path / "run"
+    messages = spawn(_disk_full_on_second_save, 2, real_run[1], str(run))
+    assert messages[0] == messages[1] and messages[0] is not None, messages
+    message = messages[0]
+    assert message.startswith(f"checkpoint iter_0000002 could not be saved in {run / 'checkpoints'}: the disk is full "
+                              f"writing {run / 'checkpoints' / 'iter_0000002' / 'mp_rank_01_model_states.pt'} (about "), \
+        message
+    assert " MB needed for it, " in message and "'latest' still names the previous one" in message
+    assert "\n" not in message and message.endswith(".")
+    checkpoints = run / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_0000001", "latest"]
+    assert (checkpoints / "latest").read_text() == "iter_0000001"
+    assert (checkpoints / "iter_0000001" / COMPLETE).is_file()

@@ -1,0 +1,48 @@
+"""Evaluation of a DeepSpeed checkpoint never scores a stale export.
+
+``launch/evaluate.py --load <run>`` exports the checkpoint once into a private cache. Rewriting the files
+of the tag in place (a new run with the same ``--save``: same tag, same directory, new weights) must give
+a fresh export with the new weights; an unchanged tag reuses the export and says so.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+
+def exported_weight(directory: str) -> torch.Tensor:
+    from safetensors.torch import load_file
+
+    files = sorted(Path(directory).glob("*.safetensors"))
+    return {k: v for f in files for k, v in load_file(f).items()}["transformer.wte.weight"]
+
+
+def test_rewritten_tag_is_exported_again(tmp_path, monkeypatch, capsys):
+    from tests.test_export import write_tp_checkpoint
+    from zoo.eval.runner import transformers_directory
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))   # the export cache lives under it
+    (tmp_path / "tmp").mkdir()
+    run = write_tp_checkpoint(tmp_path / "run", 1, torch.float32)
+    first = transformers_directory(str(run))
+    assert "using the cached export" not in capsys.readouterr().out
+    assert transformers_directory(str(run)) == first
+    assert f"using the cached export {first}" in capsys.readouterr().out
+    before = exported_weight(first)
+
+    # Another run writes the same tag: the files are replaced in place, the directory stays.
+    other = write_tp_checkpoint(tmp_path / "other", 1, torch.float32)
+    tag = run / "checkpoints" / "iter_0000007"
+    states = torch.load(other / "checkpoints" / "iter_0000007" / "mp_rank_00_model_states.pt", weights_only=False)
+    states["module"] = {k: v + 1.0 if v.is_floating_point() else v for k, v in states["module"].items()}
+    torch.save(states, other / "checkpoints" / "iter_0000007" / "mp_rank_00_model_states.pt")
+    shutil.copyfile(other / "checkpoints" / "iter_0000007" / "mp_rank_00_model_states.pt",
+                    tag / "mp_rank_00_model_states.pt")
+    second = transformers_directory(str(run))
+    assert second != first
+    assert "using the cached export" not in capsys.readouterr().out
+    assert torch.equal(exported_weight(second), before + 1.0)
