@@ -6,7 +6,8 @@ written once per module; each test copies it. Claims:
   is not resumed: the resumed run starts from iteration 0;
 * with ``latest`` missing, or naming a tag whose save did not finish, resume takes the newest complete
   tag and says which; export refuses the incomplete tag in one sentence;
-* a checkpoint directory written by a zoo without completion markers still loads through ``latest``;
+* a checkpoint directory written by a zoo without completion markers still loads through ``latest``
+  (resume and export);
 * a full disk (ENOSPC from torch.save on rank 1) during a save ends every rank with the same one
   sentence naming the directory and the bytes needed, removes the partial tag and leaves ``latest``.
 """
@@ -101,6 +102,13 @@ def test_newest_complete_tag_is_resumed_and_said(real_run, tmp_path, capsys):
     assert tag == "iter_0000001"
     assert ("names 'iter_0000002', which is incomplete (it has no zoo_complete.json: its save did not finish); "
             "resuming from iter_0000001, the newest complete checkpoint") in capsys.readouterr().out
+    # Written by a zoo that wrote no markers at all: `latest` names the tag to load, and export reads it.
+    (checkpoints / "iter_0000001" / COMPLETE).unlink()
+    assert checkpoint_to_load(run, two_rank_view())[1] == "iter_0000002"
+    assert capsys.readouterr().out == ""
+    from zoo.checkpoint import export_checkpoint
+
+    assert export_checkpoint(run, tmp_path / "hf").tag_dir.name == "iter_0000002"
 
 
 def two_rank_view():
@@ -123,18 +131,6 @@ def test_export_refuses_an_incomplete_tag(real_run, tmp_path):
             export_checkpoint(run, tmp_path / "hf", tag=tag)
     assert not (tmp_path / "hf").exists()
     assert export_checkpoint(run, tmp_path / "hf", tag="iter_0000001").tag_dir.name == "iter_0000001"
-
-
-def test_checkpoints_without_markers_load_through_latest(real_run, tmp_path):
-    """A checkpoint directory written by a zoo that wrote no markers: `latest` names the tag to load."""
-    from zoo.checkpoint import export_checkpoint
-    from zoo.training.resume import checkpoint_to_load
-
-    run = copied(real_run, tmp_path)
-    for marker in (run / "checkpoints").glob(f"*/{COMPLETE}"):
-        marker.unlink()
-    assert checkpoint_to_load(run, two_rank_view())[1] == "iter_0000002"
-    assert export_checkpoint(run, tmp_path / "hf").tag_dir.name == "iter_0000002"
 
 
 def _disk_full_on_second_save(rank, world_size, data_path, run):
