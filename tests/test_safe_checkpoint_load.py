@@ -166,3 +166,38 @@ def test_pretrain_load_refuses_a_planted_pickle(real_run, tmp_path):
     line = proc.stderr.strip().splitlines()[-1]
     assert line.startswith("error: ") and str(planted) in line and "io.open" in line, proc.stderr[-3000:]
     assert not marker.exists(), "the planted pickle ran"
+
+
+def _deepspeed_loads(rank, world_size, clean_run, planted_run, marker):
+    """DeepSpeed's own load_checkpoint inside weights_only_loads: the clean tag loads whole (model,
+    optimizer, scheduler, client state); the planted one is refused without running it."""
+    import deepspeed
+
+    from tests.test_pretrain import ds_config
+    from tests.test_zero import MODEL
+    from zoo.checkpoint.safe_load import weights_only_loads
+    from zoo.models import GPT2LMHeadModel, gpt2_config
+    from zoo.models.families import param_groups
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(1)
+    model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **MODEL), parallel=ps)
+    engine, _, _, _ = deepspeed.initialize(model=model, mpu=ps, config=ds_config(1, 1),
+                                           model_parameters=param_groups(model, 0.01))
+    with weights_only_loads(engine):
+        path, client = engine.load_checkpoint(f"{clean_run}/checkpoints")
+    loaded = path is not None and client["iteration"] == 1 and "numpy" in client["rng"]
+    try:
+        with weights_only_loads(engine):
+            engine.load_checkpoint(f"{planted_run}/checkpoints")
+        refused = None
+    except ValueError as err:
+        refused = str(err)
+    return loaded, refused, Path(marker).exists(), type(engine.checkpoint_engine).__name__
+
+
+def test_deepspeed_load_reads_weights_only(real_run, tmp_path):
+    run, planted, marker = planted_copy(real_run, tmp_path)
+    loaded, refused, ran, engine_type = spawn(_deepspeed_loads, 1, str(real_run[0]), str(run), str(marker))[0]
+    assert loaded and not ran and engine_type == "TorchCheckpointEngine"
+    assert refused is not None and str(planted) in refused and "io.open" in refused, refused

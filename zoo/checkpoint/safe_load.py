@@ -19,21 +19,25 @@ None of them runs code when unpickled: the weights-only unpickler creates the in
 attributes, calling no constructor or ``__setstate__`` of the file's choosing. Anything else in a file
 is refused with one sentence naming the file and the global, before anything of it is built.
 
-DeepSpeed's own ``engine.load_checkpoint`` unpickles with ``weights_only=False`` and takes no option to
-change that; :func:`check_tag_files` loads every ``.pt`` of a tag this way first, so a file that would
-run code never reaches it.
+DeepSpeed's own ``engine.load_checkpoint`` unpickles with ``weights_only=False`` (its
+``TorchCheckpointEngine.load``) and takes no option to change that. :func:`check_tag_files` loads every
+``.pt`` of a tag this way first, so a file that would run code never reaches it; and around the load
+itself, :func:`weights_only_loads` puts this loader in place of the engine's checkpoint engine's ``load``
+(every file DeepSpeed reads goes through it), so a file swapped after the check is refused as well.
 """
 
 from __future__ import annotations
 
 import pickle
 import re
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 
-__all__ = ["UnsafeCheckpointError", "checkpoint_globals", "safe_torch_load", "check_tag_files", "refused_global"]
+__all__ = ["UnsafeCheckpointError", "checkpoint_globals", "safe_torch_load", "check_tag_files", "refused_global",
+           "weights_only_loads"]
 
 # "Unsupported global: GLOBAL posix.system was not an allowed global ..." (torch's weights-only unpickler)
 _REFUSED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|but got) <?(?:class )?'?([\w.]+)")
@@ -84,8 +88,8 @@ def is_refused_global(err: BaseException) -> bool:
     return "WeightsUnpickler error" in str(err)
 
 
-def safe_torch_load(path: str | Path, mmap: bool = True) -> Any:
-    """``torch.load(path)`` on the CPU with the weights-only unpickler and :func:`checkpoint_globals`.
+def safe_torch_load(path: str | Path, mmap: bool = True, map_location: Any = "cpu") -> Any:
+    """``torch.load(path)`` (on the CPU by default) with the weights-only unpickler and :func:`checkpoint_globals`.
 
     Raises :class:`UnsafeCheckpointError` (a ValueError) naming the file and the refused global when the
     file names anything else; other read errors (truncated file, not a torch file) propagate as torch
@@ -93,7 +97,7 @@ def safe_torch_load(path: str | Path, mmap: bool = True) -> Any:
     path = Path(path)
     try:
         with torch.serialization.safe_globals(checkpoint_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as err:
         if not is_refused_global(err):
             raise
@@ -119,3 +123,33 @@ def check_tag_files(tag_dir: str | Path, rank: int = 0, world_size: int = 1) -> 
             raise ValueError(f"{path} cannot be read as a torch checkpoint ({text[0] if text else type(err).__name__});"
                              " it is truncated or not a DeepSpeed states file, copy the complete checkpoint tag or "
                              "re-save it.") from None
+
+
+class WeightsOnlyLoads:
+    """A DeepSpeed checkpoint engine whose ``load`` is :func:`safe_torch_load` (``map_location`` honoured,
+    no memory map, as DeepSpeed's own load); everything else is the wrapped engine's."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def load(self, path, map_location=None):
+        try:
+            return safe_torch_load(path, mmap=False, map_location=map_location)
+        except UnsafeCheckpointError as err:
+            raise ValueError(str(err)) from None   # a plain ValueError: ranks agree on it by its type name
+
+
+@contextmanager
+def weights_only_loads(engine):
+    """Within the block, every file DeepSpeed's ``engine`` loads (``engine.load_checkpoint``: model states,
+    ZeRO/BF16 partitions) is read by the weights-only unpickler; the engine's checkpoint engine is restored
+    after."""
+    inner = engine.checkpoint_engine
+    engine.checkpoint_engine = WeightsOnlyLoads(inner)
+    try:
+        yield engine
+    finally:
+        engine.checkpoint_engine = inner
