@@ -164,7 +164,7 @@ def test_disk_full_during_a_save_is_one_sentence_on_every_rank(real_run, tmp_pat
     assert message.startswith(f"checkpoint iter_0000002 could not be saved in {run / 'checkpoints'}: the disk is full "
                               f"writing {run / 'checkpoints' / 'iter_0000002' / 'mp_rank_01_model_states.pt'} (about "), \
         message
-    assert " MB needed for it, " in message and "'latest' still names the previous one" in message
+    assert " MB needed for it, " in message and "the partial checkpoint was removed and 'latest' still names iter_0000001, " in message
     assert "\n" not in message and message.endswith(".")
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_0000001", "latest"]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import write_text_atomic
-from zoo.checkpoint.files import COMPLETE_MARKER, LATEST_FILE, completion_record
+from zoo.checkpoint.files import COMPLETE_MARKER, LATEST_FILE, completion_record, read_latest
 from zoo.distributed import raise_on_any_rank
 
 __all__ = ["save_checkpoint"]
@@ -155,6 +155,8 @@ def state_bytes(state: Any) -> int:
 def write_failure_sentence(directory: Path, tag: str, path: str, err: OSError, needed: int | None) -> str:
     """One sentence for a checkpoint write that failed: the directory, the file, and for a full disk the
     bytes the file needed and the bytes free."""
+    previous = read_latest(directory)
+    kept = (f"'{LATEST_FILE}' still names {previous}" if previous else f"no '{LATEST_FILE}' was written")
     if err.errno in DISK_FULL:
         try:
             free = f", {shutil.disk_usage(directory).free / 1e6:.1f} MB free"
@@ -163,8 +165,8 @@ def write_failure_sentence(directory: Path, tag: str, path: str, err: OSError, n
         size = f" (about {needed / 1e6:.1f} MB needed for it{free})" if needed else (f" ({free[2:]})" if free else "")
         what = "the disk quota is exhausted" if err.errno == errno.EDQUOT else "the disk is full"
         return (f"checkpoint {tag} could not be saved in {directory}: {what} writing {path}{size}; the partial "
-                f"checkpoint was removed and '{LATEST_FILE}' still names the previous one, free space there or pass "
-                "another --save, then resume with --load.")
+                f"checkpoint was removed and {kept}, free space there or pass another --save, then resume with "
+                "--load.")
     return (f"checkpoint {tag} could not be saved in {directory}: writing {path} failed ({err.strerror or err}); "
-            f"the partial checkpoint was removed and '{LATEST_FILE}' still names the previous one, make the "
-            "directory writable or pass another --save, then resume with --load.")
+            f"the partial checkpoint was removed and {kept}, make the directory writable or pass another --save, "
+            "then resume with --load.")
