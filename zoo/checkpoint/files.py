@@ -4,6 +4,13 @@ DeepSpeed (non-ZeRO) writes, per tag, one ``mp_rank_XX_model_states.pt`` per TP 
 replicas write nothing extra). Each holds the rank's ``module`` state dict, its ``optimizer`` state,
 the ``lr_scheduler`` state, DeepSpeed's counters and zoo's client state (``zoo_model``,
 ``model_config``, ``tensor_parallel_size``, ``iteration``, ``consumed_samples``, ``rng``, ...).
+
+A tag is a checkpoint only once its save finished on every rank: zoo's save
+(:func:`zoo.checkpoint.save.save_checkpoint`) then writes :data:`COMPLETE_MARKER` into it, and only after
+that ``latest``. Readers take complete tags only (:func:`incomplete_reason`): export and evaluation refuse
+an incomplete one in one sentence, a resumed run takes the newest complete one
+(:func:`resume_tag_directory`). Tags of a directory written by a zoo without markers stay readable through
+``latest``. Every ``.pt`` is read with the weights-only unpickler (:mod:`zoo.checkpoint.safe_load`).
 """
 
 from __future__ import annotations
@@ -79,14 +86,20 @@ def marker_says_complete(tag_dir: Path) -> bool:
         return False
 
 
-def incomplete_reason(root: Path, tag: str) -> str | None:
+def marked_tags(root: Path) -> list[str]:
+    """The tags under ``root`` that hold a :data:`COMPLETE_MARKER` (complete or not)."""
+    return [name for name in tags_with_model_states(root) if (Path(root) / name / COMPLETE_MARKER).exists()]
+
+
+def incomplete_reason(root: Path, tag: str, marked: list[str] | None = None) -> str | None:
     """Why tag ``tag`` under ``root`` is not a complete checkpoint, or None when it is one.
 
     A tag is complete when its save finished: zoo's save writes :data:`COMPLETE_MARKER` (listing every
     file and its size) after every rank's files are written, and only then ``latest``. A tag without the
     marker was written by a zoo that wrote none, or its save did not finish; it counts as complete only
     as such an older checkpoint: ``latest`` exists, the tag sorts no later than the tag ``latest`` names,
-    and before every marked tag under ``root`` (later unmarked tags are saves that did not finish)."""
+    and before every marked tag under ``root`` (later unmarked tags are saves that did not finish).
+    ``marked`` is :func:`marked_tags` of ``root`` when the caller has it."""
     root = Path(root)
     tag_dir = root / tag
     if not tag_dir.is_dir():
@@ -94,7 +107,7 @@ def incomplete_reason(root: Path, tag: str) -> str | None:
     if (tag_dir / COMPLETE_MARKER).exists():
         return None if marker_says_complete(tag_dir) else f"files listed in its {COMPLETE_MARKER} are missing"
     latest = read_latest(root)
-    marked = [name for name in tags_with_model_states(root) if (root / name / COMPLETE_MARKER).exists()]
+    marked = marked_tags(root) if marked is None else marked
     if latest and tag_order(tag) <= tag_order(latest) and all(tag_order(tag) < tag_order(m) for m in marked):
         return None
     return f"it has no {COMPLETE_MARKER}: its save did not finish"
@@ -102,16 +115,14 @@ def incomplete_reason(root: Path, tag: str) -> str | None:
 
 def tags_in(root: Path) -> list[str]:
     """The complete checkpoint tags under ``root`` (:func:`incomplete_reason`), oldest first."""
-    return [tag for tag in tags_with_model_states(root) if incomplete_reason(root, tag) is None]
+    marked = marked_tags(root)
+    return [tag for tag in tags_with_model_states(root) if incomplete_reason(root, tag, marked) is None]
 
 
 def selectable_tags(root: Path) -> list[str]:
     """The tags ``--tag`` may name: the complete ones, and, under a ``root`` where no tag has a
     :data:`COMPLETE_MARKER` (all written by a zoo that wrote none), every tag with model states."""
-    tags = tags_with_model_states(root)
-    if not any((Path(root) / tag / COMPLETE_MARKER).exists() for tag in tags):
-        return tags
-    return tags_in(root)
+    return tags_in(root) if marked_tags(root) else tags_with_model_states(root)
 
 
 TAG_FLAG_FIX = "pass --tag with one of {tags}"
