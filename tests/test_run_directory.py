@@ -292,9 +292,11 @@ def test_finetuning_refuses_an_earlier_finetuning_runs_directory(tmp_path):
     (tmp_path / "results.json").write_text("{}\n")
     before = snapshot(tmp_path)
     with pytest.raises(ValueError, match=rf"--save {tmp_path} already holds the results.json of an earlier finetuning "
-                                         rf"run; pass another --save, or move {tmp_path} away to run again there\."):
+                                         rf"run; pass another --save, or --overwrite to replace them\."):
         claim_finetuning_directory(tmp_path)
     assert snapshot(tmp_path) == before
+    with claim_finetuning_directory(tmp_path, overwrite=True):
+        assert not (tmp_path / "results.json").exists()
     with claim_finetuning_directory(tmp_path / "fresh"):
         assert (tmp_path / "fresh" / ".zoo.lock").is_file()
     assert not (tmp_path / "fresh").exists()

@@ -38,6 +38,7 @@ class FinetuneConfig:
     eval_batch_size: int = 32
     log_interval: int = 10
     doc_stride: int = 128
+    overwrite: bool = False   # the run may replace an earlier finetuning run's results in --save
     max_query_length: int = 64
     squad_version: str | None = None
     dropout: float | None = None
@@ -69,6 +70,9 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     parser.add_argument("--max-seq-length", type=int, default=None,
                         help=f"default per task: {DEFAULT_MAX_SEQ_LENGTH}")
     parser.add_argument("--save", default=None, help="run directory (default runs/finetune-<task>)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="let the run write into a --save directory that holds an earlier finetuning run's "
+                             "metrics.jsonl and results.json (they are replaced)")
     parser.add_argument("--tensor-parallel-size", type=int, default=None)
     parser.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of all steps")
     parser.add_argument("--weight-decay", type=float, default=0.01)
@@ -106,7 +110,7 @@ def parse_args(task: str, argv=None) -> FinetuneConfig:
         ds_config_path=args.deepspeed_config,
         lr=args.lr if args.lr is not None else zoo_block.get("lr", 2e-5),
         batch_size=args.batch_size if args.batch_size is not None else ds_config.get("train_batch_size", 32),
-        epochs=args.epochs, seed=args.seed, max_seq_length=args.max_seq_length,
+        epochs=args.epochs, seed=args.seed, max_seq_length=args.max_seq_length, overwrite=args.overwrite,
         save=args.save or zoo_block.get("save") or f"runs/finetune-{task}",
         tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
                               else zoo_block.get("tensor_parallel_size")),

@@ -126,7 +126,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
     is_writer = dist.get_rank() == 0
     # one run per directory, and never over an earlier run's results: checked before the model is read
-    lock = raise_on_any_rank(lambda: claim_finetuning_directory(config.save) if is_writer else None)
+    lock = raise_on_any_rank(lambda: claim_finetuning_directory(config.save, config.overwrite) if is_writer else None)
     try:
         return train_and_evaluate(config, task, data, model_config, ps, is_writer)
     finally:

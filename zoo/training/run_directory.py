@@ -342,15 +342,26 @@ def claim_pretraining_directory(run_dir: str | os.PathLike, starts_at_zero: bool
 FINETUNING_OUTPUTS = (METRICS_FILE, "results.json")
 
 
-def claim_finetuning_directory(run_dir: str | os.PathLike) -> RunDirectoryLock:
+def claim_finetuning_directory(run_dir: str | os.PathLike, overwrite: bool = False) -> RunDirectoryLock:
     """Lock a finetuning run's ``--save`` (writer rank only); a directory holding an earlier finetuning run's
-    ``metrics.jsonl`` or ``results.json`` is refused (this run would write over them)."""
+    ``metrics.jsonl`` or ``results.json`` is refused (this run would write over them), unless ``overwrite``
+    (``--overwrite``) asks for them to be replaced: they are removed once the lock is held."""
     run_dir = Path(run_dir)
 
     def check() -> None:
         earlier = [name for name in FINETUNING_OUTPUTS if (run_dir / name).exists()]
-        if earlier:
+        if earlier and not overwrite:
             raise ValueError(f"--save {run_dir} already holds the {' and '.join(earlier)} of an earlier finetuning "
-                             f"run; pass another --save, or move {run_dir} away to run again there.")
+                             f"run; pass another --save, or --overwrite to replace them.")
 
-    return RunDirectoryLock(run_dir, "--save").acquire(check)
+    lock = RunDirectoryLock(run_dir, "--save").acquire(check)
+    replaced = [name for name in FINETUNING_OUTPUTS if (run_dir / name).exists()] if overwrite else []
+    if replaced:
+        try:
+            for name in replaced:
+                (run_dir / name).unlink()
+        except BaseException:
+            lock.release()
+            raise
+        print(f"--overwrite: removed the earlier run's {' and '.join(replaced)} from {run_dir}", flush=True)
+    return lock
