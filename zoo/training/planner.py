@@ -156,6 +156,7 @@ def output_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1, sequ
 class ParameterCount:
     total: int        # the whole model, padded vocabulary included (tied embeddings counted once)
     per_rank: int     # TP-sharded parameters / tp + replicated ones
+    largest_layer_per_rank: int = 0   # the most parameters one module holds itself, on one TP rank
 
 
 def count_parameters(model_config, tp: int) -> ParameterCount:
@@ -177,7 +178,8 @@ def count_parameters(model_config, tp: int) -> ParameterCount:
         model = build_model(model_config, grid)
     sharded = sum(p.numel() for p in model.parameters() if is_tensor_parallel(p))
     replicated = sum(p.numel() for p in model.parameters() if not is_tensor_parallel(p))
-    return ParameterCount(total=sharded * tp + replicated, per_rank=sharded + replicated)
+    largest = max((sum(p.numel() for p in module.parameters(recurse=False)) for module in model.modules()), default=0)
+    return ParameterCount(total=sharded * tp + replicated, per_rank=sharded + replicated, largest_layer_per_rank=largest)
 
 
 # ---------------------------------------------------------------------------------------------- the plan
@@ -212,6 +214,8 @@ class Plan:
     weights: int
     gradients: int
     optimizer: int
+    model_states: int                   # weights + gradients + optimizer
+    deepspeed_model_states: int | None  # DeepSpeed's own estimator's figure for them (None at stage 0: it has none)
     activations: int
     activations_layers: int
     activations_output: int
@@ -239,25 +243,55 @@ def zero_stage_of(ds_config: Mapping[str, Any]) -> int:
 
 
 def state_bytes(params_per_rank: int, dtype: str, zero_stage: int, dp: int) -> tuple[int, int, int]:
-    """(weights, gradients, optimizer) bytes per rank for Adam.
+    """(weights, gradients, optimizer) bytes per rank for Adam, at the peak of the optimizer step.
 
-    fp16/bf16 (mixed precision): 2-byte weights and gradients, and an fp32 master copy plus two fp32 Adam
-    moments, 12 bytes a parameter: ZeRO's 16 bytes a parameter. fp32: 4-byte weights and gradients, 8
-    bytes of moments. ZeRO stage 1 divides the optimizer state over the dp ranks, stage 2 the gradients
-    too, stage 3 the weights too (Rajbhandari et al. 2020, figure 1; stage 3's gathered-layer buffers are
-    not counted). DeepSpeed's fp16 optimizer also builds fp32 gradients for a moment during its step,
-    after the activations are freed; that transient is not counted.
+    Without ZeRO: fp16/bf16 (mixed precision) keeps 2-byte weights and gradients, and an fp32 master copy
+    plus two fp32 Adam moments, 12 bytes a parameter (ZeRO's 16 bytes a parameter, Rajbhandari et al.
+    2020, section 3.1); fp32 keeps 4-byte weights and gradients and 8 bytes of moments. DeepSpeed's fp16
+    optimizer also builds fp32 gradients for a moment during its step, after the activations are freed;
+    that transient is not counted.
+
+    ZeRO stages 1 and 2, as DeepSpeed 0.19's stage-1/2 optimizer holds them (measured by
+    ``benchmarks/bench_zero_states.py``, every live tensor at dp = 2 and 4, with and without gradient
+    accumulation): the weights stay whole; the gradients are reduced during backward into this rank's
+    partition at stage 1 as at stage 2, ``value``/dp bytes a parameter; the step turns that partition into
+    an fp32 gradient partition (4/dp: a cast in mixed precision, a flat copy in fp32) that lives beside
+    the fp32 master partition (4/dp, kept in fp32 training too) and the moments (8/dp). Mixed precision:
+    2 + 18/dp bytes a parameter, DeepSpeed's own estimator's figure; fp32: 4 + 20/dp. The fp32 gradient
+    partition is counted with the gradients, so the total with activations is an upper bound by that
+    much (it lives only during the step). Stage 3 divides the weights too (its gathered-layer buffers are
+    not counted; not measured).
     """
     value = DTYPE_BYTES[dtype]
-    weights, gradients = value * params_per_rank, value * params_per_rank
-    optimizer = (12 if value == 2 else 8) * params_per_rank
-    if zero_stage >= 1:
-        optimizer = -(-optimizer // dp)
-    if zero_stage >= 2:
-        gradients = -(-gradients // dp)
+    weights = value * params_per_rank
+    if zero_stage == 0:
+        gradients = value * params_per_rank
+        optimizer = (12 if value == 2 else 8) * params_per_rank
+        return weights, gradients, optimizer
+    gradients = -(-(value + 4) * params_per_rank // dp)      # the reduced partition and its fp32 form
+    optimizer = -(-12 * params_per_rank // dp)               # fp32 master partition and two moments
     if zero_stage >= 3:
         weights = -(-weights // dp)
     return weights, gradients, optimizer
+
+
+def deepspeed_estimate(params_per_rank: int, largest_layer_per_rank: int, zero_stage: int, dp: int) -> int | None:
+    """DeepSpeed's own estimate of the model-state bytes per rank (no offload), or None at stage 0, for
+    which it has none: ``estimate_zero2_model_states_mem_needs`` at stages 1 and 2 (DeepSpeed has no
+    stage-1 estimator; its stage-1 optimizer is the stage-2 one), ``estimate_zero3_model_states_mem_needs``
+    at stage 3. Its estimators know no tensor parallelism: they are given this TP rank's parameters over
+    the dp ranks. DeepSpeed's start-up log lines go to stderr, so that ``--json`` stays one JSON object."""
+    import contextlib
+
+    if zero_stage == 0:
+        return None
+    with contextlib.redirect_stdout(sys.stderr):
+        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    if zero_stage < 3:
+        return int(estimate_zero2_model_states_mem_needs(params_per_rank, num_gpus_per_node=dp, cpu_offload=False)[1])
+    return int(estimate_zero3_model_states_mem_needs(params_per_rank, largest_layer_per_rank, num_gpus_per_node=dp,
+                                                     cpu_offload=False, cpu_offload_params=False)[1])
 
 
 def parse_memory(text: str | int) -> int:
@@ -357,6 +391,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     scores_bytes = scores_held * attention_scores_bytes(s, b, heads, tp, **widths)
     activations = round(layers_bytes + output_bytes)
     total = weights + gradients + optimizer + activations
+    deepspeed_states = deepspeed_estimate(params.per_rank, params.largest_layer_per_rank, zero_stage, dp)
 
     global_batch = config.ds_config["train_batch_size"]
     flops = megatron_flops_per_iteration(global_batch, s, shape.layers, h, padded_vocab,
@@ -369,6 +404,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
                 gradient_accumulation_steps=gas, seq_length=s, layers=shape.layers, hidden=h, heads=heads,
                 vocab=shape.vocab, padded_vocab=padded_vocab, params_total=params.total,
                 params_per_rank=params.per_rank, weights=weights, gradients=gradients, optimizer=optimizer,
+                model_states=weights + gradients + optimizer, deepspeed_model_states=deepspeed_states,
                 activations=activations, activations_layers=round(layers_bytes),
                 activations_output=round(output_bytes), activations_attention_scores=round(scores_bytes),
                 total=total, memory=memory,
@@ -397,6 +433,8 @@ def format_plan(p: Plan) -> str:
         f"    weights      {gb(p.weights):>12}",
         f"    gradients    {gb(p.gradients):>12}",
         f"    optimizer    {gb(p.optimizer):>12}",
+        f"    model states {gb(p.model_states):>12}   DeepSpeed's estimate: "
+        + (gb(p.deepspeed_model_states) if p.deepspeed_model_states is not None else "none at ZeRO stage 0"),
         f"    activations  {gb(p.activations):>12}   per micro-batch: layers {gb(p.activations_layers)}, "
         f"embeddings/head/logits {gb(p.activations_output)}",
         f"{'':32}(attention scores {gb(p.activations_attention_scores)} of it, which a fused attention "
@@ -443,6 +481,6 @@ def main(argv: list[str] | None = None) -> None:
     print(result.to_json() if args.json else format_plan(result))
 
 
-__all__ = ["GPUS", "GpuSpec", "Plan", "activation_bytes", "attention_scores_bytes", "count_parameters",
+__all__ = ["GPUS", "GpuSpec", "Plan", "activation_bytes", "attention_scores_bytes", "count_parameters", "deepspeed_estimate",
            "layer_activation_bytes", "main", "output_activation_bytes", "parse_memory", "peak_tflops_of", "plan",
            "state_bytes"]
