@@ -26,6 +26,7 @@ from zoo.training.pretraining_data import PretrainingData
 from zoo.training.metrics import (MetricsLogger, megatron_flops_per_iteration, perplexity, plot_loss,
                                   truncate_metrics_after)
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR
+from zoo.checkpoint.safe_load import weights_only_loads
 from zoo.checkpoint.save import save_checkpoint
 from zoo.training.resume import checkpoint_to_load
 from zoo.training.run_directory import claim_pretraining_directory
@@ -158,17 +159,17 @@ def resume_state(engine, config: RunConfig, ds_config, ps, model, is_writer: boo
 
 def has_checkpoint(load: str) -> bool:
     """Whether ``--load`` names something to resume from: a run directory or checkpoints/ directory with a
-    ``latest`` file or a tag. A path that does not exist yet, or a run directory without checkpoints,
-    is a run to start (anything else is left to the loader's checks and their sentences)."""
-    from zoo.checkpoint.files import tags_in
+    complete checkpoint (:func:`zoo.checkpoint.files.has_complete_checkpoint`). A path that does not exist
+    yet, a run directory without checkpoints, or one whose only tag is a save that never finished, is a run
+    to start (anything else is left to the loader's checks and their sentences)."""
+    from zoo.checkpoint.files import has_complete_checkpoint
 
     path = Path(load)
     if not path.exists():
         return False
     if not path.is_dir():
         return True
-    root = path / CHECKPOINT_SUBDIR if (path / CHECKPOINT_SUBDIR).is_dir() else path
-    return (root / "latest").is_file() or bool(tags_in(root))
+    return has_complete_checkpoint(path)
 
 
 def pretrain(config: RunConfig) -> dict[str, Any]:
@@ -342,7 +343,8 @@ def load_checkpoint(engine, load: str, ps, model_config: dict[str, Any]) -> dict
     load_dir, tag = checkpoint_to_load(load, ps, model_config)
 
     def load_here() -> dict[str, Any]:
-        _, client = engine.load_checkpoint(str(load_dir), tag=tag)
+        with weights_only_loads(engine):   # DeepSpeed's own reads use the weights-only unpickler too
+            _, client = engine.load_checkpoint(str(load_dir), tag=tag)
         if client is None:
             raise FileNotFoundError(f"the checkpoint under {load} could not be loaded; check its 'latest' tag "
                                     "file and its mp_rank_XX_model_states.pt files.")
