@@ -38,9 +38,10 @@ $(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
 	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	touch $@
 
-# One node on CPU: gloo talks over loopback (left to itself it probes interfaces, ~45 s here).
+# One node on CPU: gloo talks over loopback (left to itself it probes interfaces, ~45 s here). The demo owns
+# runs/demo: --overwrite lets a second `make demo` replace the first one's checkpoints and metrics.
 demo: setup
-	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json
+	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json --overwrite
 
 test: setup-test
 	$(PY) -m pytest -q
