@@ -2,7 +2,9 @@
 
 Parameters are counted exactly: the model is built on the meta device at the config's tp degree (vocab
 padding included), nothing allocated. Per-rank bytes follow the usual accounting of mixed-precision
-training with Adam (Rajbhandari et al. 2020, "ZeRO", section 3.1) and the activation formulas of
+training with Adam (Rajbhandari et al. 2020, "ZeRO", section 3.1), under ZeRO stages 1 and 2 what
+DeepSpeed 0.19's optimizer holds at the peak of its step (measured; DeepSpeed's own estimate is printed
+beside it), and the activation formulas of
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (section 4).
 Time is Megatron's FLOPs formula (:func:`zoo.training.metrics.megatron_flops_per_iteration`) over an
 assumed model-FLOPs utilisation of the named GPU's dense peak.
