@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import write_text_atomic
+from zoo.checkpoint.deepspeed_tools import guard_deepspeed_tools, refuse_universal_conversion
 from zoo.checkpoint.files import COMPLETE_MARKER, LATEST_FILE, completion_record, read_latest
 from zoo.distributed import raise_on_any_rank
 
@@ -45,6 +46,8 @@ def save_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, A
     existed = raise_on_any_rank(lambda: prepare_tag(tag_dir) if is_first else None)
     writes = FailedWrites(engine.checkpoint_engine)
     engine.checkpoint_engine = writes
+    tp_size = engine.mpu.get_tensor_model_parallel_world_size() if getattr(engine, "mpu", None) else 1
+    refuse_universal_conversion(engine, tp_size)
     try:
         engine.save_checkpoint(str(directory), tag=tag, client_state=client_state, save_latest=False)
     except OSError as err:
@@ -61,7 +64,8 @@ def save_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, A
             remove_created(tag_dir, existed)
         dist.barrier()
         raise
-    # Files zoo adds to a finished tag (rank 0) go here, before the marker lists the tag's files.
+    # DeepSpeed's copied recovery scripts refuse tp > 1 shards, before the marker lists the tag's files.
+    raise_on_any_rank(lambda: guard_deepspeed_tools(directory, tp_size) if is_first else None)
     raise_on_any_rank(lambda: mark_complete(tag_dir, directory) if is_first else None)
     dist.barrier()
 
