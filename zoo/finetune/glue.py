@@ -208,13 +208,16 @@ def as_class_ids(predictions) -> np.ndarray:
     return predictions.argmax(axis=-1) if predictions.ndim == 2 else predictions.astype(np.int64)
 
 
+CLASSIFICATION_TASKS = ("mnli", "qqp", "same-article")
+
+
 def classification_metrics(task: str, predictions, labels) -> dict[str, float]:
     """``accuracy`` (and for qqp the ``f1`` of the duplicate class), as fractions in [0, 1].
 
     ``predictions`` are class ids (N,) or logits (N, C).
     """
-    if task not in ("mnli", "qqp"):
-        raise ValueError(f"unknown classification task '{task}'; use 'mnli' or 'qqp'.")
+    if task not in CLASSIFICATION_TASKS:
+        raise ValueError(f"unknown classification task '{task}'; use one of {', '.join(CLASSIFICATION_TASKS)}.")
     predicted = as_class_ids(predictions)
     gold = as_class_ids(labels)
     if predicted.shape != gold.shape or gold.ndim != 1:

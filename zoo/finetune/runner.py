@@ -10,7 +10,8 @@ gathered), scored, logged to metrics.jsonl / W&B, and the best model (by the tas
 saved with ``save_pretrained`` next to its prediction files. ``--epochs 0`` evaluates only.
 
 Run directory: ``metrics.jsonl``, ``results.json`` (best and final metrics, the settings),
-``predictions/<split>.<ext>`` (of the best epoch), ``best/`` (transformers layout), ``loss.png``. The writer
+``predictions/<split>.<ext>`` (of the best epoch), ``best/`` (transformers layout), ``loss.png``, ``dev.png``
+(the main metric at each evaluation, beside the majority-class baseline when the task scores one). The writer
 rank holds the directory's lock for the whole run; a directory another run holds, or one holding an earlier
 run's ``metrics.jsonl`` or ``results.json``, is refused before the model is read
 (:mod:`zoo.training.run_directory`).
@@ -33,6 +34,7 @@ import torch.distributed as dist
 from zoo.atomic import write_text_atomic
 from zoo.distributed import process_group_left_on_success, raise_on_any_rank, single_process_env
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict, parse_args
+from zoo.finetune.dev_curve import DEV_CURVE_FILE, baseline_metric, plot_dev_curve
 from zoo.finetune.tasks import EvalSet, Task, get_task
 from zoo.errors import report_error
 
@@ -205,12 +207,35 @@ def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, p
         _atomic_write(run_dir / "results.json", json.dumps(results, indent=2, default=str) + "\n")
         if state.iteration:
             plot_loss(run_dir)
+        plot_dev_curve(run_dir, history, task.main_metric)
         print(f"best {task.main_metric} {best['score']:.4f} at epoch {best['epoch']:g}; results in "
               f"{run_dir / 'results.json'}, predictions in {run_dir / 'predictions'}"
-              + (f", model in {run_dir / 'best'}" if config.epochs > 0 else ""), flush=True)
+              + (f", model in {run_dir / 'best'}" if config.epochs > 0 else "")
+              + f", dev curve in {run_dir / DEV_CURVE_FILE}", flush=True)
+        print_baseline_comparison(task.main_metric, best)
+        print_wandb_location()
     logger.summary({"best/" + task.main_metric: best["score"], "best/epoch": best["epoch"]})
     logger.close()
     return results
+
+
+def print_baseline_comparison(main_metric: str, best: dict[str, Any]) -> None:
+    """One line: the best main metric beside the majority-class baseline, when the eval set scores one."""
+    baseline = best["metrics"].get(baseline_metric(main_metric))
+    if baseline is not None:
+        print(f"{main_metric} {best['score']:.4f} (best epoch) vs majority-class baseline {baseline:.4f} "
+              f"({best['score'] - baseline:+.4f})", flush=True)
+
+
+def print_wandb_location() -> None:
+    """Where this process's W&B run keeps its files, when one is running (offline: what to sync)."""
+    wandb = sys.modules.get("wandb")
+    run = getattr(wandb, "run", None) if wandb is not None else None
+    if run is not None:
+        run_dir = Path(run.dir).parent
+        offline = getattr(getattr(run, "settings", None), "mode", None) == "offline" or run_dir.name.startswith("offline-")
+        print(f"W&B run directory: {run_dir}" + (f" (offline; upload with `wandb sync {run_dir}`)" if offline else ""),
+              flush=True)
 
 
 def forward_with_loss(engine, inputs: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:

@@ -1,4 +1,4 @@
-"""The four finetuning tasks as data: which reader, encoder, model head and metrics each one uses.
+"""The finetuning tasks as data: which reader, encoder, model head and metrics each one uses.
 
 A :class:`Task` turns a data directory into a :class:`TaskData`: the encoded training tensors and
 the evaluation sets. An :class:`EvalSet` holds the model inputs and a ``score`` function that maps
@@ -15,7 +15,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from zoo.finetune import glue, race, squad
+from zoo.finetune import demo_task, glue, race, squad
 from zoo.finetune.squad_metrics import squad_scores
 
 
@@ -68,13 +68,24 @@ def _json_file(entries: list[dict[str, Any]]) -> dict[str, str]:
 
 
 # --------------------------------------------------------------------------- GLUE
-def _pair_eval_set(task: str, split: str, examples, tokenizer, max_seq_length: int, labels) -> EvalSet:
+def majority_label(examples) -> int:
+    """The most frequent label of ``examples`` (the lowest id on a tie)."""
+    counts = np.bincount([e.label for e in examples])
+    return int(counts.argmax())
+
+
+def _pair_eval_set(task: str, split: str, examples, tokenizer, max_seq_length: int, labels,
+                   baseline_label: int | None = None) -> EvalSet:
+    """A sentence-pair eval set; with ``baseline_label`` its scores add ``majority_baseline``: the accuracy
+    of always answering that label (the training split's majority class)."""
     encoded = glue.encode_pairs(examples, tokenizer, max_seq_length)
     gold = encoded["labels"].numpy()
 
     def score(outputs):
         predicted = outputs["logits"].argmax(-1)
         metrics = glue.classification_metrics(task, predicted, gold)
+        if baseline_label is not None:
+            metrics["majority_baseline"] = float((gold == baseline_label).mean())
         rows = [{"guid": e.guid, "prediction": labels[p], "label": labels[e.label]}
                 for e, p in zip(examples, predicted)]
         return metrics, _json_file(rows)
@@ -82,13 +93,21 @@ def _pair_eval_set(task: str, split: str, examples, tokenizer, max_seq_length: i
     return EvalSet(split, _without_labels(encoded), score)
 
 
-def _load_pairs(task: str, reader, labels, train_split: str, eval_splits: tuple[str, ...]):
+def _load_pairs(task: str, reader, labels, train_split: str, eval_splits: tuple[str, ...],
+                with_baseline: bool = False):
+    """The loader of a sentence-pair task; ``with_baseline`` scores each eval set's majority-class baseline
+    too (the training split's majority label, or the eval set's own when there is no training split)."""
     def load(data_dir, tokenizer, max_seq_length, **_) -> TaskData:
         splits = reader(data_dir)
         train = splits.get(train_split)
+
+        def baseline(examples):
+            return majority_label(train or examples) if with_baseline else None
+
         return TaskData(
             train=glue.encode_pairs(train, tokenizer, max_seq_length) if train else None,
-            eval_sets=[_pair_eval_set(task, name, splits[name], tokenizer, max_seq_length, labels)
+            eval_sets=[_pair_eval_set(task, name, splits[name], tokenizer, max_seq_length, labels,
+                                      baseline(splits[name]))
                        for name in eval_splits if splits.get(name)])
     return load
 
@@ -153,6 +172,10 @@ TASKS = {
                  _load_pairs("mnli", glue.read_mnli, glue.MNLI_LABELS, "train", ("dev_matched", "dev_mismatched"))),
     "qqp": Task("qqp", "BertForSequenceClassification", glue.QQP_LABELS, "dev/accuracy", ("logits",),
                 _load_pairs("qqp", glue.read_qqp, glue.QQP_LABELS, "train", ("dev", "test"))),
+    "same-article": Task("same-article", "BertForSequenceClassification", demo_task.SAME_ARTICLE_LABELS,
+                         "dev/accuracy", ("logits",),
+                         _load_pairs("same-article", demo_task.read_same_article, demo_task.SAME_ARTICLE_LABELS,
+                                     "train", ("dev",), with_baseline=True)),
     "race": Task("race", "BertForMultipleChoice", None, "dev/all", ("logits",), _load_race),
     "squad": Task("squad", "BertForQuestionAnswering", None, "dev/f1", ("start_logits", "end_logits"), _load_squad),
 }
