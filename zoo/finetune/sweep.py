@@ -4,14 +4,23 @@
 seeds) is in W&B's sweep format (``program``, ``method``, ``metric``, ``parameters``), so ``wandb
 sweep`` + ``wandb agent`` run it unchanged on a cluster. This module
 runs the same grid here, one subprocess per point (``python <program> --key=value ...``, or under a
-``--launcher`` such as ``deepspeed --num_gpus 2``), each an offline W&B run grouped by the sweep's
-name, then writes ``runs.csv`` (one row per run), ``summary.csv``/``summary.md`` (one row per setting:
-median, min and max of the metric over seeds) and ``sweep.png``.
+``--launcher`` such as ``deepspeed --num_gpus 2``), each a W&B run (offline unless ``WANDB_MODE`` says
+otherwise) grouped by the sweep's name, then writes ``runs.csv`` (one row per run), ``summary.csv``/
+``summary.md`` (one row per setting: median, min and max of the metric over seeds) and ``sweep.png``.
+
+What every user changes is a flag, not an edit of the file: ``--pretrained``, ``--data-dir`` and
+``--deepspeed-config`` replace the file's values (:mod:`zoo.finetune.sweep_overrides`), ``--project`` and
+``--entity`` name the W&B project and entity, ``--count`` runs the first N points; ``--dry-run`` prints each
+resolved run as the command line it runs. Every run writes into its own directory under ``--out``; an
+``--out`` holding an earlier sweep's results is refused before anything runs, unless ``--overwrite`` (which
+each run is given too). Without wandb installed a tracked sweep stops before it starts, saying how to
+install it (``--no-wandb`` runs the grid untracked).
 """
 
 from __future__ import annotations
 
 import csv
+import dataclasses
 import itertools
 import json
 import os
@@ -25,8 +34,12 @@ from typing import Any
 
 from zoo.atomic import atomic_file, write_text_atomic
 from zoo.errors import report_error
+from zoo.finetune.sweep_overrides import SweepOverrides, check_file_values
 
 SEED_KEY = "seed"
+SWEEP_OUTPUTS = ("runs.csv", "summary.csv", "summary.md", "sweep.png")
+DEFAULT_PROJECT = "zoo-finetune"
+WANDB_NAME_FORBIDDEN = "/\\#?%:"   # what W&B refuses in a project name
 
 
 @dataclass(frozen=True)
@@ -37,6 +50,9 @@ class SweepSpec:
     goal: str
     fixed: dict[str, Any]
     grid: dict[str, list[Any]]
+    program_args: tuple[str, ...] = ()   # literal flags of the file's command: after ${program}
+    project: str | None = None            # the file's W&B project: and entity: entries
+    entity: str | None = None
 
     def settings(self) -> list[dict[str, Any]]:
         """Every grid point (fixed values included), in the order W&B's grid search walks them."""
@@ -54,7 +70,7 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     try:
         spec = yaml.safe_load(file.read_text())
     except yaml.YAMLError as err:
-        raise ValueError(f"sweep file {path} is not valid YAML ({err}); fix it.") from None
+        raise ValueError(f"sweep file {path} is not valid YAML ({yaml_problem(err)}); fix it.") from None
     if not isinstance(spec, dict):
         raise ValueError(f"sweep file {path} is not a mapping; write it in W&B's sweep format.")
     for key in ("program", "metric", "parameters"):
@@ -67,8 +83,36 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     metric = spec["metric"]
     if not isinstance(metric, dict) or "name" not in metric:
         raise ValueError(f"sweep file {path} needs metric: {{name: ..., goal: maximize}}.")
+    for key in ("project", "entity"):
+        if spec.get(key) is not None and not isinstance(spec[key], str):
+            raise ValueError(f"sweep file {path} has {key}: {spec[key]!r}, not a name; write it as a string "
+                             f"(or pass --{key}).")
     return SweepSpec(name=spec.get("name") or file.stem, program=spec["program"], metric=metric["name"],
-                     goal=metric.get("goal", "maximize"), fixed=fixed, grid=grid)
+                     goal=metric.get("goal", "maximize"), fixed=fixed, grid=grid,
+                     program_args=read_program_args(spec.get("command"), path), project=spec.get("project"),
+                     entity=spec.get("entity"))
+
+
+def read_program_args(command: Any, path: str | os.PathLike) -> tuple[str, ...]:
+    """The literal words of a sweep's ``command:`` after ``${program}`` (W&B's macros such as ``${args}``
+    left out): flags the file gives every run besides its parameters."""
+    if command is None:
+        return ()
+    if not isinstance(command, list) or not all(isinstance(word, (str, int, float)) for word in command):
+        raise ValueError(f"sweep file {path} has command: {command!r}, not a list of words; write it as W&B's "
+                         "sweep format does, e.g. ['${env}', deepspeed, '${program}', '${args}'].")
+    words = [str(word) for word in command]
+    if "${program}" not in words:
+        return ()
+    after = words[words.index("${program}") + 1:]
+    return tuple(word for word in after if not (word.startswith("${") and word.endswith("}")))
+
+
+def yaml_problem(err: Exception) -> str:
+    """A YAML parse error as one line: what is wrong and where."""
+    mark = getattr(err, "problem_mark", None)
+    problem = getattr(err, "problem", None) or str(err).splitlines()[0]
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def read_parameters(parameters: Any, path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, list[Any]]]:
@@ -109,9 +153,77 @@ def run_name(setting: dict[str, Any], spec: SweepSpec) -> str:
     return "-".join(f"{k.replace('-', '_')}{setting[k]}" for k in varying) or "run"
 
 
-def command_for(setting: dict[str, Any], spec: SweepSpec, save: Path, launcher: str) -> list[str]:
-    args = [f"--{key}={value}" for key, value in setting.items()] + [f"--save={save}"]
-    return shlex.split(launcher) + [spec.program] + args
+def command_for(setting: dict[str, Any], spec: SweepSpec, save: Path, launcher: str,
+                overwrite: bool = False) -> list[str]:
+    args = list(spec.program_args) + [f"--{key}={value}" for key, value in setting.items()] + [f"--save={save}"]
+    return shlex.split(launcher) + [spec.program] + args + (["--overwrite"] if overwrite else [])
+
+
+def apply_overrides(spec: SweepSpec, overrides: SweepOverrides) -> SweepSpec:
+    fixed, grid, program_args = overrides.apply(spec.fixed, spec.grid, spec.program_args)
+    return dataclasses.replace(spec, fixed=fixed, grid=grid, program_args=program_args)
+
+
+def _check_wandb_name(value: str, source: str, kind: str, example: str) -> None:
+    bad = [char for char in WANDB_NAME_FORBIDDEN if char in value]
+    if not value.strip() or len(value) > 128 or bad or (kind == "entity" and any(c.isspace() for c in value)):
+        raise ValueError(f"{source} {value!r} is not a W&B {kind} name (1 to 128 characters, none of "
+                         f"{' '.join(WANDB_NAME_FORBIDDEN)}{' or spaces' if kind == 'entity' else ''}); "
+                         f"pass e.g. --{kind} {example}.")
+
+
+def wandb_environment(spec: SweepSpec, project: str | None, entity: str | None, path: str | os.PathLike
+                      ) -> dict[str, str]:
+    """The W&B variables every run gets: the mode (offline unless ``$WANDB_MODE`` says otherwise), the project
+    (``--project``, the file's ``project:``, ``$WANDB_PROJECT``, else zoo-finetune), the entity (``--entity``,
+    the file's ``entity:``, ``$WANDB_ENTITY``, else W&B's default) and the sweep's name as the run group."""
+    sources = [("--project", project), (f"the project of {path}", spec.project),
+               ("$WANDB_PROJECT", os.environ.get("WANDB_PROJECT")), ("the default project", DEFAULT_PROJECT)]
+    project_source, project = next((s, v) for s, v in sources if v is not None)
+    _check_wandb_name(project, project_source, "project", DEFAULT_PROJECT)
+    env = {"WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "WANDB_PROJECT": project}
+    sources = [("--entity", entity), (f"the entity of {path}", spec.entity),
+               ("$WANDB_ENTITY", os.environ.get("WANDB_ENTITY"))]
+    entity_source, entity = next(((s, v) for s, v in sources if v is not None), (None, None))
+    if entity is not None:
+        _check_wandb_name(entity, entity_source, "entity", "my-team")
+        env["WANDB_ENTITY"] = entity
+    return {**env, "WANDB_RUN_GROUP": spec.name}
+
+
+def require_wandb() -> None:
+    """A tracked sweep needs wandb in every run: without it, stop before the first run, saying how to get it."""
+    try:
+        import wandb  # noqa: F401
+    except ImportError:
+        raise ValueError("the sweep logs every run to W&B but wandb is not installed; pip install wandb, or pass "
+                         "--no-wandb to run the grid untracked.") from None
+    except Exception as err:  # noqa: BLE001 - a broken install fails in many ways; each is the same sentence
+        raise ValueError(f"the sweep logs every run to W&B but import wandb fails ({type(err).__name__}: {err}); "
+                         "pip install --force-reinstall wandb, or pass --no-wandb to run the grid untracked.") from None
+
+
+def earlier_outputs(out_dir: Path, saves: list[Path]) -> list[str]:
+    """What an earlier sweep left in ``out_dir`` that this one would write over: its tables and plot, a
+    run's log, or a run directory's finetuning results."""
+    from zoo.training.run_directory import FINETUNING_OUTPUTS
+
+    found = [name for name in SWEEP_OUTPUTS if (out_dir / name).exists()]
+    for save in saves:
+        found += [f"{save.name}.log"] if (out_dir / f"{save.name}.log").exists() else []
+        found += [f"{save.name}/{name}" for name in FINETUNING_OUTPUTS if (save / name).exists()]
+    return found
+
+
+def check_output_directory(out_dir: Path, saves: list[Path], overwrite: bool) -> None:
+    """``out_dir`` is a directory (or can be made) holding nothing this sweep would replace, unless ``overwrite``."""
+    if out_dir.exists() and not out_dir.is_dir():
+        raise ValueError(f"--out {out_dir} is a file; pass a directory for the sweep's runs and tables.")
+    earlier = earlier_outputs(out_dir, saves) if out_dir.is_dir() else []
+    if earlier and not overwrite:
+        more = f" and {len(earlier) - 1} more file{'s' if len(earlier) > 2 else ''}" if len(earlier) > 1 else ""
+        raise ValueError(f"{out_dir} (the sweep's --out) already holds an earlier sweep's {earlier[0]}{more}; pass "
+                         "another --out, or --overwrite to replace them.")
 
 
 def metric_of(results: dict[str, Any], metric: str) -> float | None:
@@ -195,6 +307,7 @@ def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> 
     from zoo.finetune.runner import main as finetune_main
 
     saved = dict(os.environ)
+    os.environ.clear()
     os.environ.update(env)
     try:
         with log_path.open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
@@ -214,43 +327,65 @@ def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> 
 
 
 def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, count: int | None = None,
-              dry_run: bool = False, launcher: str | None = None, project: str = "zoo-finetune",
-              extra_env: dict[str, str] | None = None, in_process: bool = False) -> dict[str, Any]:
+              dry_run: bool = False, launcher: str | None = None, project: str | None = None,
+              extra_env: dict[str, str] | None = None, in_process: bool = False, *,
+              overrides: SweepOverrides | None = None, entity: str | None = None, overwrite: bool = False,
+              track_wandb: bool = True) -> dict[str, Any]:
     """Run (or, with ``dry_run``, print) the grid; returns the per-run rows and the summary.
 
-    ``in_process`` runs every point in this process, one after the other (no launcher; tp = 1 unless
-    this process already belongs to a larger torch.distributed world)."""
+    Everything a user can get wrong (the file, the overrides, ``count``, the W&B names, wandb missing, an
+    ``out`` holding an earlier sweep's results) is checked before the first run, the dry run included; the
+    file's own paths are checked before a real run. ``in_process`` runs every point in this process, one
+    after the other (no launcher; tp = 1 unless this process already belongs to a larger torch.distributed
+    world)."""
     from tqdm import tqdm
 
+    overrides = overrides or SweepOverrides()
     spec = load_sweep(path)
+    overrides.check()
     if count is not None and count < 1:
         raise ValueError(f"--count {count} must be 1 or more (the number of grid points to run); leave it out to "
                          "run them all.")
+    spec = apply_overrides(spec, overrides)
+    if track_wandb:
+        wandb_env = wandb_environment(spec, project, entity, path)
+        require_wandb()
+    elif project is not None or entity is not None:
+        flag = "--project" if project is not None else "--entity"
+        raise ValueError(f"{flag} names a W&B {flag[2:]} but --no-wandb runs the grid untracked; drop one of them.")
+    else:
+        wandb_env = {"WANDB_MODE": "disabled"}
     out_dir = Path(out or Path("runs") / "sweeps" / spec.name)
     settings = spec.settings()[: count or None]
+    saves = [out_dir / run_name(setting, spec) for setting in settings]
+    check_output_directory(out_dir, saves, overwrite)
     launcher = launcher or shlex.quote(sys.executable)
-    env = {**os.environ, "WANDB_MODE": os.environ.get("WANDB_MODE", "offline"), "WANDB_RUN_GROUP": spec.name,
-           "WANDB_PROJECT": os.environ.get("WANDB_PROJECT", project), **(extra_env or {})}
+    shown_env = {**wandb_env, **(extra_env or {})}
+    env = {**os.environ, **shown_env}
+    if not track_wandb:
+        env.pop("WANDB_PROJECT", None)
     rows = []
     if dry_run:
         print(f"# {describe_grid(spec)}")
-        for setting in settings:
-            print(shlex.join(command_for(setting, spec, out_dir / run_name(setting, spec), launcher)))
+        for setting, save in zip(settings, saves):
+            words = [f"{key}={value}" for key, value in shown_env.items()]
+            print(shlex.join(words + command_for(setting, spec, save, launcher, overwrite)))
         return {"rows": [], "summary": [], "spec": spec}
+    check_file_values(spec.fixed, spec.grid, overrides, str(path))
     out_dir.mkdir(parents=True, exist_ok=True)
-    for setting in tqdm(settings, desc=f"sweep {spec.name}", unit="run", file=sys.stdout):
-        save = out_dir / run_name(setting, spec)
-        command = command_for(setting, spec, save, launcher)
+    for setting, save in tqdm(list(zip(settings, saves)), desc=f"sweep {spec.name}", unit="run", file=sys.stdout):
+        log_path = out_dir / f"{save.name}.log"
         if in_process:
-            returncode = _run_in_process(command_for(setting, spec, save, ""), env, out_dir / f"{save.name}.log")
+            returncode = _run_in_process(command_for(setting, spec, save, "", overwrite), env, log_path)
         else:
-            with (out_dir / f"{save.name}.log").open("w") as log:
-                returncode = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+            with log_path.open("w") as log:
+                returncode = subprocess.run(command_for(setting, spec, save, launcher, overwrite), env=env,
+                                            stdout=log, stderr=subprocess.STDOUT).returncode
         score = None
         if returncode == 0 and (save / "results.json").is_file():
             score = metric_of(json.loads((save / "results.json").read_text()), spec.metric)
         else:
-            print(f"run {save.name} failed (exit {returncode}); see {out_dir / (save.name + '.log')}")
+            print(f"run {save.name} failed (exit {returncode}); see {log_path}")
         rows.append({**{k: setting[k] for k in spec.grid}, "run": save.name, "exit_code": returncode,
                      "score": score})
     summary = summarize(rows, spec)
@@ -260,28 +395,57 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     write_text_atomic(out_dir / "summary.md", f"# sweep {spec.name} ({spec.metric}, median over seeds)\n\n{table}\n")
     plot_sweep(rows, summary, spec, out_dir / "sweep.png")
     print(table)
-    print(f"{len(rows)} runs; table in {out_dir / 'summary.md'}, plot in {out_dir / 'sweep.png'}, "
-          f"W&B offline runs under each run's wandb/ directory (group {spec.name})")
+    print(f"{len(rows)} runs; table in {out_dir / 'summary.md'}, plot in {out_dir / 'sweep.png'}; "
+          f"{tracking_note(env, spec, track_wandb)}")
     return {"rows": rows, "summary": summary, "spec": spec}
 
 
-def main(argv=None) -> None:
+def tracking_note(env: dict[str, str], spec: SweepSpec, track_wandb: bool) -> str:
+    if not track_wandb:
+        return "untracked (--no-wandb)"
+    where = f"project {env['WANDB_PROJECT']}, group {spec.name}"
+    if env.get("WANDB_MODE") == "offline":
+        return f"W&B offline runs under each run's wandb/ directory ({where}; wandb sync uploads them)"
+    return f"W&B runs in {where}"
+
+
+def build_parser():
     import argparse
 
     parser = argparse.ArgumentParser(prog="finetune/sweep.py", description=__doc__.splitlines()[0])
     parser.add_argument("sweep", help="a W&B sweep YAML, e.g. finetune/sweeps/race-336m.yaml")
+    parser.add_argument("--pretrained", default=None,
+                        help="the BERT directory every run starts from (replaces the file's pretrained)")
+    parser.add_argument("--data-dir", default=None,
+                        help="the task's data: a directory or hub:NAME[/CONFIG] (replaces the file's data-dir)")
+    parser.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", default=None,
+                        help="the ds_config of every run (replaces the file's deepspeed_config)")
+    parser.add_argument("--project", default=None,
+                        help=f"W&B project (default: the file's project, $WANDB_PROJECT, else {DEFAULT_PROJECT})")
+    parser.add_argument("--entity", default=None,
+                        help="W&B entity, a user or team (default: the file's entity, $WANDB_ENTITY, else W&B's)")
     parser.add_argument("--count", type=int, default=None, help="run only the first N grid points")
-    parser.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
+    parser.add_argument("--dry-run", action="store_true", help="check everything, print the resolved runs, run nothing")
     parser.add_argument("--out", default=None, help="output directory (default runs/sweeps/<name>)")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace an earlier sweep's tables and runs in --out (each run gets --overwrite)")
+    parser.add_argument("--no-wandb", action="store_true",
+                        help="run the grid untracked (every run gets WANDB_MODE=disabled)")
     parser.add_argument("--launcher", default=None,
                         help="command prefix, e.g. 'deepspeed --num_gpus 8' (default: this python)")
-    parser.add_argument("--project", default="zoo-finetune", help="W&B project of the runs")
     parser.add_argument("--in-process", action="store_true",
                         help="run every point in this process (tp = 1; saves the start-up of each run)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv=None) -> None:
+    args = build_parser().parse_args(argv)
+    overrides = SweepOverrides(pretrained=args.pretrained, data_dir=args.data_dir,
+                               deepspeed_config=args.deepspeed_config)
     try:
         run_sweep(args.sweep, args.out, args.count, args.dry_run, args.launcher, args.project,
-                  in_process=args.in_process)
+                  in_process=args.in_process, overrides=overrides, entity=args.entity, overwrite=args.overwrite,
+                  track_wandb=not args.no_wandb)
     except (ValueError, FileNotFoundError) as err:
         report_error(err)
         sys.exit(2)

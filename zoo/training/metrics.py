@@ -102,15 +102,31 @@ class MetricsLogger:
 
 
 def _start_wandb(project: str, config: dict[str, Any] | None, run_dir: Path):
-    """A W&B run (WANDB_MODE=offline honoured); any failure (no network, no API key) is reported and
-    training goes on without it."""
+    """A W&B run (WANDB_MODE=offline honoured), or None after one warning line: tracking never stops
+    training, so a missing wandb (an install without its dependencies) says how to install it, and any
+    other failure (a broken install, no network, no API key) says what failed and how to log locally."""
     try:
         import wandb
-
+    except Exception as err:  # noqa: BLE001 - tracking must never stop training
+        _warn_wandb_off(project, err, importing=True)
+        return None
+    try:
         return wandb.init(project=project, name=run_dir.name, config=config, dir=str(run_dir))
     except Exception as err:  # noqa: BLE001 - tracking must never stop training
-        print(f"warning: W&B disabled ({type(err).__name__}: {err}); set WANDB_MODE=offline to log locally.")
+        _warn_wandb_off(project, err, importing=False)
         return None
+
+
+def _warn_wandb_off(project: str, err: Exception, importing: bool) -> None:
+    if importing and isinstance(err, ImportError):
+        message = (f"wandb is not installed, so this run is not tracked in W&B project {project!r}; pip install "
+                   "wandb to track it.")
+    elif importing:
+        message = (f"import wandb fails ({type(err).__name__}: {err}), so this run is not tracked in W&B project "
+                   f"{project!r}; pip install --force-reinstall wandb to track it.")
+    else:
+        message = f"W&B disabled ({type(err).__name__}: {err}); set WANDB_MODE=offline to log locally."
+    print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 @dataclass
