@@ -77,8 +77,8 @@ parameters:
   data_dir: {{values: [a, b]}}
   seed: {{values: [1, 2]}}
 """)
-    data = tmp_path / "data"
-    data.mkdir()
+    data = tmp_path / "corpus.jsonl.gz"   # a task may read one file (the demo's corpus)
+    data.write_bytes(b"")
     runs = _dry_run([str(sweep), "--pretrained", str(bert_dir), "--data-dir", str(data), "--no-wandb",
                      "--out", str(tmp_path / "out")], capsys)
     assert len(runs) == 2   # the data_dir grid is gone: 2 seeds, not 4
@@ -88,13 +88,23 @@ parameters:
         assert _flag_values(words, "pretrained") == [str(bert_dir)] and _flag_values(words, "data_dir") == [str(data)]
 
 
+def test_an_in_process_run_finds_its_task_from_the_scripts_file_name(monkeypatch):
+    """finetune/<task>.py runs <task>; a task spelt with dashes lives in a file spelt with underscores."""
+    from zoo.finetune import tasks
+    from zoo.finetune.sweep import task_of_program
+
+    monkeypatch.setitem(tasks.TASKS, "two-words", tasks.TASKS["qqp"])
+    assert task_of_program("finetune/race.py") == "race"
+    assert task_of_program("finetune/two_words.py") == "two-words"
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--pretrained", "{tmp}/missing"], r"--pretrained \S+/missing does not exist; pass --pretrained a BERT "
                                          r"directory in transformers' layout"),
     (["--pretrained", "{tmp}"], r"--pretrained \S+ has no config.json; pass --pretrained a directory written by "
                                 r"save_pretrained"),
     (["--data-dir", "{tmp}/missing"], r"--data-dir \S+/missing does not exist; pass --data-dir the task's data "
-                                      r"directory .* or hub:NAME\[/CONFIG\]"),
+                                      r"\(a directory .*, a file the task reads, or hub:NAME\[/CONFIG\]\)"),
     (["--data-dir=hub:"], r"--data-dir hub: names no hub dataset; pass --data-dir hub:NAME\[/CONFIG\]"),
     (["--deepspeed-config", "{tmp}/none.json"], r"--deepspeed-config \S+/none.json does not exist; pass "
                                                 r"--deepspeed-config one of the files in ds_configs/"),

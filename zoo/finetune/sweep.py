@@ -299,6 +299,16 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
+def task_of_program(program: str) -> str:
+    """The task a finetune script runs, from its file name: ``finetune/race.py`` runs race, and underscores
+    read as dashes where only that spelling is a task (``finetune/same_article.py`` runs same-article)."""
+    from zoo.finetune.tasks import TASKS
+
+    stem = Path(program).stem
+    dashed = stem.replace("_", "-")
+    return dashed if stem not in TASKS and dashed in TASKS else stem
+
+
 def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> int:
     """Run a finetune script's ``main`` in this process (one world-of-one process group for the whole
     sweep, no per-run interpreter and DeepSpeed start-up); returns its exit code."""
@@ -311,7 +321,7 @@ def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> 
     os.environ.update(env)
     try:
         with log_path.open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            finetune_main(Path(command[0]).stem, command[1:], leave_process_group=False)
+            finetune_main(task_of_program(command[0]), command[1:], leave_process_group=False)
         return 0
     except SystemExit as exit_:
         return int(exit_.code or 0)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 BERT_DIRECTORY = "a BERT directory in transformers' layout (config.json, model.safetensors, vocab.txt)"
-DATA_DIRECTORY = "the task's data directory (original or HF hub layout) or hub:NAME[/CONFIG]"
+TASK_DATA = "the task's data (a directory in the original or HF hub layout, a file the task reads, or hub:NAME[/CONFIG])"
 HUB_PREFIX = "hub:"
 
 
@@ -56,19 +56,18 @@ def check_pretrained(value: Any, named: str) -> None:
 
 
 def check_data_dir(value: Any, named: str) -> None:
+    """A hub name, or a path that exists (a directory, or a file for a task that reads one: the task checks
+    its layout)."""
     text = str(value)
     if text.startswith(HUB_PREFIX):
         if not text[len(HUB_PREFIX):].strip("/ "):
             raise ValueError(f"{named} names no hub dataset; pass --data-dir hub:NAME[/CONFIG] "
-                             "(e.g. hub:nyu-mll/glue/mnli) or a directory.")
+                             "(e.g. hub:nyu-mll/glue/mnli) or a path.")
         return
     if not text.strip():
-        raise ValueError(f"{named} is empty; pass --data-dir {DATA_DIRECTORY}.")
-    path = Path(text)
-    if not path.exists():
-        raise FileNotFoundError(f"{named} does not exist; pass --data-dir {DATA_DIRECTORY}.")
-    if not path.is_dir():
-        raise ValueError(f"{named} is a file, not a directory; pass --data-dir {DATA_DIRECTORY}.")
+        raise ValueError(f"{named} is empty; pass --data-dir {TASK_DATA}.")
+    if not Path(text).exists():
+        raise FileNotFoundError(f"{named} does not exist; pass --data-dir {TASK_DATA}.")
 
 
 def check_deepspeed_config(value: Any, named: str) -> None:
@@ -98,7 +97,7 @@ class SweepOverrides:
         return {name: value for name, value in named.items() if value is not None}
 
     def check(self) -> None:
-        """Every given value is usable (a directory with config.json, an existing data directory or hub name, a
+        """Every given value is usable (a directory with config.json, existing task data or a hub name, a
         readable ds_config), or one sentence naming the flag and the value."""
         for name, value in self.values().items():
             CHECKS[name](value, f"--{flag_key(name)} {value}")
