@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,10 @@ from zoo.errors import report_error
 
 
 __all__ = ["pretrain", "main", "reseed_tp_rng"]
+
+# (model, prompts, seed, parallel state) -> printable lines; collective over every rank.
+# zoo.inference.sample_lines, handed in by launch/pretrain.py (inference sits beside training, not below it).
+SampleText = Callable[[torch.nn.Module, Sequence[str], int, Any], list[str]]
 
 
 def rng_state() -> dict[str, Any]:
@@ -172,11 +177,17 @@ def has_checkpoint(load: str) -> bool:
     return has_complete_checkpoint(path)
 
 
-def pretrain(config: RunConfig) -> dict[str, Any]:
+def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[str, Any]:
     """Train as ``config`` says. The writer rank first claims ``--save`` (:mod:`zoo.training.run_directory`):
     a directory another run holds, or an earlier run's checkpoints under a run that would start from
     iteration 0, end every rank with one sentence before the model or the engine is built and before
-    anything is written there. The claim is held until this function returns or raises."""
+    anything is written there. The claim is held until this function returns or raises.
+
+    A run that finishes with ``config.sample_prompts`` completes them with ``sample_text`` (every rank
+    takes part) and the writer prints the lines after the validation perplexity."""
+    if config.sample_prompts and sample_text is None:
+        raise ValueError("sample_prompts are set but no text sampler was given; run launch/pretrain.py, or call "
+                         "pretrain(config, sample_text=zoo.inference.sample_lines).")
     started = time.monotonic()   # --exit-duration-in-mins counts from here: the set-up is part of the job's time
     ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
     gas = validate_for_world(config, dist.get_world_size())
@@ -185,7 +196,7 @@ def pretrain(config: RunConfig) -> dict[str, Any]:
         config.save, starts_at_zero=not (config.load and has_checkpoint(config.load)),
         resuming=continues_save_directory(config), overwrite=config.overwrite) if is_writer else None)
     try:
-        return pretrain_in_claimed_directory(config, ps, gas, is_writer, started)
+        return pretrain_in_claimed_directory(config, ps, gas, is_writer, started, sample_text)
     finally:
         if lock is not None:
             lock.release()
@@ -200,7 +211,8 @@ def continues_save_directory(config: RunConfig) -> bool:
     return Path(config.load).resolve() in (save, save / CHECKPOINT_SUBDIR)
 
 
-def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bool, started: float) -> dict[str, Any]:
+def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bool, started: float,
+                                  sample_text: SampleText | None = None) -> dict[str, Any]:
     import deepspeed
 
     model, model_config, shape = build_pretraining_model(config, ps)
@@ -300,8 +312,12 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
         print(f"stopped by {state.stopped_by} after iteration {state.iteration}: checkpoint "
               f"{run_dir / CHECKPOINT_SUBDIR / f'iter_{state.iteration:07d}'}; resume with --load {run_dir}",
               flush=True)
+    samples = []
+    if config.sample_prompts and state.stopped_by is None:   # every rank decodes; the writer prints
+        samples = sample_text(engine.module, config.sample_prompts, config.seed, ps)
     if logger.is_writer and state.stopped_by is None:
-        print_summary(run_dir, state.iteration, state.last_event, validation.get("loss"), data, config, shape)
+        print_summary(run_dir, state.iteration, state.last_event, validation.get("loss"), data, config, shape,
+                      samples)
     logger.close()
     return {**state.last_event, "val_loss": validation.get("loss"), "stopped_by": state.stopped_by}
 
@@ -318,8 +334,9 @@ def timeout_error(err: Exception, config: RunConfig, state: LoopState) -> Except
 
 
 def print_summary(run_dir: Path, iteration: int, last: dict[str, Any], val_loss: float | None,
-                  data: PretrainingData, config: RunConfig, shape) -> None:
-    """The end of a run on the writer: loss.png and the lines the demo prints."""
+                  data: PretrainingData, config: RunConfig, shape, samples: Sequence[str] = ()) -> None:
+    """The end of a run on the writer: loss.png and the lines the demo prints (``samples``: the
+    end-of-run sample lines, printed after the validation perplexity)."""
     plot_loss(run_dir)
     if val_loss is not None:
         baseline = ""
@@ -329,6 +346,8 @@ def print_summary(run_dir: Path, iteration: int, last: dict[str, Any], val_loss:
             baseline = (f" (unigram baseline of the corpus: "
                         f"{unigram_perplexity(data.indexed, config.split, shape.vocab):.1f})")
         print(f"validation loss {val_loss:.4f}, validation perplexity {perplexity(val_loss):.2f}{baseline}")
+    for line in samples:
+        print(line)
     if "sop_acc" in last:
         print(f"last logged window: MLM loss {last['mlm_loss']:.4f}, SOP loss {last['sop_loss']:.4f}, "
               f"SOP accuracy {last['sop_acc']:.3f}")
@@ -363,13 +382,14 @@ def format_log_line(event: dict[str, Any], train_iters: int) -> str:
                f" | MLM {event['mlm_loss']:.4f} | SOP {event['sop_loss']:.4f} | SOP acc {event['sop_acc']:.3f}"))
 
 
-def main(argv=None) -> None:
+def main(argv=None, sample_text: SampleText | None = None) -> None:
+    """The CLI; ``sample_text`` (zoo.inference.sample_lines) completes the config's ``sample_prompts``."""
     parser = build_parser(__doc__)
     args = parser.parse_args(argv)
     try:
         config = load_run_config(args)
         with process_group_left_on_success():
-            pretrain(config)
+            pretrain(config, sample_text)
     except (ValueError, FileNotFoundError) as err:
         report_error(err)
         sys.exit(2)

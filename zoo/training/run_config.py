@@ -8,7 +8,7 @@ zoo reads its own settings from the top-level ``"zoo"`` key, which DeepSpeed ign
             "pretrained": null, "log_interval": 10, "eval_interval": 100, "eval_iters": 4, "save_interval": 0,
             "checkpoint_activations": false, "wandb_project": null, "model_overrides": {},
             "data_workers": 2, "exit_interval": 0, "exit_duration_in_mins": null, "exit_signal_handler": true,
-            "distributed_timeout_minutes": null}
+            "distributed_timeout_minutes": null, "sample_prompts": []}
 
 ``data_path`` null means the bundled Wikipedia sample, preprocessed once into a cache directory.
 ``pretrained`` names a transformers-layout directory (GPT-2, MegatronBert or Bert, e.g. from
@@ -22,7 +22,9 @@ Preemption (Megatron's flag names): ``exit_interval`` N stops with a checkpoint 
 that is a multiple of N (so the same flag serves every allocation of a job); ``exit_duration_in_mins``
 M stops with a checkpoint before M minutes of wall time (ranks agree); ``exit_signal_handler`` (on by
 default) turns SIGTERM or SIGUSR1 on any rank into a checkpoint at the next iteration and exit 0.
-``distributed_timeout_minutes`` bounds every collective (DeepSpeed's default is 10 minutes), so a rank
+``sample_prompts`` (GPT only; the demo's) are completed by sampling at the end of the run, and the
+writer prints each beside the validation perplexity (zoo.inference.run_samples); empty, nothing is
+generated. ``distributed_timeout_minutes`` bounds every collective (DeepSpeed's default is 10 minutes), so a rank
 that never arrives ends the job with the backend's timeout error rather than a hang.
 """
 
@@ -70,6 +72,7 @@ class RunConfig:
     exit_signal_handler: bool = True   # SIGTERM/SIGUSR1: stop at the next iteration with a checkpoint
     distributed_timeout_minutes: float | None = None   # every collective's timeout (DeepSpeed's default: 10)
     overwrite: bool = False          # a fresh run (no --load) may replace the checkpoints of a --save directory
+    sample_prompts: list[str] = field(default_factory=list)   # GPT only: text sampled from each at the end (the demo)
     ds_config: dict[str, Any] = field(default_factory=dict, repr=False)
     ds_config_path: str | None = None
 
@@ -263,6 +266,7 @@ def validate_static(config: RunConfig) -> RunConfig:
         if getattr(config, name) is not None and not 0 < getattr(config, name) < math.inf:
             raise ValueError(f"{name} = {getattr(config, name)} must be a positive number of minutes; fix the zoo "
                              "block or the flag.")
+    check_sample_prompts(config, model_config(config.model, **config.model_overrides))
     if config.recompute_granularity not in (None, "full", "selective"):
         raise ValueError(f"recompute_granularity {config.recompute_granularity!r} is not 'full' or 'selective'; pass "
                          "--recompute-granularity full (every layer) or selective (the attention core).")
@@ -286,8 +290,36 @@ def validate_static(config: RunConfig) -> RunConfig:
     return config
 
 
-TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object", float: "a number"}
-TYPE_EXAMPLES = {int: "6", str: '"text"', bool: "true", dict: "{}", float: "30"}
+def check_sample_prompts(config: RunConfig, family_config) -> None:
+    """``sample_prompts`` are strings, for a GPT model, each leaving room for new tokens in its
+    ``n_positions`` (GPT-2 BPE tokens): checked before training, not after it, where they are used."""
+    prompts = config.sample_prompts
+    if not prompts:
+        return
+    bad = next((p for p in prompts if not isinstance(p, str)), None)
+    if bad is not None:
+        raise ValueError(f"sample_prompts holds {_shown(bad)} ({_json_kind(bad)}), not a string; write it as e.g. "
+                         "\"sample_prompts\": [\"The history of\"].")
+    if family_config.model_type != "gpt2":
+        raise ValueError(f"sample_prompts are for GPT models, but model {config.model!r} is a "
+                         f"{family_config.model_type} model, which does not generate text; remove sample_prompts "
+                         "from the zoo block.")
+    if config.pretrained is not None:   # the directory's n_positions: generation checks the lengths itself
+        return
+    from zoo.data.tokenizers import load_gpt2_tokenizer
+
+    n_positions = family_config.n_positions
+    tokenizer = load_gpt2_tokenizer()
+    for index, prompt in enumerate(prompts):
+        length = len(tokenizer.encode(prompt))
+        if length >= n_positions:
+            raise ValueError(f"sample prompt {index} has {length} tokens, which leaves no room for new tokens in the "
+                             f"model's n_positions={n_positions}; shorten it.")
+
+
+TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object", float: "a number",
+              list: "a list"}
+TYPE_EXAMPLES = {int: "6", str: '"text"', bool: "true", dict: "{}", float: "30", list: "[]"}
 
 
 def check_field_types(config: RunConfig) -> None:
