@@ -95,3 +95,17 @@ def test_a_grid_without_runs_is_one_sentence_and_exit_2(tmp_path, capsys, lr_ent
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and re.search(message, err), err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_summary_table_shows_each_setting_as_the_file_gives_it():
+    """Table 6's learning rates (1e-5 .. 5e-5) are settings, not scores: rounded to 4 decimals they would all
+    read 0.0000 or 0.0001."""
+    from zoo.finetune.sweep import format_table, summarize
+
+    spec = load_sweep(SWEEPS / "qqp-336m.yaml")
+    rows = [{"batch-size": 128, "lr": lr, "epochs": 12, "seed": seed, "score": score}
+            for lr, seed, score in [(5e-5, 1, 0.9), (5e-5, 2, 0.8), (1e-5, 1, 0.7)]]
+    lines = format_table(summarize(rows, spec), spec).splitlines()
+    assert lines[0] == "| batch-size | lr | epochs | seeds | finished | median best/dev/accuracy | min | max |"
+    assert lines[2:] == ["| 128 | 5e-05 | 12 | 2 | 2 | 0.8500 | 0.8000 | 0.9000 |",
+                         "| 128 | 1e-05 | 12 | 1 | 1 | 0.7000 | 0.7000 | 0.7000 |"]

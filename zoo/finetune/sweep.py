@@ -252,16 +252,19 @@ def summarize(rows: list[dict[str, Any]], spec: SweepSpec) -> list[dict[str, Any
 
 
 def format_table(summary: list[dict[str, Any]], spec: SweepSpec) -> str:
+    """The summary as a Markdown table: each setting's values as the sweep file gives them (an lr of 5e-05
+    stays 5e-05), the scores to 4 decimals."""
     keys = [k for k in spec.grid if k != SEED_KEY]
     header = keys + ["seeds", "finished", f"median {spec.metric}", "min", "max"]
 
-    def cell(value):
-        return "-" if value is None else f"{value:.4f}" if isinstance(value, float) else str(value)
+    def score(value):
+        return "-" if value is None else f"{value:.4f}"
 
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in summary:
-        values = [row[k] for k in keys] + [row["seeds"], row["finished"], row["median"], row["min"], row["max"]]
-        lines.append("| " + " | ".join(cell(v) for v in values) + " |")
+        values = [str(row[k]) for k in keys] + [str(row["seeds"]), str(row["finished"])]
+        values += [score(row[k]) for k in ("median", "min", "max")]
+        lines.append("| " + " | ".join(values) + " |")
     return "\n".join(lines)
 
 
