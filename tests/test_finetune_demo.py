@@ -48,8 +48,12 @@ def test_derived_pairs_are_balanced_labelled_by_source_and_the_splits_share_no_a
     dev_articles = {a for p in splits["dev"] for a in _articles_of(p.guid)}
     assert train_articles and dev_articles and not train_articles & dev_articles
     assert not sentences_of["train"] & sentences_of["dev"]
-    by_id = {str(a["id"]): a["text"] for a in articles}
-    assert all(p.text_a in " ".join(by_id[_articles_of(p.guid)[0]].split()) for p in splits["dev"])
+    by_id = {str(a["id"]): " ".join(a["text"].split()) for a in articles}
+    for pair in splits["train"] + splits["dev"]:
+        first, second = _articles_of(pair.guid)
+        assert pair.text_a in by_id[first] and pair.text_b in by_id[second]
+        if pair.label == 1:                          # "same" pairs are consecutive sentences of the article
+            assert f"{pair.text_a} {pair.text_b}" in by_id[first]
     assert derive_same_article(articles, num_pairs=SMALL) == splits                  # deterministic
     assert derive_same_article(articles, seed=1, num_pairs=SMALL) != splits         # drawn by the seed
 

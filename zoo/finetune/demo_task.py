@@ -13,8 +13,10 @@ Derivation (:func:`derive_same_article`), deterministic for a given corpus and `
   articles, the rest the train articles. The two splits share no article, so the dev pairs are sentences
   the model never trained on, from articles it never trained on.
 - Each split's pairs alternate labels, so both splits are balanced (``same`` and ``different`` equally
-  often; a majority-class guess scores 0.5): a ``same`` pair is two distinct sentences of one article, a
-  ``different`` pair one sentence each of two articles, the article(s) drawn uniformly. No pair repeats.
+  often; a majority-class guess scores 0.5): a ``same`` pair is two consecutive sentences of one paragraph
+  of an article (BERT's next-sentence positives), a ``different`` pair one sentence each of two articles
+  (its negatives, drawn from another article), the article(s) drawn uniformly. No pair repeats. A model can
+  tell the classes apart by topic and by the thread two consecutive sentences share.
 
 Layouts read by :func:`read_same_article` (``--data-dir``):
 
@@ -48,15 +50,23 @@ DATA_SEED = 0   # the pairs do not move with the training --seed: every run is s
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 
 
+def _kept(sentence: str) -> bool:
+    return MIN_WORDS <= len(sentence.split()) <= MAX_WORDS and sentence[-1:] in ".!?"
+
+
 def article_sentences(text: str) -> list[str]:
     """The sentences of one article's text with :data:`MIN_WORDS` to :data:`MAX_WORDS` words, in order."""
-    sentences = []
-    for paragraph in text.split("\n"):
-        for sentence in _SENTENCE_END.split(paragraph.strip()):
-            sentence = " ".join(sentence.split())
-            if MIN_WORDS <= len(sentence.split()) <= MAX_WORDS and sentence[-1:] in ".!?":
-                sentences.append(sentence)
-    return sentences
+    return [s for paragraph in _paragraph_sentences(text) for s in paragraph if _kept(s)]
+
+
+def consecutive_pairs(text: str) -> list[tuple[str, str]]:
+    """The pairs of consecutive sentences of one paragraph of ``text`` that are both kept."""
+    return [(a, b) for paragraph in _paragraph_sentences(text) for a, b in zip(paragraph, paragraph[1:])
+            if _kept(a) and _kept(b)]
+
+
+def _paragraph_sentences(text: str) -> list[list[str]]:
+    return [[" ".join(s.split()) for s in _SENTENCE_END.split(paragraph.strip())] for paragraph in text.split("\n")]
 
 
 def read_corpus(path: str | os.PathLike) -> list[dict]:
@@ -87,9 +97,12 @@ def split_articles(article_ids: Sequence[str], seed: int) -> tuple[list[str], li
     return ordered[num_dev:], ordered[:num_dev]
 
 
-def draw_pairs(sentences: dict[str, list[str]], num_pairs: int, split: str, seed: int) -> list[PairExample]:
-    """``num_pairs`` distinct pairs over the articles of ``sentences``, labels alternating different/same."""
+def draw_pairs(sentences: dict[str, list[str]], consecutive: dict[str, list[tuple[str, str]]], num_pairs: int,
+               split: str, seed: int) -> list[PairExample]:
+    """``num_pairs`` distinct pairs over the articles of ``sentences``, labels alternating different/same (a
+    "same" pair from ``consecutive``, the article's consecutive sentence pairs)."""
     ids = sorted(sentences)
+    with_pairs = sorted(i for i in ids if consecutive[i])
     rng = random.Random(f"{seed}-{split}")
     seen: set[tuple[str, str]] = set()
     pairs: list[PairExample] = []
@@ -101,8 +114,8 @@ def draw_pairs(sentences: dict[str, list[str]], num_pairs: int, split: str, seed
                              "pairs; pass a bigger corpus.")
         label = len(pairs) % 2
         if label == 1:
-            article = rng.choice(ids)
-            first, second = rng.sample(sentences[article], 2)
+            article = rng.choice(with_pairs)
+            first, second = rng.choice(consecutive[article])
             source = (article, article)
         else:
             source = tuple(rng.sample(ids, 2))
@@ -119,12 +132,13 @@ def derive_same_article(articles: Sequence[dict], seed: int = DATA_SEED,
                         num_pairs: dict[str, int] | None = None) -> dict[str, list[PairExample]]:
     """The "train" and "dev" pairs of the articles (see the module's docstring); the splits share no article."""
     num_pairs = num_pairs or NUM_PAIRS
-    sentences = {str(a["id"]): s for a in articles if len(s := article_sentences(a["text"])) >= 2}
-    if len(sentences) < 4:
-        raise ValueError(f"only {len(sentences)} article(s) have two or more sentences of {MIN_WORDS}-{MAX_WORDS} "
+    consecutive = {str(a["id"]): pairs for a in articles if (pairs := consecutive_pairs(a["text"]))}
+    if len(consecutive) < 4:
+        raise ValueError(f"only {len(consecutive)} article(s) have two consecutive sentences of {MIN_WORDS}-{MAX_WORDS} "
                          "words; pass a corpus with at least 4 such articles.")
-    train_ids, dev_ids = split_articles(list(sentences), seed)
-    return {split: draw_pairs({i: sentences[i] for i in ids}, num_pairs[split], split, seed)
+    sentences = {i: article_sentences(a["text"]) for a in articles if (i := str(a["id"])) in consecutive}
+    train_ids, dev_ids = split_articles(list(consecutive), seed)
+    return {split: draw_pairs({i: sentences[i] for i in ids}, consecutive, num_pairs[split], split, seed)
             for split, ids in (("train", train_ids), ("dev", dev_ids))}
 
 

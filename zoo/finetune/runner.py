@@ -232,10 +232,9 @@ def print_wandb_location() -> None:
     wandb = sys.modules.get("wandb")
     run = getattr(wandb, "run", None) if wandb is not None else None
     if run is not None:
-        run_dir = Path(run.dir).parent
-        offline = getattr(getattr(run, "settings", None), "mode", None) == "offline" or run_dir.name.startswith("offline-")
-        print(f"W&B run directory: {run_dir}" + (f" (offline; upload with `wandb sync {run_dir}`)" if offline else ""),
-              flush=True)
+        run_dir = Path(run.dir).parent   # run.dir is the run's files/ folder
+        print(f"W&B run directory: {run_dir}" + (f" (offline; upload with `wandb sync {run_dir}`)" if run.offline
+                                                 else ""), flush=True)
 
 
 def forward_with_loss(engine, inputs: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
