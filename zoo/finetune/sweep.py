@@ -355,14 +355,12 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
 
     overrides = overrides or SweepOverrides()
     spec = load_sweep(path)
-    overrides.check()
     if count is not None and count < 1:
         raise ValueError(f"--count {count} must be 1 or more (the number of grid points to run); leave it out to "
                          "run them all.")
     spec = apply_overrides(spec, overrides)
     if track_wandb:
         wandb_env = wandb_environment(spec, project, entity, path)
-        require_wandb()
     elif project is not None or entity is not None:
         flag = "--project" if project is not None else "--entity"
         raise ValueError(f"{flag} names a W&B {flag[2:]} but --no-wandb runs the grid untracked; drop one of them.")
@@ -372,6 +370,9 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     settings = spec.settings()[: count or None]
     saves = [out_dir / run_name(setting, spec) for setting in settings]
     check_output_directory(out_dir, saves, overwrite)
+    overrides.check()   # after the checks that cost nothing: a ds_config's check imports the model code
+    if track_wandb:
+        require_wandb()
     launcher = launcher or shlex.quote(sys.executable)
     shown_env = {**wandb_env, **(extra_env or {})}
     env = {**os.environ, **shown_env}
