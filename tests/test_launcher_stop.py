@@ -7,7 +7,12 @@
   within 30 s no process of the job is alive, every tag under checkpoints/ is complete and ``latest``
   names the checkpoint of the stop, which rank 0 announced as stopped by the launcher's exit;
 * through zoo's launcher (launch/run.py): SIGTERM to its whole process group; it returns 75 only after
-  every process of the job has exited, and ``latest`` names the stop's checkpoint.
+  every process of the job has exited, and ``latest`` names the stop's checkpoint;
+* zoo's launcher over a fake runner (a ``python -c`` script, no DeepSpeed): 75 only when the runner's
+  code agrees with the stop report; a process left behind by the job is killed after the grace, a rank
+  is waited for beyond it;
+* the training loop: a first SIGINT is a checkpointing stop, a second one KeyboardInterrupt; a stop
+  report that cannot be written is a warning.
 """
 
 from __future__ import annotations
@@ -19,6 +24,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import pytest
 
 from tests.test_preemption import SLOW_DRIVER, _launcher, _logged_iterations
 from tests.test_pretrain import NO_DROPOUT, corpus_prefix, ds_config  # noqa: F401
@@ -86,10 +93,13 @@ def test_a_watch_without_listener_ends_its_process_with_sigterm(tmp_path):
 
 
 def test_a_process_under_no_launcher_watches_nothing():
-    from zoo.launcher_watch import is_launcher, launcher_ancestors, watch_launchers
+    from zoo.launcher_watch import LAUNCHER_PID_VARIABLE, is_launcher
 
-    assert launcher_ancestors() == []                      # pytest's parent is a shell or a runner, no launcher
-    assert watch_launchers() is None
+    env = {key: value for key, value in os.environ.items() if key != LAUNCHER_PID_VARIABLE}
+    found = subprocess.run([sys.executable, "-c", "from zoo.launcher_watch import launcher_ancestors, "
+                            "watch_launchers; print(launcher_ancestors(), watch_launchers())"],
+                           env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
+    assert found.stdout.split() == ["[]", "None"], found.stderr   # its parent, pytest, is no launcher
     assert is_launcher(5, ["python", "-u", "-m", "deepspeed.launcher.launch", "--world_info=x"], None)
     assert is_launcher(5, ["/venv/bin/python", "/venv/bin/deepspeed", "--num_gpus", "2", "x.py"], None)
     assert is_launcher(5, ["python", "launch/run.py", "--num_gpus", "2"], None)
@@ -140,8 +150,11 @@ def _kill_group(proc: subprocess.Popen) -> None:
 
 
 def _complete_tags(checkpoints: Path) -> dict[str, bool]:
-    return {tag.name: all((tag / f"mp_rank_{r:02d}_model_states.pt").is_file() for r in range(2))
-            for tag in checkpoints.glob("iter_*")}
+    """Every tag directory under ``checkpoints``: whether it is a complete checkpoint (its save's marker)."""
+    from zoo.checkpoint.files import tags_in
+
+    complete = tags_in(checkpoints)
+    return {tag.name: tag.name in complete for tag in checkpoints.glob("iter_*")}
 
 
 def test_killing_the_deepspeed_runner_stops_every_rank(corpus_prefix, tmp_path):  # noqa: F811
@@ -197,3 +210,101 @@ def test_zoo_launcher_returns_75_after_every_rank_stopped_on_sigterm(corpus_pref
     assert (run / "checkpoints" / "latest").read_text() == f"iter_{reached:07d}"
     assert _complete_tags(run / "checkpoints") == {f"iter_{reached:07d}": True}
     assert f"stopped by signal SIGTERM after iteration {reached}" in err.read_text(), err.read_text()[-3000:]
+
+
+# ------------------------------------------------------------------------ zoo's launcher, fake runners
+
+LAUNCHER = """
+import sys
+from zoo.launcher import run
+print("code", run([], runner_command=[sys.executable, "-c", sys.argv[1]], orphan_grace_s=float(sys.argv[2])),
+      flush=True)
+"""
+REPORT = ("import json, os, signal, sys\n"
+          "open(os.environ['ZOO_STOP_REPORT'], 'w').write(json.dumps({'stopped_by': 'signal SIGTERM', "
+          "'iteration': 7}))\n")
+
+
+def _fake_job(runner: str, grace_s: float, timeout_s: float = 30) -> tuple[int, str, str]:
+    """zoo's launcher (in a fresh process: it becomes a subreaper) over ``runner``: its result, stdout
+    and stderr. Whatever the job leaves is killed afterwards."""
+    import psutil
+
+    proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, runner, str(grace_s)], cwd=REPO, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+    finally:
+        for left in psutil.Process(proc.pid).children(recursive=True) if psutil.pid_exists(proc.pid) else []:
+            left.kill()
+        _kill_group(proc)
+        proc.wait()
+    codes = [line.split()[1] for line in out.splitlines() if line.startswith("code ")]
+    assert codes, (out, err)
+    return int(codes[0]), out, err
+
+
+def test_zoo_launcher_returns_75_only_when_the_runners_code_agrees_with_the_report():
+    assert _fake_job(REPORT + "sys.exit(0)", 5)[0] == STOPPED_AND_CHECKPOINTED
+    assert _fake_job(REPORT + "os.kill(os.getpid(), signal.SIGTERM)", 5)[0] == STOPPED_AND_CHECKPOINTED
+    code, _, err = _fake_job(REPORT + "sys.exit(1)", 5)    # a rank failed after the report
+    assert code == 1, err
+    assert ("zoo launcher: the run saved a checkpoint after iteration 7 when stopped by signal SIGTERM, "
+            "but then failed; exit code 1 (DeepSpeed's runner's)") in err
+    assert _fake_job("import sys; sys.exit(3)", 5)[0] == 3
+
+
+def test_zoo_launcher_kills_what_outlives_the_job_after_the_grace():
+    import psutil
+
+    runner = "import subprocess; print(subprocess.Popen(['sleep', '1000']).pid, flush=True)"
+    code, out, err = _fake_job(runner, 1)
+    orphan = int(out.split()[0])
+    assert code == 0, err
+    assert not psutil.pid_exists(orphan) or psutil.Process(orphan).status() == psutil.STATUS_ZOMBIE
+    assert (f"zoo launcher: killed 1 process(es) of the job still running 1 s after its last rank exited: "
+            f"pid {orphan} (sleep 1000)") in err
+
+
+def test_zoo_launcher_waits_for_a_rank_beyond_the_grace():
+    rank = REPORT.replace("import json", "import time, json").replace("open(", "time.sleep(3.5); open(", 1)
+    per_node = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
+                "time.sleep(1.5)")             # it exits first: its rank is orphaned, still writing
+    runner = (f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {per_node!r}, {rank!r}, "
+              f"'deepspeed.launcher.launch'])")
+    code, _, err = _fake_job(runner, 0.5)
+    assert code == STOPPED_AND_CHECKPOINTED, err
+    assert "killed" not in err
+
+
+# --------------------------------------------------------------------------------- the training loop
+
+def test_a_first_sigint_stops_the_loop_cleanly_and_a_second_interrupts():
+    from zoo.training.loop import StopConditions
+
+    stop = StopConditions()
+    stop.install()
+    try:
+        try:
+            signal.raise_signal(signal.SIGINT)
+        except KeyboardInterrupt:
+            pytest.fail("a first SIGINT interrupted the loop instead of stopping it with a checkpoint")
+        assert stop.received == ["signal SIGINT"]
+        with pytest.raises(KeyboardInterrupt):
+            signal.raise_signal(signal.SIGINT)
+    finally:
+        stop.uninstall()
+
+
+def test_a_stop_report_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, capsys):
+    from zoo.training.loop import LoopPlugins, LoopState, StopConditions, TrainingLoop
+
+    saved = []
+    plugins = LoopPlugins(total_iterations=10, samples_per_iteration=1, log_interval=1, micro_batches=None,
+                          forward=None, log=None, save=saved.append)
+    monkeypatch.setenv("ZOO_STOP_REPORT", str(tmp_path / "missing" / "stop.json"))
+    state = LoopState(iteration=5, stopped_by="signal SIGTERM")
+    TrainingLoop(None, None, plugins, StopConditions(), is_writer=True).maybe_save(state)
+    assert saved == [state]
+    assert ("warning: the checkpoint of iteration 5 is saved, but the stop report for zoo's launcher could not "
+            "be written") in capsys.readouterr().err

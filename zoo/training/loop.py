@@ -188,7 +188,8 @@ class StopConditions:
       one iteration);
     * ``signals``: SIGTERM and SIGUSR1 (what SLURM and Kubernetes send before killing a job, and
       DeepSpeed's launcher forwards to every rank) only set a flag here; the loop stops at the next
-      iteration boundary;
+      iteration boundary. So does a first SIGINT (Ctrl-C reaches every process of the foreground group);
+      a second SIGINT raises KeyboardInterrupt, the immediate stop without checkpoint;
     * the launcher's exit (:mod:`zoo.launcher_watch`: the ``deepspeed`` runner or the per-node launcher
       killed, even with SIGKILL) is the same stop, for the reason "the exit of the launcher (pid N, ...)".
 
@@ -209,7 +210,7 @@ class StopConditions:
     group: Any = None
     _previous_handlers: dict[int, Any] = field(default_factory=dict)
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def install(self) -> None:
         from zoo.launcher_watch import current_watch
@@ -233,7 +234,10 @@ class StopConditions:
         self._previous_handlers.clear()
 
     def _on_signal(self, signum, frame) -> None:
-        self.received.append(f"signal {signal.Signals(signum).name}")
+        reason = f"signal {signal.Signals(signum).name}"
+        if signum == signal.SIGINT and reason in self.received:
+            raise KeyboardInterrupt
+        self.received.append(reason)
 
     def out_of_time(self) -> bool:
         if self.exit_duration_minutes is None:
@@ -316,7 +320,12 @@ class TrainingLoop:
             if self.stop is not None:
                 self.stop.last_save_s = time.perf_counter() - start
             if state.stopped_by is not None and self.is_writer and self.plugins.save is not _nothing:
-                report_stop(state.stopped_by, state.iteration)
+                try:
+                    report_stop(state.stopped_by, state.iteration)
+                except OSError as err:       # the checkpoint is saved; only the launcher's report is missing
+                    print(f"warning: the checkpoint of iteration {state.iteration} is saved, but the stop report "
+                          f"for zoo's launcher could not be written ({err}); the launcher returns the runner's "
+                          f"exit code instead of 75", file=sys.stderr, flush=True)
 
     def check_stop(self, state: LoopState) -> None:
         if self.stop is not None and state.iteration < self.plugins.total_iterations:
