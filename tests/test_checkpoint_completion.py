@@ -8,8 +8,10 @@ written once per module; each test copies it. Claims:
   tag and says which; export refuses the incomplete tag in one sentence;
 * a checkpoint directory written by a zoo without completion markers still loads through ``latest``
   (resume and export);
-* a full disk (ENOSPC from torch.save on rank 1) during a save ends every rank with the same one
-  sentence naming the directory and the bytes needed, removes the partial tag and leaves ``latest``.
+* a failed write on rank 1 during a save (torch's own RuntimeError under a file size limit, or ENOSPC)
+  ends every rank with the same one sentence naming the directory (and for a full disk the bytes
+  needed), removes the partial tag and leaves ``latest``; torch's write errors without an errno are read
+  as a full disk by their strerror or by the free space; a failed re-save says the tag is left incomplete.
 """
 
 from __future__ import annotations
@@ -133,18 +135,32 @@ def test_export_refuses_an_incomplete_tag(real_run, tmp_path):
     assert export_checkpoint(run, tmp_path / "hf", tag="iter_0000001").tag_dir.name == "iter_0000001"
 
 
-def _disk_full_on_second_save(rank, world_size, data_path, run):
+def _failing_write_on_second_save(rank, world_size, data_path, run, failure):
+    """pretrain with rank 1's write of iter_0000002 failing: ``"file size limit"`` runs torch.save under
+    RLIMIT_FSIZE (torch's own error for a write that stops short), ``"ENOSPC"`` writes the file then raises
+    the OSError a full disk gives; the ValueError's sentence or None."""
+    import resource
+    import signal
+
     import torch
 
     from zoo.training.pretrain import pretrain
 
     real_save = torch.save
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)   # the failed write returns EFBIG instead of killing the rank
 
     def save(obj, path, *args, **kwargs):
-        if rank == 1 and "iter_0000002" in str(path):
+        if rank != 1 or "iter_0000002" not in str(path):
+            return real_save(obj, path, *args, **kwargs)
+        if failure == "ENOSPC":
             real_save(obj, path, *args, **kwargs)   # a partial file first, as a write that ran out of space
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
-        return real_save(obj, path, *args, **kwargs)
+        soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (4096, hard))
+        try:
+            return real_save(obj, path, *args, **kwargs)
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
 
     torch.save = save
     try:
@@ -156,17 +172,57 @@ def _disk_full_on_second_save(rank, world_size, data_path, run):
     return None
 
 
-def test_disk_full_during_a_save_is_one_sentence_on_every_rank(real_run, tmp_path):
+@pytest.mark.parametrize("failure", ["ENOSPC", "file size limit"])
+def test_a_failed_write_during_a_save_is_one_sentence_on_every_rank(real_run, tmp_path, failure):
     run = tmp_path / "run"
-    messages = spawn(_disk_full_on_second_save, 2, real_run[1], str(run))
+    messages = spawn(_failing_write_on_second_save, 2, real_run[1], str(run), failure)
     assert messages[0] == messages[1] and messages[0] is not None, messages
     message = messages[0]
-    assert message.startswith(f"checkpoint iter_0000002 could not be saved in {run / 'checkpoints'}: the disk is full "
-                              f"writing {run / 'checkpoints' / 'iter_0000002' / 'mp_rank_01_model_states.pt'} (about "), \
-        message
-    assert " MB needed for it, " in message and "the partial checkpoint was removed and 'latest' still names iter_0000001, " in message
-    assert "\n" not in message and message.endswith(".")
+    written = run / "checkpoints" / "iter_0000002" / "mp_rank_01_model_states.pt"
+    if failure == "ENOSPC":
+        assert message.startswith(f"checkpoint iter_0000002 could not be saved in {run / 'checkpoints'}: the disk is "
+                                  f"full writing {written} (about "), message
+        assert " MB needed for it, " in message and " MB free); " in message
+    else:   # torch's zip writer: "[enforce fail at inline_container.cc:...] . unexpected pos N vs M"
+        assert message.startswith(f"checkpoint iter_0000002 could not be saved in {run / 'checkpoints'}: writing "
+                                  f"{written} failed (unexpected pos "), message
+        assert "inline_container" not in message
+    assert "; the partial checkpoint was removed and 'latest' still names iter_0000001; " in message, message
+    assert "\n" not in message and message.endswith(", then resume with --load.")
     checkpoints = run / "checkpoints"
     assert sorted(p.name for p in checkpoints.iterdir()) == ["iter_0000001", "latest"]
     assert (checkpoints / "latest").read_text() == "iter_0000001"
     assert (checkpoints / "iter_0000001" / COMPLETE).is_file()
+
+
+def _failure(tmp_path, err, needed=None, free=None, resaved=False):
+    from zoo.checkpoint.save import WriteFailure, write_failure_sentence
+
+    (tmp_path / "latest").write_text("iter_0000001")
+    return write_failure_sentence(tmp_path, "iter_0000002", WriteFailure(str(tmp_path / "f.pt"), err, needed, free,
+                                                                         resaved))
+
+
+def test_torch_write_errors_are_read_as_a_full_disk_by_their_text_or_the_free_space(tmp_path):
+    """torch's texts as observed (torch 2.13): its legacy writer names the strerror, its zip writer does not,
+    so there the free space right after the failure decides."""
+    full = f"could not be saved in {tmp_path}: the disk is full writing {tmp_path / 'f.pt'} "
+    legacy = RuntimeError("write(): fd 7 failed with No space left on device")
+    assert full + "(about 2.0 MB needed for it, 50.0 MB free); " in _failure(tmp_path, legacy, 2_000_000, 50_000_000)
+    quota = RuntimeError("write(): fd 7 failed with Disk quota exceeded")
+    assert ": the disk quota is exhausted writing " in _failure(tmp_path, quota, 2_000_000, 50_000_000)
+    for text in ("[enforce fail at inline_container.cc:672] . file write failed",
+                 "[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598"):
+        assert full + "(about 2.0 MB needed for it, 0.0 MB free); " in _failure(tmp_path, RuntimeError(text),
+                                                                                 2_000_000, 0)
+        roomy = _failure(tmp_path, RuntimeError(text), 2_000, 50_000_000)
+        assert f"writing {tmp_path / 'f.pt'} failed ({text.split('. ', 1)[1]}); " in roomy, roomy
+    too_large = _failure(tmp_path, RuntimeError("write(): fd 3 failed with File too large"), 2_000, 50_000_000)
+    assert "failed (write(): fd 3 failed with File too large); the partial checkpoint was removed" in too_large
+
+
+def test_a_failed_resave_of_an_existing_tag_says_the_tag_is_left_incomplete(tmp_path):
+    message = _failure(tmp_path, OSError(errno.ENOSPC, "No space left on device"), 2_000_000, 0, resaved=True)
+    assert ("; iter_0000002 existed before, is now incomplete and will not be resumed (its completion marker was "
+            "removed, and so were the files this save added), and 'latest' still names iter_0000001; ") in message
+    assert "partial checkpoint was removed" not in message
