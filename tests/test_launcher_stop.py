@@ -247,6 +247,7 @@ def _fake_job(runner: str, grace_s: float, timeout_s: float = 30) -> tuple[int, 
 def test_zoo_launcher_returns_75_only_when_the_runners_code_agrees_with_the_report():
     assert _fake_job(REPORT + "sys.exit(0)", 5)[0] == STOPPED_AND_CHECKPOINTED
     assert _fake_job(REPORT + "os.kill(os.getpid(), signal.SIGTERM)", 5)[0] == STOPPED_AND_CHECKPOINTED
+    assert _fake_job(REPORT + "raise KeyboardInterrupt", 5)[0] == STOPPED_AND_CHECKPOINTED   # Ctrl-C
     code, _, err = _fake_job(REPORT + "sys.exit(1)", 5)    # a rank failed after the report
     assert code == 1, err
     assert ("zoo launcher: the run saved a checkpoint after iteration 7 when stopped by signal SIGTERM, "

@@ -23,7 +23,7 @@ needs:
     iteration (a signal, its launcher's exit, ``--exit-interval``, ``--exit-duration-in-mins``) and
     ``latest`` names the checkpoint of that stop: resubmit with ``--load`` the same run directory. Only
     when the runner's code agrees (:func:`stopped_cleanly`): 0, or death by the signal sent to the
-    group, or the KeyboardInterrupt of a Ctrl-C; a rank that fails after the report was written (the
+    group (SIGTERM, or the SIGINT of a Ctrl-C); a rank that fails after the report was written (the
     final barrier, teardown) gets its failure code, with a line saying the checkpoint is there;
   - otherwise the runner's own code (0 when the run finished; DeepSpeed's code of a failed rank, 2 for a
     user error; 128 + N when the runner itself was killed by signal N).
@@ -190,16 +190,11 @@ def run(argv: list[str], runner_command: Sequence[str] = RUNNER_COMMAND,
     (``deepspeed``'s arguments), wait for every process of the job and return the exit code documented
     in the module."""
     become_subreaper()
-    received: list[int] = []
-
-    def on_signal(signum, frame) -> None:
-        received.append(signum)
-        forward_to_ranks(signum)
-
     with tempfile.TemporaryDirectory(prefix="zoo-launcher-") as scratch:
         report = Path(scratch) / "stop.json"
         env = dict(os.environ, **{STOP_REPORT_VARIABLE: str(report), LAUNCHER_PID_VARIABLE: str(os.getpid())})
-        previous = {signum: signal.signal(signum, on_signal) for signum in FORWARDED}
+        previous = {signum: signal.signal(signum, lambda signum, frame: forward_to_ranks(signum))
+                    for signum in FORWARDED}
         try:
             runner = subprocess.Popen([*runner_command, *argv], env=env)
             runner_code = wait_for_job(runner, orphan_grace_s)
@@ -207,7 +202,7 @@ def run(argv: list[str], runner_command: Sequence[str] = RUNNER_COMMAND,
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
         stopped = read_stop_report(report)
-    if stopped is not None and stopped_cleanly(runner_code, signal.SIGINT in received):
+    if stopped is not None and stopped_cleanly(runner_code):
         print(f"zoo launcher: the run stopped by {stopped['stopped_by']} after iteration {stopped['iteration']} "
               f"with a checkpoint; exit code {STOPPED_AND_CHECKPOINTED}", file=sys.stderr, flush=True)
         return STOPPED_AND_CHECKPOINTED
@@ -218,12 +213,12 @@ def run(argv: list[str], runner_command: Sequence[str] = RUNNER_COMMAND,
     return runner_code
 
 
-def stopped_cleanly(runner_code: int, interrupted: bool) -> bool:
+def stopped_cleanly(runner_code: int) -> bool:
     """Whether the job ended as its stop report says, given the runner's exit code: 0 (every rank
-    exited 0), negative (the runner itself was killed by the signal sent to the whole group), or 1 after
-    a SIGINT to this process (Ctrl-C reached the whole foreground group: DeepSpeed's runner ends by
-    KeyboardInterrupt). Any other code is a rank that failed after the report was written."""
-    return runner_code <= 0 or (interrupted and runner_code == 1)
+    exited 0), or negative: the runner itself died by the signal sent to the whole group (SIGTERM; or
+    SIGINT, of which Python re-raises an unhandled KeyboardInterrupt). A positive code is a rank that
+    failed after the report was written (the final barrier, teardown)."""
+    return runner_code <= 0
 
 
 def main(argv: list[str] | None = None) -> None:
