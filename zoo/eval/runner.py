@@ -138,14 +138,19 @@ def transformers_directory(load: str) -> str:
 
 def export_cache_key(tag_dir: Path) -> str:
     """A name for the export of ``tag_dir`` that changes whenever its content may have: a hash of the tag's
-    resolved path and of the name, size and modification time (ns) of every file in it."""
+    resolved path and of the name, size, inode, modification time and status-change time (ns) of every
+    file in it. The modification time alone is not enough: copy tools restore it (``cp -p``, ``rsync -a``,
+    ``os.utime``) and some filesystems keep it coarse. The status-change time cannot be set by any copy
+    tool and moves on every write (a file replaced by a new one also has a new inode), so a rewritten file
+    always gives a new key; a chmod or a new hard link gives one too, which costs only a fresh export."""
     import hashlib
 
     digest = hashlib.sha256(str(tag_dir.resolve()).encode())
     for path in sorted(tag_dir.iterdir()):
         if path.is_file():
             info = path.stat()
-            digest.update(f"\0{path.name}:{info.st_size}:{info.st_mtime_ns}".encode())
+            digest.update(f"\0{path.name}:{info.st_size}:{info.st_ino}:{info.st_mtime_ns}:{info.st_ctime_ns}"
+                          .encode())
     return digest.hexdigest()[:24]
 
 
