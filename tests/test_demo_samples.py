@@ -41,7 +41,7 @@ def test_end_of_run_samples_are_printed_per_prompt_reproducibly_and_only_when_as
     text), identical over two runs with the same seed; rank 1 prints none; no prompts, no samples."""
     (first, again, none), (rank1_first, _, _) = spawn(_samples_worker, 2, corpus_prefix, str(tmp_path))
     block = sample_block(first)
-    assert block and block[0] == "samples (temperature 0.8, top-k 40, 40 new tokens, seed 1234):", first
+    assert block and block[0] == "samples (temperature 0.9, top-p 0.95, 40 new tokens, seed 1234):", first
     for prompt, line in zip(PROMPTS, block[1:]):
         assert line.startswith(f"  {prompt}") and len(line.strip()) > len(prompt) + 5, block
     assert sample_block(again) == block

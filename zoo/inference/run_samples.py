@@ -5,9 +5,10 @@ The pretraining loop (``zoo.training``) sits beside this package, not above it, 
 the run's ``sample_prompts``; the writer prints the lines.
 
 The settings are fixed, so the printed text depends only on the weights, the prompts and the seed:
-temperature 0.8 and top-k 40 (greedy decoding of a small, briefly trained model repeats its most
-frequent words), :data:`SAMPLE_NEW_TOKENS` new tokens, each prompt's stream seeded by (seed, its
-index) as in :mod:`zoo.inference.generate`, so two runs with the same seed print the same text.
+:data:`SAMPLE_NEW_TOKENS` new tokens at temperature 0.9 with nucleus (top-p) 0.95, each prompt's
+stream seeded by (seed, its index) as in :mod:`zoo.inference.generate`, so two runs with the same
+seed print the same text. Greedy decoding, or a top-k of a few dozen, of a small, briefly trained
+model repeats its most frequent word ("the the the"); the nucleus keeps the corpus's rarer words.
 """
 
 from __future__ import annotations
@@ -18,13 +19,13 @@ from zoo.data.tokenizers import load_gpt2_tokenizer
 from zoo.inference.generate import GenerationConfig, generate_text
 
 SAMPLE_NEW_TOKENS = 40
-SAMPLE_TEMPERATURE = 0.8
-SAMPLE_TOP_K = 40
+SAMPLE_TEMPERATURE = 0.9
+SAMPLE_TOP_P = 0.95
 
 
 def sample_settings(seed: int) -> GenerationConfig:
-    """The decoding of the end-of-run samples: temperature 0.8, top-k 40, 40 new tokens, ``seed``."""
-    return GenerationConfig(max_new_tokens=SAMPLE_NEW_TOKENS, temperature=SAMPLE_TEMPERATURE, top_k=SAMPLE_TOP_K,
+    """The decoding of the end-of-run samples: temperature 0.9, top-p 0.95, 40 new tokens, ``seed``."""
+    return GenerationConfig(max_new_tokens=SAMPLE_NEW_TOKENS, temperature=SAMPLE_TEMPERATURE, top_p=SAMPLE_TOP_P,
                             seed=seed)
 
 
@@ -36,7 +37,7 @@ def sample_lines(model, prompts: Sequence[str], seed: int, parallel) -> list[str
     returns the same lines). The model is in eval mode for the call and restored afterwards."""
     settings = sample_settings(seed)
     completions = generate_text(model, load_gpt2_tokenizer(), list(prompts), settings, parallel)
-    header = (f"samples (temperature {settings.temperature:g}, top-k {settings.top_k}, "
+    header = (f"samples (temperature {settings.temperature:g}, top-p {settings.top_p:g}, "
               f"{settings.max_new_tokens} new tokens, seed {seed}):")
     # newlines shown as spaces: each prompt's sample is one printed line
     return [header] + [f"  {done.prompt}{done.completion}".replace("\n", " ") for done in completions]
