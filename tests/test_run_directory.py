@@ -7,7 +7,9 @@
    metrics.jsonl is dropped on resume with a warning; a corrupt line before it is one sentence with its
    line number (nothing touched); a full disk during a metrics append is one sentence on every rank;
    ``--overwrite`` replaces the earlier run;
-3. pure checks: the lock where flock is refused (exclusive file, stale holders taken over), a killed
+3. directory-level claims: a run that does not continue ``--save`` (no ``--load``, or ``--load`` of another run)
+   is refused over checkpoints there, marker-less tags included; a failing W&B never stops training;
+4. pure checks: the lock where flock is refused (exclusive file, stale holders taken over), a killed
    holder's lock vanishing, the finetuning runner's refusal, metrics reading with torn and corrupt lines.
 """
 
@@ -190,7 +192,7 @@ def test_fresh_runs_torn_and_corrupt_metrics_and_a_full_disk(corpus_prefix, tmp_
     # a fresh run over the checkpoints: one sentence on both ranks, nothing changed
     assert zero["fresh"][:2] == one["fresh"][:2], (zero["fresh"], one["fresh"])
     assert zero["fresh"][:2] == ("ValueError", f"--save {run} already holds the checkpoints of an earlier run (latest "
-                                 "iter_0000002) and this run would start from iteration 0 over them; use --load "
+                                 "iter_0000002), which this run's saves would overwrite; use --load "
                                  f"{run} to resume, or another --save, or --overwrite to replace them.")
     assert zero["fresh_unchanged"]
 
@@ -221,6 +223,88 @@ def test_fresh_runs_torn_and_corrupt_metrics_and_a_full_disk(corpus_prefix, tmp_
     assert [e["iteration"] for e in read_metrics(run)] == [1]
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["iter_0000001", "latest"]
     assert not (run / ".zoo.lock").exists()
+
+
+# ----------------------------------------------------------------------------- whose checkpoints these are
+def _checkpoint_tag(run: Path, tag: str, marked: bool) -> None:
+    """A tag directory as a save leaves it: a model-states file, and the completion marker when it finished."""
+    from zoo.checkpoint.files import COMPLETE_MARKER, completion_record
+
+    tag_dir = run / "checkpoints" / tag
+    tag_dir.mkdir(parents=True)
+    (tag_dir / "mp_rank_00_model_states.pt").write_bytes(b"states")
+    if marked:
+        (tag_dir / COMPLETE_MARKER).write_text(json.dumps(completion_record(tag_dir)))
+
+
+def _refusal(run: Path, listed: str) -> str:
+    return (f"--save {run} already holds the checkpoints of an earlier run ({listed}), which this run's saves would "
+            f"overwrite; use --load {run} to resume, or another --save, or --overwrite to replace them.")
+
+
+def test_a_run_loading_another_directory_is_refused_over_checkpoints_it_would_overwrite(corpus_prefix, tmp_path,
+                                                                                        capsys):
+    """--load OTHER --save X, X holding another run's checkpoints and no metrics.jsonl: refused, X untouched;
+    --load naming X itself (the run directory or its checkpoints/, through any path) continues it;
+    --overwrite replaces X's checkpoints."""
+    from zoo.training.pretrain import continues_save_directory
+    from zoo.training.run_directory import claim_pretraining_directory
+
+    run = tmp_path / "run"
+    _checkpoint_tag(run, "iter_0000002", marked=True)
+    (run / "checkpoints" / "latest").write_text("iter_0000002")
+    before = snapshot(run)
+    with pytest.raises(ValueError) as refused:   # --load OTHER holding a checkpoint: the run starts past 0
+        claim_pretraining_directory(run, starts_at_zero=False, resuming=False, overwrite=False)
+    assert str(refused.value) == _refusal(run, "latest iter_0000002")
+    assert snapshot(run) == before
+
+    (tmp_path / "alias").symlink_to(run)
+    for load in (run, run / "checkpoints", tmp_path / "alias" / "checkpoints", tmp_path / "alias" / ".." / "run"):
+        assert continues_save_directory(run_config(corpus_prefix, str(run), 1, 1, 1, 1, load=str(load))), load
+    assert not continues_save_directory(run_config(corpus_prefix, str(run), 1, 1, 1, 1, load=str(tmp_path / "other")))
+    with claim_pretraining_directory(run, starts_at_zero=False, resuming=True, overwrite=False):
+        assert (run / "checkpoints" / "latest").is_file()
+
+    with claim_pretraining_directory(run, starts_at_zero=False, resuming=False, overwrite=True):
+        assert not (run / "checkpoints").exists()
+    assert f"--overwrite: removed the earlier run's checkpoints (latest iter_0000002) from {run}" in capsys.readouterr().out
+
+
+def test_tags_without_a_completion_marker_are_an_earlier_runs_checkpoints(tmp_path):
+    """Marker-less tags and no ``latest`` (a zoo that wrote no markers, or a first save cut short): a fresh run
+    is refused over them; the same directory resumed with --load X (it starts from iteration 0) is not."""
+    from zoo.training.run_directory import claim_pretraining_directory
+
+    run = tmp_path / "run"
+    for tag in ("iter_0000002", "iter_0000004"):
+        _checkpoint_tag(run, tag, marked=False)
+    before = snapshot(run)
+    with pytest.raises(ValueError) as refused:
+        claim_pretraining_directory(run, starts_at_zero=True, resuming=False, overwrite=False)
+    assert str(refused.value) == _refusal(run, "tags iter_0000002, iter_0000004")
+    assert snapshot(run) == before
+
+    with claim_pretraining_directory(run, starts_at_zero=True, resuming=True, overwrite=False):
+        assert (run / "checkpoints" / "iter_0000004" / "mp_rank_00_model_states.pt").is_file()
+
+
+def test_a_failing_wandb_warns_once_and_training_goes_on(tmp_path, capsys):
+    from zoo.training.metrics import MetricsLogger, read_metrics
+
+    class BrokenRun:
+        def log(self, values, step=None):
+            raise ConnectionError("wandb backend gone")
+
+    logger = MetricsLogger(tmp_path, is_writer=True)
+    logger._wandb = BrokenRun()
+    logger.log({"iteration": 1, "loss": 2.0})
+    logger.log({"iteration": 2, "loss": 1.0})
+    logger.summary({"best": 1.0})
+    logger.close()
+    assert [e["iteration"] for e in read_metrics(tmp_path)] == [1, 2]
+    assert capsys.readouterr().err == ("warning: W&B tracking stopped (ConnectionError: wandb backend gone); the run "
+                                       f"goes on, its events are still in {tmp_path / 'metrics.jsonl'}.\n")
 
 
 # ----------------------------------------------------------------------------- the lock itself

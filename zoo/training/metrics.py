@@ -11,6 +11,7 @@ import json
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -70,8 +71,19 @@ class MetricsLogger:
 
         raise_on_any_rank(lambda: self._append(event) if self.is_writer else None, self.group)
         if self.is_writer and self._wandb is not None:
-            self._wandb.log({k: v for k, v in event.items() if isinstance(v, (int, float))},
-                            step=event.get("iteration"))
+            numbers = {k: v for k, v in event.items() if isinstance(v, (int, float))}
+            self._call_wandb(lambda run: run.log(numbers, step=event.get("iteration")))
+
+    def _call_wandb(self, call: Callable[[Any], None]) -> None:
+        """``call(the W&B run)``, after the ranks agreed on the metrics write, on the writer alone: so that
+        W&B never stops training nor leaves the other ranks waiting, a failure ends this run's tracking
+        with one warning (later events still go to ``metrics.jsonl``)."""
+        try:
+            call(self._wandb)
+        except Exception as err:  # noqa: BLE001 - tracking must never stop training
+            self._wandb = None
+            print(f"warning: W&B tracking stopped ({type(err).__name__}: {err}); the run goes on, its events "
+                  f"are still in {self.path}.", file=sys.stderr, flush=True)
 
     def _append(self, event: dict[str, Any]) -> None:
         line = json.dumps(event) + "\n"
@@ -93,12 +105,11 @@ class MetricsLogger:
     def summary(self, values: dict[str, Any]) -> None:
         """Final values of the run (W&B's run summary, e.g. the best score); no-op without W&B."""
         if self._wandb is not None:
-            for key, value in values.items():
-                self._wandb.summary[key] = value
+            self._call_wandb(lambda run: run.summary.update(values))
 
     def close(self) -> None:
         if self._wandb is not None:
-            self._wandb.finish()
+            self._call_wandb(lambda run: run.finish())
 
 
 def _start_wandb(project: str, config: dict[str, Any] | None, run_dir: Path):

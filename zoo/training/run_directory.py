@@ -32,11 +32,11 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from zoo.atomic import check_writable_directory, default_file_mode
+from zoo.training.metrics import METRICS_FILE
 
 __all__ = ["LOCK_FILE", "Holder", "RunDirectoryLock", "claim_pretraining_directory", "claim_finetuning_directory"]
 
 LOCK_FILE = ".zoo.lock"
-METRICS_FILE = "metrics.jsonl"
 FLOCK_UNSUPPORTED = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP, errno.ENOSYS, errno.EINVAL}
 HOLDER_WRITE_WAIT_S = 1.0   # how long a refused run waits for a new holder to write its line into the file
 
@@ -272,36 +272,42 @@ class RunDirectoryLock:
 # ------------------------------------------------------------------------------------- what is owned
 
 def checkpoint_summary(run_dir: Path) -> str | None:
-    """"latest iter_0000004" / "tags iter_0000002, iter_0000004" when ``run_dir`` holds DeepSpeed checkpoints
-    (a ``latest`` file or a tag under ``checkpoints/``), None otherwise."""
-    from zoo.checkpoint.files import CHECKPOINT_SUBDIR, tags_in
+    """"latest iter_0000004" / "tags iter_0000002, iter_0000004" when ``run_dir`` holds DeepSpeed checkpoints,
+    complete or not (a ``latest`` file, or a tag under ``checkpoints/`` with a model-states file), None
+    otherwise. A tag without a completion marker (a save that did not finish, or one written by a zoo that
+    wrote no markers) is still an earlier run's file, so it counts here though no reader would load it."""
+    from zoo.checkpoint.files import CHECKPOINT_SUBDIR, LATEST_FILE, tags_with_model_states
 
     root = run_dir / CHECKPOINT_SUBDIR
-    latest = root / "latest"
+    latest = root / LATEST_FILE
     if latest.is_file():
         try:
             return f"latest {latest.read_text().strip() or '(empty)'}"
         except (OSError, UnicodeDecodeError):
             return "a latest file"
-    tags = tags_in(root)
+    tags = tags_with_model_states(root)
     if tags:
         return "tags " + ", ".join(tags[:3]) + (", ..." if len(tags) > 3 else "")
     return None
 
 
-def claim_pretraining_directory(run_dir: str | os.PathLike, starts_at_zero: bool, resuming: bool,
-                                overwrite: bool) -> RunDirectoryLock:
+def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, overwrite: bool,
+                                starts_at_zero: bool | None = None) -> RunDirectoryLock:
     """Lock ``--save`` for a pretraining run (writer rank only), after these read-only checks:
 
-    * a run that starts at iteration 0 (``starts_at_zero``: no ``--load``, or a ``--load`` without a
-      checkpoint) into a directory holding checkpoints is refused unless ``overwrite``;
-    * a run without ``--load`` (not ``resuming``) into a directory holding a ``metrics.jsonl`` is refused
-      unless ``overwrite`` (it is another run's history);
+    * a run that does not continue this directory (not ``resuming``: no ``--load``, or a ``--load`` naming
+      another run) into a directory holding checkpoints, complete or not (:func:`checkpoint_summary`), is
+      refused unless ``overwrite``: its saves would write over that run's tags. A run that continues the
+      directory (``--load`` names it) is never refused for its checkpoints: it resumes from the newest
+      complete one, or starts from iteration 0 over tags whose save did not finish;
+    * a run that does not continue this directory, into one holding a ``metrics.jsonl``, is refused unless
+      ``overwrite`` (it is another run's history);
     * a resumed run's ``metrics.jsonl`` must read line by line: a corrupt line before the last one is a
       sentence naming the file and the line (a torn last line is dropped later, with a warning).
 
-    With ``overwrite``, the earlier run's ``checkpoints/`` and ``metrics.jsonl`` are removed once the lock is
-    held, said in one line. Returns the held lock."""
+    ``starts_at_zero`` does not enter these checks (callers may pass it). With ``overwrite``, the earlier
+    run's ``checkpoints/`` and ``metrics.jsonl`` are removed once the lock is held, said in one line; a
+    resumed run keeps them. Returns the held lock."""
     from zoo.checkpoint.files import CHECKPOINT_SUBDIR
     from zoo.training.metrics import read_metrics_file
 
@@ -310,11 +316,11 @@ def claim_pretraining_directory(run_dir: str | os.PathLike, starts_at_zero: bool
     replaced: list[str] = []
 
     def check() -> None:
-        checkpoints = checkpoint_summary(run_dir) if starts_at_zero else None
+        checkpoints = None if resuming else checkpoint_summary(run_dir)
         if checkpoints is not None and not overwrite:
-            raise ValueError(f"--save {run_dir} already holds the checkpoints of an earlier run ({checkpoints}) and "
-                             f"this run would start from iteration 0 over them; use --load {run_dir} to resume, or "
-                             "another --save, or --overwrite to replace them.")
+            raise ValueError(f"--save {run_dir} already holds the checkpoints of an earlier run ({checkpoints}), "
+                             f"which this run's saves would overwrite; use --load {run_dir} to resume, or another "
+                             "--save, or --overwrite to replace them.")
         if not resuming and metrics.exists() and not overwrite:
             raise ValueError(f"--save {run_dir} already holds the {METRICS_FILE} of an earlier run; use --load "
                              f"{run_dir} to resume, or another --save, or --overwrite to replace it.")
