@@ -15,9 +15,24 @@ without ZeRO, and fp16 with and without ZeRO with ``torch.serialization.get_unsa
 * numpy's array reconstruction, for the numpy RNG state of zoo's client state (a uint32 array), under
   numpy 2's module name and numpy 1's (``numpy.core``), so checkpoints written with either load.
 
-None of them runs code when unpickled: the weights-only unpickler creates the instance and sets its
-attributes, calling no constructor or ``__setstate__`` of the file's choosing. Anything else in a file
-is refused with one sentence naming the file and the global, before anything of it is built.
+The weights-only unpickler does run code of these: a REDUCE calls an allowed class or function with
+arguments from the file, a NEWOBJ calls its ``__new__``, and a BUILD calls its ``__setstate__`` if it has
+one, else updates its ``__dict__`` (and ``setattr``s slot state). Every argument and state is itself built
+by the same unpickler, so it holds only tensors, primitives, containers and these types. Constructing
+each with any such values is harmless:
+
+* the loss scalers' ``__init__`` only stores its arguments as attributes (no I/O, no logging, no
+  collective), and they have no ``__setstate__``;
+* ``ZeroStageEnum(value)`` only looks the value up among its members (an unknown one raises ValueError);
+* ``fragment_address`` is a plain dataclass: its ``__init__`` stores ``numel`` and ``start``;
+* ``_reconstruct(subtype, shape, dtype)`` makes an empty array of an ndarray subtype (any other class
+  raises TypeError), ``np.dtype(...)`` parses a type description, and their ``__setstate__`` (numpy's C
+  code) only sets the shape, the byte order and copies the data bytes; an object-dtype array can hold
+  only objects this unpickler built.
+
+A file can thus set odd attributes or ask for a large array (a memory error, not code), never call
+anything outside this list. Anything else in a file is refused with one sentence naming the file and
+the global, before anything of it is built.
 
 DeepSpeed's own ``engine.load_checkpoint`` unpickles with ``weights_only=False`` (its
 ``TorchCheckpointEngine.load``) and takes no option to change that. :func:`check_tag_files` loads every
