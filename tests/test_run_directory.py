@@ -255,7 +255,7 @@ def test_a_run_loading_another_directory_is_refused_over_checkpoints_it_would_ov
     (run / "checkpoints" / "latest").write_text("iter_0000002")
     before = snapshot(run)
     with pytest.raises(ValueError) as refused:   # --load OTHER holding a checkpoint: the run starts past 0
-        claim_pretraining_directory(run, starts_at_zero=False, resuming=False, overwrite=False)
+        claim_pretraining_directory(run, resuming=False, overwrite=False)
     assert str(refused.value) == _refusal(run, "latest iter_0000002")
     assert snapshot(run) == before
 
@@ -263,10 +263,10 @@ def test_a_run_loading_another_directory_is_refused_over_checkpoints_it_would_ov
     for load in (run, run / "checkpoints", tmp_path / "alias" / "checkpoints", tmp_path / "alias" / ".." / "run"):
         assert continues_save_directory(run_config(corpus_prefix, str(run), 1, 1, 1, 1, load=str(load))), load
     assert not continues_save_directory(run_config(corpus_prefix, str(run), 1, 1, 1, 1, load=str(tmp_path / "other")))
-    with claim_pretraining_directory(run, starts_at_zero=False, resuming=True, overwrite=False):
+    with claim_pretraining_directory(run, resuming=True, overwrite=False):
         assert (run / "checkpoints" / "latest").is_file()
 
-    with claim_pretraining_directory(run, starts_at_zero=False, resuming=False, overwrite=True):
+    with claim_pretraining_directory(run, resuming=False, overwrite=True):
         assert not (run / "checkpoints").exists()
     assert f"--overwrite: removed the earlier run's checkpoints (latest iter_0000002) from {run}" in capsys.readouterr().out
 
@@ -281,11 +281,11 @@ def test_tags_without_a_completion_marker_are_an_earlier_runs_checkpoints(tmp_pa
         _checkpoint_tag(run, tag, marked=False)
     before = snapshot(run)
     with pytest.raises(ValueError) as refused:
-        claim_pretraining_directory(run, starts_at_zero=True, resuming=False, overwrite=False)
+        claim_pretraining_directory(run, resuming=False, overwrite=False)
     assert str(refused.value) == _refusal(run, "tags iter_0000002, iter_0000004")
     assert snapshot(run) == before
 
-    with claim_pretraining_directory(run, starts_at_zero=True, resuming=True, overwrite=False):
+    with claim_pretraining_directory(run, resuming=True, overwrite=False):
         assert (run / "checkpoints" / "iter_0000004" / "mp_rank_00_model_states.pt").is_file()
 
 

@@ -179,8 +179,8 @@ def has_checkpoint(load: str) -> bool:
 
 def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[str, Any]:
     """Train as ``config`` says. The writer rank first claims ``--save`` (:mod:`zoo.training.run_directory`):
-    a directory another run holds, or an earlier run's checkpoints under a run that would start from
-    iteration 0, end every rank with one sentence before the model or the engine is built and before
+    a directory another run holds, or an earlier run's checkpoints under a run that does not continue
+    that directory (``--load`` names it), end every rank with one sentence before the model or the engine is built and before
     anything is written there. The claim is held until this function returns or raises.
 
     A run that finishes with ``config.sample_prompts`` completes them with ``sample_text`` (every rank
@@ -193,8 +193,7 @@ def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[s
     gas = validate_for_world(config, dist.get_world_size())
     is_writer = dist.get_rank() == 0
     lock = raise_on_any_rank(lambda: claim_pretraining_directory(
-        config.save, starts_at_zero=not (config.load and has_checkpoint(config.load)),
-        resuming=continues_save_directory(config), overwrite=config.overwrite) if is_writer else None)
+        config.save, resuming=continues_save_directory(config), overwrite=config.overwrite) if is_writer else None)
     try:
         return pretrain_in_claimed_directory(config, ps, gas, is_writer, started, sample_text)
     finally:

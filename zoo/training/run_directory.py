@@ -291,8 +291,7 @@ def checkpoint_summary(run_dir: Path) -> str | None:
     return None
 
 
-def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, overwrite: bool,
-                                starts_at_zero: bool | None = None) -> RunDirectoryLock:
+def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, overwrite: bool) -> RunDirectoryLock:
     """Lock ``--save`` for a pretraining run (writer rank only), after these read-only checks:
 
     * a run that does not continue this directory (not ``resuming``: no ``--load``, or a ``--load`` naming
@@ -305,7 +304,7 @@ def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, o
     * a resumed run's ``metrics.jsonl`` must read line by line: a corrupt line before the last one is a
       sentence naming the file and the line (a torn last line is dropped later, with a warning).
 
-    ``starts_at_zero`` does not enter these checks (callers may pass it). With ``overwrite``, the earlier
+    With ``overwrite``, the earlier
     run's ``checkpoints/`` and ``metrics.jsonl`` are removed once the lock is held, said in one line; a
     resumed run keeps them. Returns the held lock."""
     from zoo.checkpoint.files import CHECKPOINT_SUBDIR
