@@ -11,7 +11,8 @@ Resume with --load RUN_DIR, also at another --tensor-parallel-size than the chec
 once into RUN_DIR/checkpoints/resharded/<tag>-tp<N>/ and loaded from there.
 """
 
+from zoo.inference import sample_lines
 from zoo.training.pretrain import main
 
 if __name__ == "__main__":
-    main()
+    main(sample_text=sample_lines)   # end-of-run samples of a zoo block's sample_prompts
