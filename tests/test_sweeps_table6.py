@@ -31,7 +31,8 @@ ROWS = [(task, size) for task in TABLE6 for size in SIZES]
 
 
 def test_one_sweep_file_per_task_and_size():
-    assert sorted(p.name for p in SWEEPS.glob("*.yaml")) == sorted(f"{t}-{s}.yaml" for t, s in ROWS)
+    """Table 6's files, and the finetuning demo's sweep (tests/test_sweep_overrides.py)."""
+    assert sorted(p.name for p in SWEEPS.glob("*.yaml")) == sorted([f"{t}-{s}.yaml" for t, s in ROWS] + ["demo.yaml"])
 
 
 @pytest.mark.parametrize("task,size", ROWS)
