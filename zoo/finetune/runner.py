@@ -24,6 +24,7 @@ import json
 import math
 import os
 import sys
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import write_text_atomic
-from zoo.distributed import process_group_left_on_success, raise_on_any_rank, single_process_env
+from zoo.distributed import host_group, process_group_left_on_success, raise_on_any_rank, single_process_env
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict, parse_args
 from zoo.finetune.dev_curve import DEV_CURVE_FILE, baseline_metric, plot_dev_curve
 from zoo.finetune.tasks import EvalSet, Task, get_task
@@ -161,9 +162,13 @@ def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, p
     micro = engine.train_micro_batch_size_per_gpu()
 
     run_dir = Path(config.save)
+    # the metrics agreements run on a gloo group of the host, never on the accelerator (collective: every rank)
+    host = host_group(None if config.distributed_timeout_minutes is None
+                      else timedelta(minutes=config.distributed_timeout_minutes))
     logger = raise_on_any_rank(lambda: MetricsLogger(run_dir, is_writer,
                                                      config.wandb_project or os.environ.get("WANDB_PROJECT"),
-                                                     wandb_config={**config.to_dict(), "deepspeed": ds_config}))
+                                                     wandb_config={**config.to_dict(), "deepspeed": ds_config},
+                                                     group=host), group=host)
     tracker = BestTracker(task, run_dir, is_writer, save_model=config.epochs > 0)
     loop: TrainingLoop
 
