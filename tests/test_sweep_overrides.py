@@ -187,3 +187,13 @@ def test_a_run_logging_to_wandb_without_it_warns_pip_install_wandb_and_goes_on(t
     assert capsys.readouterr().err == ("warning: wandb is not installed, so this run is not tracked in W&B project "
                                        "'zoo-demo'; pip install wandb to track it.\n")
     assert (tmp_path / "run" / "metrics.jsonl").read_text() == '{"iteration": 1, "loss": 2.0}\n'
+
+
+def test_an_evaluation_logging_to_wandb_without_it_warns_pip_install_wandb(capsys, monkeypatch):
+    from zoo.eval.runner import log_to_wandb
+
+    monkeypatch.setitem(sys.modules, "wandb", None)
+    assert log_to_wandb("zoo-eval", {"task": "wikitext", "load": "runs/demo", "ppl": 3.0}) is False
+    assert capsys.readouterr().err == ("warning: wandb is not installed, so the results are not logged to W&B project "
+                                       "'zoo-eval'; pip install wandb to log them (they are still printed, and "
+                                       "written with --out).\n")

@@ -196,10 +196,15 @@ def format_results(results: dict[str, Any]) -> str:
 
 
 def log_to_wandb(project: str, results: dict[str, Any]) -> bool:
-    """Log the results as one W&B run; any failure is reported and swallowed (it never stops the eval)."""
+    """Log the results as one W&B run; any failure is reported in one warning line and swallowed (it never
+    stops the eval): a missing wandb (an install without its dependencies) says how to install it."""
     try:
         import wandb
-
+    except ImportError:
+        print(f"warning: wandb is not installed, so the results are not logged to W&B project {project!r}; "
+              "pip install wandb to log them (they are still printed, and written with --out).", file=sys.stderr)
+        return False
+    try:
         run = wandb.init(project=project, job_type="eval", name=f"{results['task']}-{Path(results['load']).name}",
                          config={k: v for k, v in results.items() if not isinstance(v, float)})
         run.log({k: v for k, v in results.items() if isinstance(v, (int, float)) and not isinstance(v, bool)})
