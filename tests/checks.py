@@ -1,5 +1,5 @@
-"""Shared test helpers: counting collectives, asserting named per-rank check results, and the error
-measures every parity test uses.
+"""Shared test helpers: counting collectives, asserting named per-rank check results, the error
+measures every parity test uses, and loading a launch/ script and reading a CLI's one error line.
 
 Tolerances and rounding. A parity test is about correctness, so its verdict must not depend on the
 rounding of one CPU's kernels (BLAS blocking, vector width, thread count). Two measures keep it so:
@@ -15,7 +15,9 @@ rounding of one CPU's kernels (BLAS blocking, vector width, thread count). Two m
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import re
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -128,3 +130,25 @@ def tolerance_failures(errors: dict[str, float], fp32_tol: float, fp64_tol: floa
         if not error <= tol:
             failures.append(f"{name}: {error:.3e} > {tol:g}")
     return failures
+
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def launch_script(name: str):
+    """``launch/<name>.py`` as a module (its ``main`` runs in the test process)."""
+    spec = importlib.util.spec_from_file_location(f"launch_{name}", REPO / "launch" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def one_error_line(capsys, from_zoo: bool = False) -> str:
+    """The CLI's stderr ends in exactly one ``error: ...`` sentence; ``from_zoo``: raised by zoo's own checks
+    (the line names no library location)."""
+    err = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in err if line.startswith("error: ")]
+    assert len(errors) == 1 and errors[0] == err[-1], err
+    assert errors[0].endswith("."), errors[0]
+    assert not from_zoo or "raised in" not in errors[0], errors[0]
+    return errors[0]

@@ -10,7 +10,6 @@ Everything runs in the pytest process.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import shutil
 import warnings
@@ -18,25 +17,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.checks import launch_script, one_error_line
+
 REPO = Path(__file__).resolve().parent.parent
 DEMO_DS_CONFIG = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
 FINETUNE_DS_CONFIG = REPO / "ds_configs" / "finetune_cpu.json"
 FIXTURES = Path(__file__).parent / "fixtures" / "finetune"
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"launch_{name}", REPO / "launch" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    errors = [line for line in err if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0] == err[-1], err
-    assert errors[0].endswith(".") and "raised in" not in errors[0], errors[0]
-    return errors[0]
 
 
 # ------------------------------------------------------------------ ds_configs
@@ -67,7 +55,7 @@ def test_pretrain_refuses_bad_ds_configs_before_anything_is_written(case, tmp_pa
     with pytest.raises(SystemExit) as exit_info:
         main(["--deepspeed_config", str(path), "--save", str(tmp_path / "run")])
     assert exit_info.value.code == 2
-    assert needle.format(path=path) in _one_error_line(capsys)
+    assert needle.format(path=path) in one_error_line(capsys, from_zoo=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]   # no --save directory left behind
 
 
@@ -115,14 +103,14 @@ def test_model_directory_config_json_is_refused_before_allocating(case, tmp_path
     (model / "config.json").write_text(json.dumps(content))
     with pytest.raises(SystemExit) as exit_info:
         if family == "gpt2":
-            _script("generate").main(["--load", str(model), "--prompt", "x"])
+            launch_script("generate").main(["--load", str(model), "--prompt", "x"])
         else:
             from zoo.finetune.runner import main
 
             main("mnli", ["--deepspeed_config", str(FINETUNE_DS_CONFIG), "--pretrained", str(model),
                           "--data-dir", str(FIXTURES / "mnli"), "--save", str(tmp_path / "run")])
     assert exit_info.value.code == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys, from_zoo=True)
     assert f"{model / 'config.json'} " in line and needle in line, line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["model"]
 
@@ -185,7 +173,7 @@ def test_hub_prefix_over_a_glue_tsv_directory(tmp_path, monkeypatch, capsys):
         main("mnli", ["--deepspeed_config", str(FINETUNE_DS_CONFIG), "--pretrained", str(tmp_path / "bert"),
                       "--data-dir", f"hub:{data}", "--save", str(tmp_path / "run")])
     assert exit_info.value.code == 2
-    line = _one_error_line(capsys)
+    line = one_error_line(capsys, from_zoo=True)
     assert line == (f"error: --data-dir hub:{data} is a local directory of the task's original files (train.tsv, "
                     f"dev_matched.tsv, dev_mismatched.tsv), which hub: does not read (it loads Hugging Face datasets); "
                     f"pass --data-dir {data} without hub: to read them."), line
@@ -197,9 +185,9 @@ def test_non_utf8_prompt_file_is_named(tmp_path, capsys):
     prompts = tmp_path / "prompts.txt"
     prompts.write_bytes("first prompt\nun caf\xe9\n".encode("latin-1"))
     with pytest.raises(SystemExit) as exit_info:
-        _script("generate").main(["--load", str(tmp_path / "model"), "--prompt-file", str(prompts)])
+        launch_script("generate").main(["--load", str(tmp_path / "model"), "--prompt-file", str(prompts)])
     assert exit_info.value.code == 2
-    assert _one_error_line(capsys) == (f"error: prompt file '{prompts}' is not UTF-8 text (byte 0xe9 on line 2); "
+    assert one_error_line(capsys, from_zoo=True) == (f"error: prompt file '{prompts}' is not UTF-8 text (byte 0xe9 on line 2); "
                                        "convert it, e.g. iconv -f latin1 -t utf-8.")
 
 

@@ -8,7 +8,6 @@ skipped and reported in one warning. Everything runs in the pytest process.
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import math
 import os
@@ -16,24 +15,13 @@ import stat
 from pathlib import Path
 
 import pytest
+
+from tests.checks import launch_script, one_error_line
 import torch
 
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _script(name: str):
-    spec = importlib.util.spec_from_file_location(f"launch_{name}", REPO / "launch" / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def _one_error_line(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
-    errors = [line for line in err if line.startswith("error: ")]
-    assert len(errors) == 1 and errors[0] == err[-1], err
-    assert errors[0].endswith("."), errors[0]
-    return errors[0]
 
 
 def _gzip_bytes(text: bytes) -> bytes:
@@ -61,9 +49,9 @@ def test_preprocess_cli_names_the_file_and_line(name, tmp_path, capsys):
     content, needles = UNREADABLE[name]
     source = tmp_path / name
     source.write_bytes(content)
-    code = _script("preprocess").main(["--input", str(source), "--output-prefix", str(tmp_path / "out" / "corpus")])
+    code = launch_script("preprocess").main(["--input", str(source), "--output-prefix", str(tmp_path / "out" / "corpus")])
     assert code == 2
-    message = _one_error_line(capsys)
+    message = one_error_line(capsys)
     assert f"'{source}'" in message and all(needle in message for needle in needles), message
     assert sorted(p.name for p in tmp_path.iterdir()) == [name]  # out/ was created for the run, and removed
 
@@ -197,25 +185,25 @@ def test_tiny_temperatures_sample_the_arg_max():
 ])
 def test_generate_cli_refuses_bad_sampling_settings(flags, needle, tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
-        _script("generate").main(["--load", str(tmp_path / "model"), "--prompt", "x", *flags])
+        launch_script("generate").main(["--load", str(tmp_path / "model"), "--prompt", "x", *flags])
     assert exit_info.value.code == 2
-    assert needle in _one_error_line(capsys)
+    assert needle in one_error_line(capsys)
 
 
 def test_generate_cli_checks_output_before_generating(tmp_path, capsys):
     (tmp_path / "file").write_text("x")
     (tmp_path / "dir").mkdir()
-    cli = _script("generate")
+    cli = launch_script("generate")
     for output, needle in ((tmp_path / "file" / "out.jsonl", "cannot be written"), (tmp_path / "dir", "is a directory")):
         with pytest.raises(SystemExit) as exit_info:   # --load is no model: the output is checked first
             cli.main(["--load", str(tmp_path / "model"), "--prompt", "x", "--output", str(output)])
         assert exit_info.value.code == 2
-        assert needle in _one_error_line(capsys)
+        assert needle in one_error_line(capsys)
     assert (tmp_path / "file").read_text() == "x" and not any((tmp_path / "dir").iterdir())
 
 
 def test_generate_output_is_atomic_with_the_umask_mode(tmp_path):
-    cli = _script("generate")
+    cli = launch_script("generate")
     old = os.umask(0o022)
     try:
         cli.write_jsonl_atomic(tmp_path / "sub" / "out.jsonl", [{"prompt": "é", "tokens": [1]}])

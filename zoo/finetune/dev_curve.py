@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 from typing import Any, Sequence
 
-from zoo.atomic import atomic_file
+from zoo.training.metrics import save_figure
 
 DEV_CURVE_FILE = "dev.png"
 
@@ -41,10 +41,4 @@ def plot_dev_curve(run_dir: str | os.PathLike, history: Sequence[dict[str, Any]]
     ax.set_title(f"{Path(run_dir).name}: {main_metric}")
     ax.grid(alpha=0.3)
     ax.legend()
-    target = Path(run_dir) / DEV_CURVE_FILE
-    try:
-        with atomic_file(target) as tmp:
-            fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
-    finally:
-        plt.close(fig)
-    return target
+    return save_figure(fig, Path(run_dir) / DEV_CURVE_FILE)

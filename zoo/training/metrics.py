@@ -243,7 +243,13 @@ def plot_loss(run_dir: str | os.PathLike) -> Path:
         sop_ax.set_title("sentence-order prediction")
         sop_ax.grid(alpha=0.3)
         sop_ax.legend()
-    target = Path(run_dir) / "loss.png"
+    return save_figure(fig, Path(run_dir) / "loss.png")
+
+
+def save_figure(fig, target: Path) -> Path:
+    """Write a matplotlib figure as a PNG atomically (a reader never sees half a plot), then close it."""
+    import matplotlib.pyplot as plt
+
     try:
         with atomic_file(target) as tmp:
             fig.savefig(tmp, format="png", dpi=110, bbox_inches="tight")
