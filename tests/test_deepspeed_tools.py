@@ -78,7 +78,8 @@ def _save_tp2_zero_checkpoint(rank, world_size, directory):
     engine.load_checkpoint(directory, tag="iter_0000001")             # DeepSpeed's resume reads it as before
     import torch
 
-    states = torch.load(model_states_path(tag, ps.tp_rank), map_location="cpu", weights_only=False)
+    from zoo.checkpoint.safe_load import safe_torch_load  # the loader zoo itself reads states with
+    states = safe_torch_load(model_states_path(tag, ps.tp_rank), mmap=False)
     return states["universal_checkpoint_info"]
 
 

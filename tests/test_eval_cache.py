@@ -39,7 +39,8 @@ def test_rewritten_tag_is_exported_again(tmp_path, monkeypatch, capsys):
     # Another run writes the same tag: the files are replaced in place, the directory stays.
     other = write_tp_checkpoint(tmp_path / "other", 1, torch.float32)
     tag = run / "checkpoints" / "iter_0000007"
-    states = torch.load(other / "checkpoints" / "iter_0000007" / "mp_rank_00_model_states.pt", weights_only=False)
+    from zoo.checkpoint.safe_load import safe_torch_load  # the loader zoo itself reads states with
+    states = safe_torch_load(other / "checkpoints" / "iter_0000007" / "mp_rank_00_model_states.pt", mmap=False)
     states["module"] = {k: v + 1.0 if v.is_floating_point() else v for k, v in states["module"].items()}
     torch.save(states, other / "checkpoints" / "iter_0000007" / "mp_rank_00_model_states.pt")
     shutil.copyfile(other / "checkpoints" / "iter_0000007" / "mp_rank_00_model_states.pt",
@@ -64,7 +65,8 @@ def test_rewrite_keeping_size_and_mtime_is_exported_again(tmp_path, monkeypatch,
     before = exported_weight(first)
     old = states_file.stat()
 
-    states = torch.load(states_file, weights_only=False)
+    from zoo.checkpoint.safe_load import safe_torch_load  # the loader zoo itself reads states with
+    states = safe_torch_load(states_file, mmap=False)
     for value in states["module"].values():   # in place: the storages and their sharing stay as they were
         if value.is_floating_point():
             value.add_(2.0)

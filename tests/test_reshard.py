@@ -296,7 +296,8 @@ def test_zero_checkpoint_with_reordering_options_is_not_resharded(tmp_path, opti
     synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
     for rank in range(2):
         path = tmp_path / "tp2" / f"mp_rank_{rank:02d}_model_states.pt"
-        states = torch.load(path, weights_only=False)
+        from zoo.checkpoint.safe_load import safe_torch_load  # the loader zoo itself reads states with
+        states = safe_torch_load(path, mmap=False)
         states["ds_config"] = {"train_batch_size": 2, "zero_optimization": {"stage": 1, option: True}}
         torch.save(states, path)
         (tmp_path / "tp2" / f"zero_pp_rank_0_mp_rank_{rank:02d}_optim_states.pt").write_bytes(b"")
