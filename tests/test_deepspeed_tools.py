@@ -1,7 +1,7 @@
 """DeepSpeed's offline tools refuse a zoo checkpoint written at tp > 1 with one sentence
 (zoo.checkpoint.deepspeed_tools): the ``zero_to_fp32.py`` DeepSpeed copies beside the tags exits 2 naming
-launch/export.py, and ``ds_to_universal --inject_missing_state`` stops before writing anything, where it
-used to complete with wrong tensors."""
+launch/export.py, and ``ds_to_universal --inject_missing_state`` stops before writing anything (left to
+itself it completes with tensors merged in the wrong layout)."""
 
 from __future__ import annotations
 
