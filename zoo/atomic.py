@@ -168,10 +168,12 @@ def check_writable_directory(directory: str | os.PathLike, flag: str) -> Path:
         os.unlink(name)
     except (NotADirectoryError, FileExistsError):
         raise ValueError(f"{flag} {path} lies under a file, not a directory; pass a directory path.") from None
-    except PermissionError:
-        raise ValueError(f"{flag} {path} cannot be written (permission denied); pass a directory you can "
-                         "write to.") from None
     except OSError as err:
-        raise ValueError(f"{flag} {path} cannot be written ({err.strerror}); pass a directory you can "
-                         "write to.") from None
+        raise unwritable_directory(flag, path, err) from None
     return path
+
+
+def unwritable_directory(flag: str, path: str | os.PathLike, err: OSError) -> ValueError:
+    """The one sentence for a directory chosen by ``flag`` that cannot be written (``err`` says why)."""
+    why = "permission denied" if isinstance(err, PermissionError) else err.strerror
+    return ValueError(f"{flag} {path} cannot be written ({why}); pass a directory you can write to.")

@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 
-from zoo.atomic import check_writable_directory, default_file_mode
+from zoo.atomic import check_writable_directory, default_file_mode, unwritable_directory
 from zoo.training.metrics import METRICS_FILE
 
 __all__ = ["LOCK_FILE", "Holder", "RunDirectoryLock", "claim_pretraining_directory", "claim_finetuning_directory"]
@@ -182,12 +182,8 @@ class RunDirectoryLock:
     def _open(self, flags: int) -> int:
         try:
             return os.open(self.path, flags, default_file_mode())
-        except PermissionError:
-            raise ValueError(f"{self.flag} {self.run_dir} cannot be written (permission denied); pass a directory "
-                             "you can write to.") from None
         except OSError as err:
-            raise ValueError(f"{self.flag} {self.run_dir} cannot be written ({err.strerror}); pass a directory you "
-                             "can write to.") from None
+            raise unwritable_directory(self.flag, self.run_dir, err) from None
 
     def _names_this_file(self, fd: int) -> bool:
         try:
