@@ -45,6 +45,7 @@ import torch
 
 from zoo.data.gpt_dataset import SPLIT_NAMES, check_token_ids, split_document_ranges
 from zoo.data.indexed_dataset import IndexedDataset
+from zoo.data.tokenizers import load_bert_tokenizer
 
 IGNORE_INDEX = -100
 _MAPPING_STREAM, _SAMPLE_STREAM = 0, 1  # keep the two RNG seed families apart
@@ -326,8 +327,6 @@ class BertDataset(torch.utils.data.Dataset):
             which, max_seq_length, max_position_embeddings, masked_lm_prob, max_ngram, short_seq_prob
         )
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
-            from zoo.data.tokenizers import load_bert_tokenizer
-
             tokenizer = load_bert_tokenizer(tokenizer)
         if len(tokenizer) != int(vocab_size):
             raise ValueError(
@@ -365,7 +364,7 @@ class BertDataset(torch.utils.data.Dataset):
             raise ValueError(f"num_samples={num_samples} is invalid; it must be >= 0.")
         if num_samples > 0 and self.samples_per_epoch == 0:
             raise ValueError(
-                f"the {which} split (documents {d0}..{d1}) holds no sentence pairs but num_samples="
+                f"the {which} split of {indexed.prefix} (documents {d0}..{d1}) holds no sentence pairs but num_samples="
                 f"{num_samples}; give it more data or a larger split weight."
             )
         epochs, total = [epoch0], len(epoch0)
@@ -477,8 +476,6 @@ def build_bert_datasets(
     """
     indexed = IndexedDataset(prefix)
     if kwargs.get("tokenizer") is None or isinstance(kwargs["tokenizer"], (str, os.PathLike)):
-        from zoo.data.tokenizers import load_bert_tokenizer
-
         kwargs["tokenizer"] = load_bert_tokenizer(kwargs.get("tokenizer"))
     return tuple(
         BertDataset(indexed, max_seq_length, seed, split=split, which=which, num_samples=n, **kwargs)

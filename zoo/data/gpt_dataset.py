@@ -15,6 +15,7 @@ when ``num_samples`` exceeds one epoch, further epochs follow, each with a fresh
 from __future__ import annotations
 
 import os
+import signal
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -108,7 +109,7 @@ class GPTDataset(torch.utils.data.Dataset):
             raise ValueError(f"num_samples={num_samples} is invalid; it must be >= 0.")
         if num_samples > 0 and self.num_windows == 0:
             raise ValueError(
-                f"the {which} split (documents {d0}..{d1}) holds {self.num_tokens} tokens, less than one "
+                f"the {which} split of {indexed.prefix} (documents {d0}..{d1}) holds {self.num_tokens} tokens, less than one "
                 f"window of seq_length={self.seq_length}; give it more data or a larger split weight."
             )
         self.num_samples = num_samples
@@ -275,8 +276,6 @@ def batch_or_raise(batch: dict[str, torch.Tensor] | SampleFailure) -> dict[str, 
 def ignore_stop_signals(worker_id: int) -> None:
     """A worker leaves SIGTERM/SIGUSR1 to its training process, which stops at an iteration boundary
     with a checkpoint (a launcher signals the whole process tree); the worker ends with its parent."""
-    import signal
-
     for signum in (signal.SIGTERM, signal.SIGUSR1):
         signal.signal(signum, signal.SIG_IGN)
 

@@ -1,13 +1,19 @@
-"""The data of a pretraining run: train/valid datasets of the model's family and this rank's
-micro-batches, read by DataLoader worker processes and agreed across ranks."""
+"""The data of a pretraining run: train/valid datasets of the model's family (one corpus, or several
+blended by weight) and this rank's micro-batches, read by DataLoader worker processes and agreed across
+ranks."""
 
 from __future__ import annotations
 
 import atexit
+import multiprocessing
 
 import torch
 import torch.distributed as dist
 
+from zoo.data.blend_cache import shared_blend_index
+from zoo.data.blending import BlendedDataset, check_data_path
+from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader, shut_down_workers
+from zoo.data.indexed_dataset import IndexedDataset
 from zoo.distributed import raise_on_any_rank
 from zoo.training.families import build_dataset, default_corpus
 from zoo.training.run_config import RunConfig
@@ -23,22 +29,34 @@ class PretrainingData:
     (:class:`zoo.data.gpt_dataset.DistributedPretrainingSampler`). TP ranks of a group share a DP rank
     and so read the same samples. ``workers`` processes read (and mask, for BERT) the next micro-batches
     while the model trains; batches are pinned on an accelerator.
+
+    ``config.data_path`` is None (the bundled corpus), one prefix, or Megatron's ``W1 P1 W2 P2 ...``
+    (:mod:`zoo.data.blending`). One corpus of positive weight is read exactly as a single prefix; several
+    are blended through one index shared by every rank (:func:`zoo.data.blend_cache.shared_blend_index`),
+    each split by its own documents. ``indexed`` is the single corpus's :class:`IndexedDataset` (None for
+    a blend).
     """
 
     def __init__(self, config: RunConfig, model_config, ps, micro_batch: int, global_batch: int,
                  workers: int, pin_memory: bool, agreement_group=None):
-        prefix = config.data_path
-        if prefix is None:  # bundled corpus: preprocess once on rank 0, the others wait for its outcome
+        blend = raise_on_any_rank(lambda: check_data_path(config.data_path, config.split))
+        if blend is None:  # bundled corpus: preprocess once on rank 0, the others wait for its outcome
             raise_on_any_rank(lambda: default_corpus(model_config, progress=True) if dist.get_rank() == 0 else None)
-            prefix = default_corpus(model_config, progress=False)
+            blend = [(1.0, default_corpus(model_config, progress=False))]
         self.is_bundled_corpus = config.data_path is None
+        self.blend = [(weight, prefix) for weight, prefix in blend if weight > 0]
         self.ps = ps
         self.micro_batch = micro_batch
         self.workers = workers if can_start_workers() else 0
         self.pin_memory = pin_memory
         self.agreement_group = agreement_group
+        train_samples = config.train_iters * global_batch
+        valid_samples = config.eval_iters * micro_batch * ps.dp_size if config.eval_interval else 0
+        index = None
+        if len(self.blend) > 1:  # one index serves both splits: valid uses its first valid_samples entries
+            index = shared_blend_index(self.blend, max(train_samples, valid_samples))
         self.indexed, self.train, self.valid = raise_on_any_rank(
-            lambda: self._datasets(config, model_config, prefix, global_batch))
+            lambda: self._datasets(config, model_config, index, train_samples, valid_samples))
         self._train_batches = None
         # Workers ignore SIGTERM (a launcher signals the whole process tree; the training process stops at
         # an iteration boundary instead), so multiprocessing's exit handler, which terminates them with
@@ -48,28 +66,28 @@ class PretrainingData:
     def close(self) -> None:
         """Shut the training iterator's workers down, explicitly: an error's traceback may still hold the
         iterator, so dropping this reference alone would leave them to the interpreter's exit."""
-        from zoo.data.gpt_dataset import shut_down_workers
-
         batches, self._train_batches = self._train_batches, None
         if batches is not None:
             shut_down_workers(batches)
         atexit.unregister(self.close)
 
-    def _datasets(self, config: RunConfig, model_config, prefix: str, global_batch: int):
-        from zoo.data import IndexedDataset
+    def _datasets(self, config: RunConfig, model_config, index, train_samples: int, valid_samples: int):
+        corpora = [IndexedDataset(prefix) for _, prefix in self.blend]
 
-        indexed = IndexedDataset(prefix)
-        train = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split, "train",
-                              config.train_iters * global_batch)
-        valid = None
-        if config.eval_interval:
-            valid = build_dataset(model_config, indexed, config.seq_length, config.seed, config.split, "valid",
-                                  config.eval_iters * self.micro_batch * self.ps.dp_size)
-        return indexed, train, valid
+        def split(which: str, num_samples: int):
+            if index is None:
+                return build_dataset(model_config, corpora[0], config.seq_length, config.seed, config.split, which,
+                                     num_samples)
+            counts = BlendedDataset.counts(index, len(corpora), num_samples)
+            return BlendedDataset([build_dataset(model_config, corpus, config.seq_length, config.seed, config.split,
+                                                 which, count) for corpus, count in zip(corpora, counts)],
+                                  index, num_samples)
+
+        train = split("train", train_samples)
+        valid = split("valid", valid_samples) if config.eval_interval else None
+        return (corpora[0] if index is None else None), train, valid
 
     def loader(self, dataset, first_global_sample: int):
-        from zoo.data.gpt_dataset import build_pretraining_dataloader
-
         return build_pretraining_dataloader(dataset, self.micro_batch, first_global_sample, self.ps,
                                             num_workers=self.workers, pin_memory=self.pin_memory)
 
@@ -77,8 +95,6 @@ class PretrainingData:
         """The next ``count`` micro-batches of ``batches``, read on every rank before any of them is used:
         a bad sample (e.g. a token id outside the vocabulary) on one DP rank stops every rank with the
         same sentence instead of hanging the others' all-reduce. The agreement runs on the host group."""
-        from zoo.data.gpt_dataset import batch_or_raise
-
         return raise_on_any_rank(lambda: [batch_or_raise(next(batches)) for _ in range(count)],
                                  group=self.agreement_group)
 
@@ -89,8 +105,6 @@ class PretrainingData:
         return self.next_micro_batches(self._train_batches, count)
 
     def valid_micro_batches(self, count: int) -> list[dict[str, torch.Tensor]]:
-        from zoo.data.gpt_dataset import shut_down_workers
-
         batches = iter(self.loader(self.valid, 0))
         try:
             return self.next_micro_batches(batches, count)
@@ -101,6 +115,4 @@ class PretrainingData:
 def can_start_workers() -> bool:
     """A daemonic process (a worker of a multiprocessing pool or harness) may not start DataLoader workers:
     it reads its batches itself."""
-    import multiprocessing
-
     return not multiprocessing.current_process().daemon

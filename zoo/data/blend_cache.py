@@ -1,0 +1,97 @@
+"""The blend index of a run, built once and shared: cached next to the data, built by one rank per node.
+
+The cache file ``<first prefix>.blend-<digest>.npy`` lies beside the first corpus (or, when that
+directory is not writable, under ``$ZOO_CACHE/blends``). Its digest covers the format, the corpora's
+absolute prefixes, their normalised weights and the number of samples, so a different blend never
+reads another's index. It is written atomically (:func:`zoo.atomic.atomic_file`): a reader sees a
+complete index or none. Every rank maps it read-only, so the index costs one copy per node in the
+page cache, and DataLoader workers receive only its path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from zoo.atomic import atomic_file
+from zoo.data import default_cache_dir
+from zoo.data.blending import blend_index
+from zoo.distributed import raise_on_any_rank, run_on_first_rank
+
+CACHE_FORMAT = 1
+BLEND_DTYPE = np.dtype([("corpus", "<u2"), ("sample", "<i8")])
+
+
+class BlendIndex:
+    """A blend index read (memory-mapped) from its cache file: ``corpus`` and ``sample`` arrays of
+    ``num_samples`` entries (see :func:`zoo.data.blending.blend_index`). ``built_here`` tells whether this
+    process built the file. Pickling keeps only the path; the copy maps the file again."""
+
+    def __init__(self, path: str | os.PathLike, num_samples: int, num_corpora: int, built_here: bool = False):
+        self.path = Path(path)
+        self.num_samples = int(num_samples)
+        self.num_corpora = int(num_corpora)
+        self.built_here = built_here
+        table = np.load(self.path, mmap_mode="r", allow_pickle=False)
+        if table.dtype != BLEND_DTYPE or table.shape != (self.num_samples,):
+            raise ValueError(f"blend index {self.path} holds {table.shape} entries of {table.dtype}, not the "
+                             f"{self.num_samples} blend entries its name stands for; delete it so that the next run "
+                             "rebuilds it.")
+        self.corpus, self.sample = table["corpus"], table["sample"]
+
+    def __getstate__(self):
+        return str(self.path), self.num_samples, self.num_corpora
+
+    def __setstate__(self, state):
+        self.__init__(*state)
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+
+def blend_cache_path(blend: Sequence[tuple[float, str]], num_samples: int) -> Path:
+    """Where the index of ``blend`` (normalised ``(weight, prefix)`` pairs) for ``num_samples`` samples is
+    cached: beside the first corpus when its directory is writable, else under ``$ZOO_CACHE/blends``."""
+    key = {"format": CACHE_FORMAT, "num_samples": int(num_samples),
+           "corpora": [[float(weight).hex(), os.path.abspath(prefix)] for weight, prefix in blend]}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+    first = Path(blend[0][1])
+    directory = first.parent if os.access(first.parent, os.W_OK) else default_cache_dir() / "blends"
+    return directory / f"{first.name}.blend-{digest}.npy"
+
+
+def build_blend_cache(blend: Sequence[tuple[float, str]], num_samples: int) -> bool:
+    """Writes the index's cache file unless it exists; True when this call wrote it."""
+    path = blend_cache_path(blend, num_samples)
+    if path.is_file():
+        return False
+    corpus, sample = blend_index([weight for weight, _ in blend], num_samples)
+    table = np.empty(len(corpus), dtype=BLEND_DTYPE)
+    table["corpus"], table["sample"] = corpus, sample
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp:
+        with open(tmp, "wb") as out:
+            np.save(out, table, allow_pickle=False)
+    return True
+
+
+def local_rank() -> int:
+    """This process's rank on its node, as the launcher (or the test harness) sets ``LOCAL_RANK``."""
+    return int(os.environ.get("LOCAL_RANK", "0"))
+
+
+def shared_blend_index(blend: Sequence[tuple[float, str]], num_samples: int) -> BlendIndex:
+    """The blend index of ``blend`` for ``num_samples`` samples: local rank 0 of each node builds the cache
+    file when it is missing while the other ranks wait, then every rank maps it. A failure on any rank
+    reaches every rank as the same sentence. Collective: every rank calls it with the same arguments;
+    without a process group it builds (or reads) the file in this process."""
+    work_bytes = int(num_samples) * BLEND_DTYPE.itemsize
+    built = run_on_first_rank(lambda: build_blend_cache(blend, num_samples), work_bytes,
+                              first=lambda: local_rank() == 0)
+    path = blend_cache_path(blend, num_samples)
+    return raise_on_any_rank(lambda: BlendIndex(path, num_samples, len(blend), built_here=bool(built)))

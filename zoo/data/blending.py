@@ -1,0 +1,195 @@
+"""Several pretraining corpora blended by weight: Megatron-LM's ``--data-path W1 P1 W2 P2 ...``.
+
+``--data-path`` is one indexed-dataset prefix, or weight/prefix pairs whose weights are normalised to
+sum to 1. :func:`check_data_path` validates it in full before any process group or model exists
+(weights, item count, the files, token dtype and vocabulary agreement, the split), each problem as one
+sentence naming the offending value and the fix.
+
+Blending (:func:`blend_index`) decides, for every global sample ``i``, which corpus serves it and which
+of that corpus's own samples: the ``j``-th sample of corpus ``k`` is due at time ``(j + 1/2) / w_k``, and
+the samples are taken in order of due time (ties go to the corpus listed first). After ``n`` samples
+corpus ``k`` has served ``w_k * n`` of them up to less than ``1/2 + w_k * K / 2`` (``K`` corpora), so
+every window of consecutive samples, a global batch in particular, holds each corpus's share of it up to
+``1 + w_k * K`` samples. The index depends only on the weights and its length, and the first ``n``
+entries of a longer index equal the index of ``n``: a run that trains further, or resumes at another
+data-parallel degree with the same global batch, continues the same sample sequence.
+
+Each corpus is split into train/valid/test by its own documents (``--split`` applies per corpus) and
+shuffled by its own dataset (:class:`~zoo.data.gpt_dataset.GPTDataset` or
+:class:`~zoo.data.bert_dataset.BertDataset`); :class:`BlendedDataset` only routes sample ``i`` to
+``datasets[corpus[i]][sample[i]]``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from zoo.data.gpt_dataset import parse_split
+from zoo.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+
+# How many leading documents the vocabulary check reads the last token of: enough to tell an
+# end-of-document id from chance, and O(1) in the corpus's size.
+END_ID_DOCUMENTS = 1000
+# Fewer documents than this carry no evidence of an end-of-document id (a few may end alike by chance).
+END_ID_MIN_DOCUMENTS = 4
+BLEND_FORMAT = "W1 PREFIX1 W2 PREFIX2 ... (weights with indexed-dataset prefixes), or a single prefix"
+
+
+def data_path_items(data_path: None | str | os.PathLike | Sequence) -> list[str] | None:
+    """``data_path`` as a list of items: None stays None (the bundled corpus), a single string or path is
+    a one-item list, numbers in a list (weights from a ds_config's zoo block) become strings."""
+    if data_path is None:
+        return None
+    if isinstance(data_path, (str, os.PathLike)):
+        return [os.fspath(data_path)]
+    return [os.fspath(item) if isinstance(item, os.PathLike) else str(item) for item in data_path]
+
+
+def parse_data_path(data_path: None | str | os.PathLike | Sequence) -> list[tuple[float, str]] | None:
+    """``[(weight, prefix), ...]`` with weights normalised to sum to 1 (one prefix: weight 1.0), or None
+    for no ``data_path``. Corpora of weight 0 are kept (their files are still checked); they serve no
+    sample. Raises ValueError, naming the value, for an empty list, an odd number of items (other than
+    one), a weight that is not a finite number, a negative weight, or weights that are all zero."""
+    items = data_path_items(data_path)
+    if items is None:
+        return None
+    if not items:
+        raise ValueError(f"--data-path is empty; give {BLEND_FORMAT}.")
+    if len(items) == 1:
+        return [(1.0, items[0])]
+    if len(items) % 2:
+        raise ValueError(f"--data-path has {len(items)} items ({' '.join(items)}), an odd number; give {BLEND_FORMAT}.")
+    weights, prefixes = items[0::2], items[1::2]
+    values = []
+    for weight, prefix in zip(weights, prefixes):
+        try:
+            value = float(weight)
+        except ValueError:
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(f"--data-path weight {weight!r} (before prefix {prefix!r}) is not a number; give "
+                             f"{BLEND_FORMAT}.")
+        if value < 0:
+            raise ValueError(f"--data-path weight {weight} of {prefix!r} is negative; give every corpus a weight "
+                             ">= 0 (they are normalised to sum to 1).")
+        values.append(value)
+    total = sum(values)
+    if total <= 0:
+        raise ValueError(f"--data-path weights {' '.join(weights)} are all zero; give at least one corpus a "
+                         "positive weight.")
+    return [(value / total, prefix) for value, prefix in zip(values, prefixes)]
+
+
+def check_data_path(data_path, split: str | Sequence[float] = "969,30,1") -> list[tuple[float, str]] | None:
+    """Everything about ``--data-path`` and ``--split`` that can be checked before training starts:
+    :func:`parse_data_path`, :func:`open_corpora` (files, dtype, vocabulary) and
+    :func:`~zoo.data.gpt_dataset.parse_split`. Returns the parsed blend (None: the bundled corpus)."""
+    parse_split(split)
+    blend = parse_data_path(data_path)
+    if blend is not None:
+        open_corpora(blend)
+    return blend
+
+
+def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
+    """The :class:`IndexedDataset` of every corpus of ``blend``, checked to exist and to agree: the same
+    token dtype (recorded in each ``.idx``) and the same vocabulary. An ``.idx`` records no tokenizer, so
+    the vocabulary is compared on what the data shows: when every one of a corpus's first documents ends
+    with one id (the end-of-document token GPT preprocessing appends), that id must be the same in every
+    corpus that has one."""
+    corpora = []
+    for _, prefix in blend:
+        missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(path)]
+        if missing:
+            raise FileNotFoundError(f"--data-path corpus {prefix!r} names no indexed dataset ({' and '.join(missing)} "
+                                    f"{'is' if len(missing) == 1 else 'are'} missing); pass the --output-prefix that "
+                                    "launch/preprocess.py wrote, without .bin or .idx.")
+        corpora.append(IndexedDataset(prefix))
+    first = corpora[0]
+    for other in corpora[1:]:
+        if other.dtype != first.dtype:
+            raise ValueError(f"--data-path corpora {first.prefix!r} and {other.prefix!r} hold token ids of different "
+                             f"dtypes ({first.dtype} and {other.dtype}), so they come from different vocabularies; "
+                             "preprocess every corpus of a blend with the same tokenizer.")
+    ends = [(corpus, document_end_id(corpus)) for corpus in corpora]
+    marked = [(corpus, end) for corpus, end in ends if end is not None]
+    for corpus, end in marked[1:]:
+        if end != marked[0][1]:
+            raise ValueError(f"--data-path corpora {marked[0][0].prefix!r} and {corpus.prefix!r} end their documents "
+                             f"with different end-of-document ids ({marked[0][1]} and {end}), so they were tokenized "
+                             "with different vocabularies; preprocess every corpus of a blend with the same tokenizer.")
+    return corpora
+
+
+def document_end_id(indexed: IndexedDataset, documents: int = END_ID_DOCUMENTS) -> int | None:
+    """The id every one of the first ``documents`` non-empty documents of ``indexed`` ends with, or None
+    when they end differently or fewer than :data:`END_ID_MIN_DOCUMENTS` were read."""
+    doc_idx = np.asarray(indexed.doc_idx[: documents + 1])
+    last = doc_idx[1:] - 1
+    last = last[doc_idx[1:] > doc_idx[:-1]]  # documents with at least one sequence
+    last = last[np.asarray(indexed.sizes)[last] > 0]
+    if len(last) < END_ID_MIN_DOCUMENTS:
+        return None
+    ends = {int(indexed.get(int(s), int(indexed.sizes[s]) - 1, 1)[0]) for s in last}
+    return ends.pop() if len(ends) == 1 else None
+
+
+def blend_index(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+    """``(corpus, sample)`` arrays of length ``num_samples``: global sample ``i`` is sample ``sample[i]``
+    of corpus ``corpus[i]`` (see the module doc for the order and its bounds). ``corpus`` is uint16,
+    ``sample`` int64; the samples of each corpus are numbered 0, 1, 2, ... in order of use.
+
+    One stable sort of the due times: they arrive as one ascending run per corpus, which the sort merges
+    in O(N log K), so millions of samples take a fraction of a second."""
+    w = np.asarray(weights, dtype=np.float64)
+    num_samples = int(num_samples)
+    used = np.flatnonzero(w > 0)
+    # c_k(n) < w_k n + 1/2 + w_k K/2 (module doc), so this many due times of each corpus cover n samples.
+    candidates = np.floor(w[used] * num_samples + (len(w) + 1) / 2).astype(np.int64) + 1
+    due = np.concatenate([(np.arange(c, dtype=np.float64) + 0.5) / w[k] for k, c in zip(used, candidates)])
+    order = np.argsort(due, kind="stable")[:num_samples]
+    first_candidate = np.repeat(np.cumsum(candidates) - candidates, candidates)
+    corpus = np.repeat(used, candidates)[order].astype(np.uint16)
+    sample = (order - first_candidate[order]).astype(np.int64)
+    return corpus, sample
+
+
+class BlendedDataset(torch.utils.data.Dataset):
+    """The first ``num_samples`` samples of a blend: sample ``i`` is ``datasets[corpus[i]][sample[i]]``.
+
+    ``index`` has ``corpus`` and ``sample`` arrays (a :class:`zoo.data.blend_cache.BlendIndex`, or anything
+    with those two attributes that pickles cheaply to DataLoader workers). Every ``datasets[k]`` must
+    hold the ``counts[k]`` samples the blend asks of it (:meth:`counts` tells how many, before the
+    datasets are built)."""
+
+    def __init__(self, datasets: Sequence[torch.utils.data.Dataset], index, num_samples: int | None = None):
+        self.datasets = list(datasets)
+        self.index = index
+        self.num_samples = len(index.corpus) if num_samples is None else int(num_samples)
+        if not 0 <= self.num_samples <= len(index.corpus):
+            raise ValueError(f"num_samples={self.num_samples} is outside the blend index's {len(index.corpus)} "
+                             "samples; build the index for at least as many samples.")
+        needed = self.counts(index, len(self.datasets), self.num_samples)
+        for k, (dataset, count) in enumerate(zip(self.datasets, needed)):
+            if len(dataset) < count:
+                raise ValueError(f"corpus {k} of the blend holds {len(dataset)} samples but the blend takes {count} "
+                                 "of it; build its dataset with num_samples >= the blend's count.")
+
+    @staticmethod
+    def counts(index, num_corpora: int, num_samples: int) -> list[int]:
+        """How many samples of each corpus the first ``num_samples`` samples of ``index`` use."""
+        return np.bincount(np.asarray(index.corpus[:num_samples]), minlength=num_corpora).tolist()
+
+    def __len__(self) -> int:
+        return self.num_samples
+
+    def __getitem__(self, i: int):
+        i = int(i)
+        if not 0 <= i < self.num_samples:
+            raise IndexError(f"sample {i} out of range for {self.num_samples} samples")
+        return self.datasets[int(self.index.corpus[i])][int(self.index.sample[i])]
