@@ -164,7 +164,7 @@ def test_bad_blends_and_splits_are_one_sentence(corpora, tmp_path):
          "PREFIX2 ... (weights with indexed-dataset prefixes), or a single prefix."),
         ([], ValueError, "--data-path is empty; give W1 PREFIX1 W2 PREFIX2 ... (weights with indexed-dataset "
          "prefixes), or a single prefix."),
-        (["0.5", a, "0.5", str(tmp_path / "nope")], FileNotFoundError, f"--data-path corpus '{tmp_path / 'nope'}' "
+        (["0.5", a, "0.5", str(tmp_path / "nope")], FileNotFoundError, f"--data-path {tmp_path / 'nope'} "
          f"names no indexed dataset ({tmp_path / 'nope'}.bin and {tmp_path / 'nope'}.idx are missing); pass the "
          "--output-prefix that launch/preprocess.py wrote, without .bin or .idx."),
     ]
@@ -194,3 +194,22 @@ def test_cache_path_depends_on_the_blend(corpora):
     assert blend_cache_path(blend, 100).parent == Path(corpora[0]).parent
     assert blend_cache_path(blend, 100) != blend_cache_path(blend, 101)
     assert blend_cache_path(blend, 100) != blend_cache_path(parse_data_path(blend_items(corpora, (1, 1, 1))), 100)
+
+
+def _pretrain_on_a_blend(rank, world_size, data_path, save):
+    from tests.test_pretrain import run_config as pretrain_config
+    from zoo.training.pretrain import pretrain
+
+    config = pretrain_config(data_path[1], save, 1, 2, 4, train_iters=2)
+    config.data_path = data_path  # what --data-path 0.5 A 0.5 B parses to
+    pretrain(config)
+
+
+def test_pretraining_trains_on_a_blend(corpora, tmp_path):
+    """--data-path 0.5 A 0.5 B reaches the training loop: two iterations logged with a finite loss."""
+    from tests.test_pretrain import train_events
+
+    spawn(_pretrain_on_a_blend, 1, ["0.5", corpora[0], "0.5", corpora[1]], str(tmp_path / "run"))
+    events = train_events(tmp_path / "run")
+    assert [e["iteration"] for e in events] == [1, 2] and all(np.isfinite(e["loss"]) for e in events)
+    assert len(list(Path(corpora[0]).parent.glob("corpus0.blend-*.npy"))) == 1

@@ -106,7 +106,7 @@ def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
     for _, prefix in blend:
         missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(path)]
         if missing:
-            raise FileNotFoundError(f"--data-path corpus {prefix!r} names no indexed dataset ({' and '.join(missing)} "
+            raise FileNotFoundError(f"--data-path {prefix} names no indexed dataset ({' and '.join(missing)} "
                                     f"{'is' if len(missing) == 1 else 'are'} missing); pass the --output-prefix that "
                                     "launch/preprocess.py wrote, without .bin or .idx.")
         corpora.append(IndexedDataset(prefix))
