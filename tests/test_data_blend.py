@@ -176,6 +176,16 @@ def test_bad_blends_and_splits_are_one_sentence(corpora, tmp_path):
     cases.append((["1", a, "1", other], ValueError, f"--data-path corpora '{a}' and '{other}' end their documents "
                   "with different end-of-document ids (50256 and 2), so they were tokenized with different "
                   "vocabularies; preprocess every corpus of a blend with the same tokenizer."))
+    sentences = tmp_path / "sentences"
+    with IndexedDatasetBuilder(sentences, vocab_size=30522) as builder:
+        for _ in range(5):
+            builder.add_item([2000, 2001, 1012])
+            builder.add_item([2002, 1012])
+            builder.end_document()
+    cases.append((["1", a, "1", str(sentences)], ValueError, f"--data-path corpus '{sentences}' holds one sequence "
+                  f"per sentence (BERT preprocessing) but '{a}' one per document (GPT preprocessing), so they were "
+                  "tokenized for different models; preprocess every corpus of a blend with the same tokenizer and "
+                  "script."))
     for data_path, kind, message in cases:
         with pytest.raises(kind) as caught:
             check_data_path(data_path)

@@ -99,9 +99,10 @@ def check_data_path(data_path, split: str | Sequence[float] = "969,30,1") -> lis
 def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
     """The :class:`IndexedDataset` of every corpus of ``blend``, checked to exist and to agree: the same
     token dtype (recorded in each ``.idx``) and the same vocabulary. An ``.idx`` records no tokenizer, so
-    the vocabulary is compared on what the data shows: when every one of a corpus's first documents ends
-    with one id (the end-of-document token GPT preprocessing appends), that id must be the same in every
-    corpus that has one."""
+    the vocabulary is compared on what the data shows, from the first documents of each corpus: all hold
+    one sequence per document (GPT preprocessing) or all one per sentence (BERT preprocessing); and when
+    every document of a corpus ends with one id (the end-of-document token GPT preprocessing appends),
+    that id is the same in every corpus that has one."""
     corpora = []
     for _, prefix in blend:
         missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(path)]
@@ -116,6 +117,15 @@ def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
             raise ValueError(f"--data-path corpora {first.prefix!r} and {other.prefix!r} hold token ids of different "
                              f"dtypes ({first.dtype} and {other.dtype}), so they come from different vocabularies; "
                              "preprocess every corpus of a blend with the same tokenizer.")
+    layouts = [(corpus, sentence_per_sequence(corpus)) for corpus in corpora]
+    known = [(corpus, layout) for corpus, layout in layouts if layout is not None]
+    for corpus, layout in known[1:]:
+        if layout != known[0][1]:
+            by_sentence, by_document = (corpus, known[0][0]) if layout else (known[0][0], corpus)
+            raise ValueError(f"--data-path corpus {by_sentence.prefix!r} holds one sequence per sentence (BERT "
+                             f"preprocessing) but {by_document.prefix!r} one per document (GPT preprocessing), so "
+                             "they were tokenized for different models; preprocess every corpus of a blend with the "
+                             "same tokenizer and script.")
     ends = [(corpus, document_end_id(corpus)) for corpus in corpora]
     marked = [(corpus, end) for corpus, end in ends if end is not None]
     for corpus, end in marked[1:]:
@@ -124,6 +134,16 @@ def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
                              f"with different end-of-document ids ({marked[0][1]} and {end}), so they were tokenized "
                              "with different vocabularies; preprocess every corpus of a blend with the same tokenizer.")
     return corpora
+
+
+def sentence_per_sequence(indexed: IndexedDataset, documents: int = END_ID_DOCUMENTS) -> bool | None:
+    """True when some of the first ``documents`` documents of ``indexed`` hold several sequences (BERT
+    preprocessing writes one per sentence), False when each holds one (GPT preprocessing writes one per
+    document), None when fewer than :data:`END_ID_MIN_DOCUMENTS` documents were read."""
+    doc_idx = np.asarray(indexed.doc_idx[: documents + 1])
+    if len(doc_idx) - 1 < END_ID_MIN_DOCUMENTS:
+        return None
+    return bool((np.diff(doc_idx) > 1).any())
 
 
 def document_end_id(indexed: IndexedDataset, documents: int = END_ID_DOCUMENTS) -> int | None:
