@@ -207,8 +207,8 @@ def test_cache_path_depends_on_the_blend(corpora):
 
 
 def _pretrain_on_a_blend(rank, world_size, data_path, save):
-    from tests.test_pretrain import run_config as pretrain_config
-    from zoo.training.pretrain import pretrain
+    from tests.test_pretrain import run_config as pretrain_config  # local: a test module, imported only here
+    from zoo.training.pretrain import pretrain  # local: imports DeepSpeed (~1.5 s), needed only by this test
 
     config = pretrain_config(data_path[1], save, 1, 2, 4, train_iters=2)
     config.data_path = data_path  # what --data-path 0.5 A 0.5 B parses to
@@ -217,7 +217,7 @@ def _pretrain_on_a_blend(rank, world_size, data_path, save):
 
 def test_pretraining_trains_on_a_blend(corpora, tmp_path):
     """--data-path 0.5 A 0.5 B reaches the training loop: two iterations logged with a finite loss."""
-    from tests.test_pretrain import train_events
+    from tests.test_pretrain import train_events  # local: a test module, imported only here
 
     spawn(_pretrain_on_a_blend, 1, ["0.5", corpora[0], "0.5", corpora[1]], str(tmp_path / "run"))
     events = train_events(tmp_path / "run")

@@ -4,8 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-from zoo.data import DistributedPretrainingSampler, GPTDataset, IndexedDataset, IndexedDatasetBuilder
-from zoo.data.gpt_dataset import split_document_ranges
+from zoo.data import (DistributedPretrainingSampler, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
+                      build_pretraining_dataloader)
+from zoo.data.gpt_dataset import shut_down_workers, split_document_ranges
 
 SEQ = 8
 
@@ -113,8 +114,6 @@ def test_sampler_disjoint_covering_and_resume():
 
 
 def test_dataloader_batches(corpus):
-    from zoo.data import build_pretraining_dataloader
-
     indexed, _ = corpus
     ds = GPTDataset(indexed, SEQ, seed=0, split="1,0,0")
     batches = list(build_pretraining_dataloader(ds, micro_batch_size=2, consumed_samples=2))
@@ -126,9 +125,6 @@ def test_dataloader_batches(corpus):
 def test_workers_are_shut_down_while_an_error_still_holds_their_iterator(corpus):
     """The workers ignore SIGTERM; an error whose traceback holds the iterator must not leave them alive
     (multiprocessing's exit handler would wait for them forever): shut_down_workers ends them."""
-    from zoo.data import build_pretraining_dataloader
-    from zoo.data.gpt_dataset import shut_down_workers
-
     indexed, _ = corpus
     ds = GPTDataset(indexed, SEQ, seed=0, split="1,0,0")
     batches = iter(build_pretraining_dataloader(ds, micro_batch_size=2, num_workers=2))
