@@ -32,11 +32,11 @@ import torch
 from zoo.data.gpt_dataset import parse_split
 from zoo.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
 
-# How many leading documents the vocabulary check reads the last token of: enough to tell an
-# end-of-document id from chance, and O(1) in the corpus's size.
-END_ID_DOCUMENTS = 1000
-# Fewer documents than this carry no evidence of an end-of-document id (a few may end alike by chance).
-END_ID_MIN_DOCUMENTS = 4
+# How many leading documents of each corpus the vocabulary check reads (their layout and last token):
+# enough to tell an end-of-document id from chance, and O(1) in the corpus's size.
+CHECKED_DOCUMENTS = 1000
+# Fewer documents than this carry no evidence (a few may end alike, or hold one sentence, by chance).
+MIN_CHECKED_DOCUMENTS = 4
 BLEND_FORMAT = "W1 PREFIX1 W2 PREFIX2 ... (weights with indexed-dataset prefixes), or a single prefix"
 
 
@@ -136,46 +136,59 @@ def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
     return corpora
 
 
-def sentence_per_sequence(indexed: IndexedDataset, documents: int = END_ID_DOCUMENTS) -> bool | None:
+def sentence_per_sequence(indexed: IndexedDataset, documents: int = CHECKED_DOCUMENTS) -> bool | None:
     """True when some of the first ``documents`` documents of ``indexed`` hold several sequences (BERT
     preprocessing writes one per sentence), False when each holds one (GPT preprocessing writes one per
-    document), None when fewer than :data:`END_ID_MIN_DOCUMENTS` documents were read."""
+    document), None when fewer than :data:`MIN_CHECKED_DOCUMENTS` documents were read."""
     doc_idx = np.asarray(indexed.doc_idx[: documents + 1])
-    if len(doc_idx) - 1 < END_ID_MIN_DOCUMENTS:
+    if len(doc_idx) - 1 < MIN_CHECKED_DOCUMENTS:
         return None
     return bool((np.diff(doc_idx) > 1).any())
 
 
-def document_end_id(indexed: IndexedDataset, documents: int = END_ID_DOCUMENTS) -> int | None:
+def document_end_id(indexed: IndexedDataset, documents: int = CHECKED_DOCUMENTS) -> int | None:
     """The id every one of the first ``documents`` non-empty documents of ``indexed`` ends with, or None
-    when they end differently or fewer than :data:`END_ID_MIN_DOCUMENTS` were read."""
+    when they end differently or fewer than :data:`MIN_CHECKED_DOCUMENTS` were read."""
     doc_idx = np.asarray(indexed.doc_idx[: documents + 1])
     last = doc_idx[1:] - 1
     last = last[doc_idx[1:] > doc_idx[:-1]]  # documents with at least one sequence
     last = last[np.asarray(indexed.sizes)[last] > 0]
-    if len(last) < END_ID_MIN_DOCUMENTS:
+    if len(last) < MIN_CHECKED_DOCUMENTS:
         return None
     ends = {int(indexed.get(int(s), int(indexed.sizes[s]) - 1, 1)[0]) for s in last}
     return ends.pop() if len(ends) == 1 else None
 
 
-def blend_index(weights: Sequence[float], num_samples: int) -> tuple[np.ndarray, np.ndarray]:
+def blend_index(weights: Sequence[float], num_samples: int, chunk: int = 1 << 20) -> tuple[np.ndarray, np.ndarray]:
     """``(corpus, sample)`` arrays of length ``num_samples``: global sample ``i`` is sample ``sample[i]``
     of corpus ``corpus[i]`` (see the module doc for the order and its bounds). ``corpus`` is uint16,
     ``sample`` int64; the samples of each corpus are numbered 0, 1, 2, ... in order of use.
 
-    One stable sort of the due times: they arrive as one ascending run per corpus, which the sort merges
-    in O(N log K), so millions of samples take a fraction of a second."""
+    The due times are sorted a span of ``chunk`` time units at a time (about ``chunk`` samples, since the
+    weights sum to 1): the spans are half-open and fixed, so ties never straddle two spans and the order
+    equals one global stable sort of all due times, while memory beyond the result stays O(chunk)."""
     w = np.asarray(weights, dtype=np.float64)
-    num_samples = int(num_samples)
     used = np.flatnonzero(w > 0)
-    # c_k(n) < w_k n + 1/2 + w_k K/2 (module doc), so this many due times of each corpus cover n samples.
-    candidates = np.floor(w[used] * num_samples + (len(w) + 1) / 2).astype(np.int64) + 1
-    due = np.concatenate([(np.arange(c, dtype=np.float64) + 0.5) / w[k] for k, c in zip(used, candidates)])
-    order = np.argsort(due, kind="stable")[:num_samples]
-    first_candidate = np.repeat(np.cumsum(candidates) - candidates, candidates)
-    corpus = np.repeat(used, candidates)[order].astype(np.uint16)
-    sample = (order - first_candidate[order]).astype(np.int64)
+    num_samples = int(num_samples)
+    corpus = np.empty(num_samples, dtype=np.uint16)
+    sample = np.empty(num_samples, dtype=np.int64)
+    next_j = np.zeros(len(used), dtype=np.int64)  # each corpus's first sample not yet placed
+    filled, span_end = 0, 0.0
+    while filled < num_samples:
+        span_end += chunk
+        due, owner, number = [], [], []
+        for slot, k in enumerate(used):
+            j = np.arange(next_j[slot], max(next_j[slot], int(w[k] * span_end)) + 2, dtype=np.int64)
+            times = (j + 0.5) / w[k]
+            j, times = j[times < span_end], times[times < span_end]  # ascending, so a prefix of j
+            due.append(times)
+            owner.append(np.full(len(j), k, dtype=np.uint16))
+            number.append(j)
+            next_j[slot] += len(j)
+        order = np.argsort(np.concatenate(due), kind="stable")[: num_samples - filled]
+        corpus[filled : filled + len(order)] = np.concatenate(owner)[order]
+        sample[filled : filled + len(order)] = np.concatenate(number)[order]
+        filled += len(order)
     return corpus, sample
 
 
