@@ -12,7 +12,7 @@ import torch
 from tests.spawn import spawn
 from zoo.data import BertDataset, GPTDataset, IndexedDatasetBuilder
 from zoo.data.blend_cache import blend_cache_path
-from zoo.data.blending import BlendedDataset, check_data_path, parse_data_path
+from zoo.data.blending import BlendedDataset, blend_index, check_data_path, parse_data_path
 from zoo.models.presets import model_config
 from zoo.parallel import ParallelState
 from zoo.training.pretraining_data import PretrainingData
@@ -223,3 +223,12 @@ def test_pretraining_trains_on_a_blend(corpora, tmp_path):
     events = train_events(tmp_path / "run")
     assert [e["iteration"] for e in events] == [1, 2] and all(np.isfinite(e["loss"]) for e in events)
     assert len(list(Path(corpora[0]).parent.glob("corpus0.blend-*.npy"))) == 1
+
+
+def test_index_is_a_prefix_of_any_longer_one_whatever_the_chunk():
+    """A run that trains further (or builds its index in other chunks) continues the same sequence."""
+    short, long = blend_index(WEIGHTS, 5_000, chunk=7), blend_index(WEIGHTS, 20_000)
+    np.testing.assert_array_equal(short[0], long[0][:5_000])
+    np.testing.assert_array_equal(short[1], long[1][:5_000])
+    for k in range(3):  # each corpus's samples are used in order 0, 1, 2, ...
+        np.testing.assert_array_equal(long[1][long[0] == k], np.arange(np.count_nonzero(long[0] == k)))
