@@ -1,10 +1,10 @@
-"""Finetune BERT on MNLI through DeepSpeed at any tp degree (the logic is in zoo.finetune.runner).
+"""Finetune BERT on MNLI through DeepSpeed at any tp degree (see zoo.cli.finetune).
 
     deepspeed --num_gpus 2 finetune/mnli.py --deepspeed_config ds_configs/finetune_cpu.json \
         --pretrained <BERT dir> --data-dir <MNLI dir> [--lr --batch-size --epochs --seed --save ...]
 """
 
-from zoo.finetune.runner import main
+from zoo.cli.finetune import main
 
 if __name__ == "__main__":
     main("mnli")

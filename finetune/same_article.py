@@ -1,4 +1,4 @@
-"""Finetune BERT on the derived same-article task (the finetuning demo; the logic is in zoo.finetune.runner,
+"""Finetune BERT on the derived same-article task (the finetuning demo; the command is zoo.cli.finetune,
 the task in zoo.finetune.demo_task): do two Wikipedia sentences come from the same article?
 
     deepspeed --num_gpus 2 finetune/same_article.py --deepspeed_config ds_configs/finetune_demo.json \
@@ -6,7 +6,7 @@ the task in zoo.finetune.demo_task): do two Wikipedia sentences come from the sa
         [--lr --batch-size --epochs --seed --save --wandb-project ...]
 """
 
-from zoo.finetune.runner import main
+from zoo.cli.finetune import main
 
 if __name__ == "__main__":
     main("same-article")

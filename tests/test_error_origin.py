@@ -71,7 +71,7 @@ def test_the_pretraining_cli_reports_a_library_error_with_its_origin(monkeypatch
     """Through pretraining's main(): a ValueError raised inside a library while the run is set up
     (packaging's here, standing in for DeepSpeed's op builder) is still one line and exit 2, and now says
     where."""
-    from zoo.training import pretrain as pretraining
+    from zoo.cli import pretrain as pretraining
 
     def deepspeed_like_failure(args):
         raise _raised_by_a_library()

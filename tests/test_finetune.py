@@ -81,7 +81,7 @@ def test_race_through_the_deepspeed_launcher_at_tp2(tiny_bert_dir, tmp_path):
 
 
 def _tasks_worker(rank, world_size, pretrained, root):
-    from zoo.finetune.runner import main
+    from zoo.cli.finetune import main
 
     for task in ("mnli", "qqp", "squad"):
         main(task, finetune_args(task, pretrained, f"{root}/{task}", "--tensor-parallel-size", "2"))
@@ -132,7 +132,7 @@ def _pair_task(directory: Path) -> None:
 
 
 def _learning_worker(rank, world_size, pretrained, data_dir, root):
-    from zoo.finetune.runner import main
+    from zoo.cli.finetune import main
 
     common = ["--deepspeed_config", str(REPO / "ds_configs" / "finetune_cpu.json"), "--pretrained", pretrained,
               "--data-dir", data_dir, "--epochs", "2", "--batch-size", "16", "--lr", "3e-4", "--max-seq-length", "40",
@@ -205,7 +205,7 @@ parameters:
 # ----------------------------------------------------------------------------- bad input
 def test_cli_errors_are_one_sentence_and_exit_2(tiny_bert_dir, tmp_path, capsys):
     """Checked before any process group starts, so main() runs in this process."""
-    from zoo.finetune.runner import main
+    from zoo.cli.finetune import main
 
     with pytest.raises(SystemExit) as exit_:
         main("qqp", finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--tensor-parallel-size", "1")
@@ -254,7 +254,7 @@ def test_distributed_timeout_reaches_the_process_group(tiny_bert_dir, tmp_path, 
     """--distributed-timeout-minutes (or the zoo block's key) is what the run joins its process group with, as
     in pretraining; a non-positive value is one sentence and exit 2."""
     import zoo.training.loop
-    from zoo.finetune.runner import main
+    from zoo.cli.finetune import main
 
     class Joined(Exception):
         pass

@@ -99,7 +99,7 @@ def tiny_post_norm_bert(tmp_path_factory):
 
 
 def _demo_worker(rank, world_size, pretrained, data_dir, save):
-    from zoo.finetune.runner import main
+    from zoo.cli.finetune import main
 
     main("same-article", ["--deepspeed_config", str(REPO / "ds_configs" / "finetune_demo.json"),
                           "--pretrained", pretrained, "--data-dir", data_dir, "--save", save,

@@ -162,7 +162,7 @@ def test_hub_errors_are_one_sentence(hub_root, tmp_path, capsys, monkeypatch):
     import datasets
     import huggingface_hub
 
-    from zoo.finetune.runner import main
+    from zoo.cli.finetune import main
 
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

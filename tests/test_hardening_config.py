@@ -47,7 +47,7 @@ DS_CONFIG_CASES = {
 
 @pytest.mark.parametrize("case", sorted(DS_CONFIG_CASES))
 def test_pretrain_refuses_bad_ds_configs_before_anything_is_written(case, tmp_path, capsys):
-    from zoo.training.pretrain import main
+    from zoo.cli.pretrain import main
 
     content, needle = DS_CONFIG_CASES[case]
     path = tmp_path / "ds.json"
@@ -105,7 +105,7 @@ def test_model_directory_config_json_is_refused_before_allocating(case, tmp_path
         if family == "gpt2":
             launch_script("generate").main(["--load", str(model), "--prompt", "x"])
         else:
-            from zoo.finetune.runner import main
+            from zoo.cli.finetune import main
 
             main("mnli", ["--deepspeed_config", str(FINETUNE_DS_CONFIG), "--pretrained", str(model),
                           "--data-dir", str(FIXTURES / "mnli"), "--save", str(tmp_path / "run")])
@@ -144,7 +144,7 @@ def test_missing_data_path_is_reported_by_validation(tmp_path):
     with pytest.raises(FileNotFoundError, match=rf"\({prefix}\.idx is missing\)"):
         _run_config(tmp_path, "--data-path", str(prefix))
     (tmp_path / "corpus.idx").write_bytes(b"")
-    assert _run_config(tmp_path, "--data-path", str(prefix)).data_path == str(prefix)
+    assert _run_config(tmp_path, "--data-path", str(prefix)).data_path == [str(prefix)]
 
 
 def test_pretrained_config_json_and_load_file_are_checked_by_validation(tmp_path):
@@ -162,7 +162,7 @@ def test_pretrained_config_json_and_load_file_are_checked_by_validation(tmp_path
 def test_hub_prefix_over_a_glue_tsv_directory(tmp_path, monkeypatch, capsys):
     import datasets
 
-    from zoo.finetune.runner import main
+    from zoo.cli.finetune import main
 
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path / "cache"))
     data = tmp_path / "MNLI"

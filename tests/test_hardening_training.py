@@ -56,7 +56,7 @@ def _token_file(prefix, tokens, dtype=np.uint16):
     ("save", None, "save is None in the zoo block of .*; pass --save with the run directory"),
 ])
 def test_zoo_block_of_the_wrong_type_names_the_key(key, value, needle, tmp_path, capsys):
-    from zoo.training.pretrain import main
+    from zoo.cli.pretrain import main
 
     config = dict(_ds_config(2, 2), zoo={"model": "gpt2-tiny", key: value})
     path = tmp_path / "ds.json"

@@ -33,7 +33,7 @@ def slow_step(self, state):
     time.sleep(0.5)           # room for the test to signal mid-run
     return real_step(self, state)
 TrainingLoop.train_step = slow_step
-from zoo.training.pretrain import main
+from zoo.cli.pretrain import main
 main([arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")])
 """
 

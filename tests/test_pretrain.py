@@ -191,7 +191,7 @@ def save_then_die(self, state_dict, path):
         os.kill(os.getpid(), signal.SIGKILL)
     return real_save(self, state_dict, path)
 engine_module.TorchCheckpointEngine.save = save_then_die
-from zoo.training.pretrain import main
+from zoo.cli.pretrain import main
 main(sys.argv[1:])
 """
 
@@ -235,7 +235,7 @@ def test_sigkill_during_save_keeps_previous_checkpoint(corpus_prefix, tmp_path):
 ])
 def test_cli_config_errors_exit_2(flags, needle, tmp_path, capsys, monkeypatch):
     """Errors found before any process group starts: main() in this process (no interpreter start-up)."""
-    from zoo.training.pretrain import main
+    from zoo.cli.pretrain import main
 
     monkeypatch.chdir(REPO)
     with pytest.raises(SystemExit) as exit_:

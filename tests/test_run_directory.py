@@ -70,7 +70,7 @@ def step_after_go(self, state):
             time.sleep(0.05)
     return real_step(self, state)
 TrainingLoop.train_step = step_after_go
-from zoo.training.pretrain import main
+from zoo.cli.pretrain import main
 main(sys.argv[3:])
 """
 

@@ -14,37 +14,55 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from zoo.options import (add_deepspeed_config_argument, add_options, block_keys, check_block_keys, check_types,
+                         merged_settings, option)
+
 # The paper's Table 6 grid uses these defaults' neighbourhood; a single run gets sensible ones.
 DEFAULT_MAX_SEQ_LENGTH = {"mnli": 128, "qqp": 128, "race": 512, "squad": 384, "same-article": 64}
-FINETUNE_ZOO_KEYS = {"tensor_parallel_size", "lr", "save", "sequence_parallel", "distributed_timeout_minutes"}   # what a finetune ds_config's zoo block may set
 
 
 @dataclass
 class FinetuneConfig:
+    """One finetuning run's settings: each field is a ``--flag`` (dashes); those marked so are also zoo-block keys."""
+
     task: str
-    pretrained: str
-    data_dir: str
-    ds_config: dict[str, Any]
+    pretrained: str = option(group="model", in_block=False, help="HF-style BERT directory (zoo or transformers)")
+    data_dir: str = option(group="data", in_block=False,
+                           help="the task's data: a directory (original or HF hub layout) or hub:NAME[/CONFIG], "
+                                "e.g. hub:glue/mnli, hub:squad_v2, hub:race/all")
+    ds_config: dict[str, Any] = field(default_factory=dict)
     ds_config_path: str = "<dict>"
-    lr: float = 2e-5
-    batch_size: int = 32
-    epochs: float = 3
-    seed: int = 1234
-    max_seq_length: int | None = None
-    save: str | None = None
-    tensor_parallel_size: int | None = None
-    warmup: float = 0.1
-    weight_decay: float = 0.01
-    eval_batch_size: int = 32
-    log_interval: int = 10
-    doc_stride: int = 128
-    overwrite: bool = False   # the run may replace an earlier finetuning run's results in --save
-    max_query_length: int = 64
-    squad_version: str | None = None
-    dropout: float | None = None
-    sequence_parallel: bool = False
-    distributed_timeout_minutes: float | None = None   # every collective's timeout (DeepSpeed's default: 10)
-    wandb_project: str | None = None
+    lr: float = option(2e-5, group="training", help="peak learning rate")
+    batch_size: int = option(32, group="training", in_block=False,
+                             help="global train batch (default: the ds_config's train_batch_size, else 32)")
+    epochs: float = option(3, group="training", in_block=False, help="training epochs; 0 evaluates only")
+    seed: int = option(1234, group="training", in_block=False, help="seeds the head's init, dropout and data order")
+    max_seq_length: int | None = option(None, group="data", in_block=False,
+                                        help=f"tokens per example (default per task: {DEFAULT_MAX_SEQ_LENGTH})")
+    save: str | None = option(None, group="checkpointing", help="run directory (default runs/finetune-<task>)")
+    tensor_parallel_size: int | None = option(None, group="parallelism",
+                                              help="tensor-parallel degree: ranks per model replica")
+    warmup: float = option(0.1, group="training", in_block=False, help="warmup fraction of all steps")
+    weight_decay: float = option(0.01, group="training", in_block=False, help="AdamW weight decay")
+    eval_batch_size: int = option(32, group="training", in_block=False, help="per data-parallel rank")
+    log_interval: int = option(10, group="logging", in_block=False, help="iterations between log lines")
+    doc_stride: int = option(128, group="data", in_block=False, help="SQuAD: step between context windows")
+    overwrite: bool = option(False, group="checkpointing", in_block=False,
+                             help="let the run write into a --save directory that holds an earlier finetuning "
+                                  "run's metrics.jsonl and results.json (they are replaced)")
+    max_query_length: int = option(64, group="data", in_block=False, help="SQuAD: question tokens kept")
+    squad_version: str | None = option(None, group="data", in_block=False, choices=("1.1", "2.0"),
+                                       help="SQuAD: which files to read when --data-dir holds both")
+    dropout: float | None = option(None, group="model", in_block=False, help="override hidden/attention dropout")
+    sequence_parallel: bool = option(False, group="parallelism",
+                                     help="sequence parallelism (Korthikanti et al. 2022); --max-seq-length must "
+                                          "divide by tp")
+    distributed_timeout_minutes: float | None = option(
+        None, group="parallelism",
+        help="bound every collective: a rank that never arrives ends the job, named, after this long "
+             "(default: DeepSpeed's 10 minutes)")
+    wandb_project: str | None = option(None, group="logging", in_block=False,
+                                       help="log to W&B (WANDB_MODE=offline works)")
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -53,74 +71,39 @@ class FinetuneConfig:
         return values
 
 
-def build_parser(task: str) -> argparse.ArgumentParser:
-    import deepspeed
+FINETUNE_ZOO_KEYS = block_keys(FinetuneConfig)   # what a finetune ds_config's zoo block may set
 
+
+def build_parser(task: str) -> argparse.ArgumentParser:
+    """``finetune/<task>.py``'s parser: every FinetuneConfig flag in its --help group (absent flags parse as
+    None, so the zoo block and then the defaults fill them), plus DeepSpeed's ``--deepspeed_config``."""
     parser = argparse.ArgumentParser(
         prog=f"finetune/{task}.py",
         description=f"Finetune a (pre- or post-norm) BERT on {task.upper()} through DeepSpeed at any tp degree.")
-    parser.add_argument("--pretrained", required=True, help="HF-style BERT directory (zoo or transformers)")
-    parser.add_argument("--data-dir", required=True,
-                        help="the task's data: a directory (original or HF hub layout) or hub:NAME[/CONFIG], "
-                             "e.g. hub:glue/mnli, hub:squad_v2, hub:race/all")
-    parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default 2e-5)")
-    parser.add_argument("--batch-size", type=int, default=None, help="global train batch (default: ds_config's)")
-    parser.add_argument("--epochs", type=float, default=3, help="training epochs; 0 evaluates only")
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--max-seq-length", type=int, default=None,
-                        help=f"default per task: {DEFAULT_MAX_SEQ_LENGTH}")
-    parser.add_argument("--save", default=None, help="run directory (default runs/finetune-<task>)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="let the run write into a --save directory that holds an earlier finetuning run's "
-                             "metrics.jsonl and results.json (they are replaced)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None)
-    parser.add_argument("--warmup", type=float, default=0.1, help="warmup fraction of all steps")
-    parser.add_argument("--weight-decay", type=float, default=0.01)
-    parser.add_argument("--eval-batch-size", type=int, default=32, help="per data-parallel rank")
-    parser.add_argument("--log-interval", type=int, default=10)
-    parser.add_argument("--doc-stride", type=int, default=128, help="SQuAD: step between context windows")
-    parser.add_argument("--max-query-length", type=int, default=64, help="SQuAD: question tokens kept")
-    parser.add_argument("--squad-version", choices=("1.1", "2.0"), default=None,
-                        help="SQuAD: which files to read when --data-dir holds both")
-    parser.add_argument("--dropout", type=float, default=None, help="override hidden/attention dropout")
-    parser.add_argument("--sequence-parallel", action="store_true", default=None,
-                        help="sequence parallelism (Korthikanti et al. 2022); --max-seq-length must divide by tp")
-    parser.add_argument("--distributed-timeout-minutes", type=float, default=None,
-                        help="bound every collective: a rank that never arrives ends the job, named, after this long "
-                             "(default: DeepSpeed's 10 minutes)")
-    parser.add_argument("--wandb-project", default=None, help="log to W&B (WANDB_MODE=offline works)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=0, help=argparse.SUPPRESS)
-    deepspeed.add_config_arguments(parser)
+    add_options(parser, FinetuneConfig)
+    add_deepspeed_config_argument(parser)
     return parser
 
 
 def parse_args(task: str, argv=None) -> FinetuneConfig:
-    args = build_parser(task).parse_args(argv)
+    return config_from_args(task, build_parser(task).parse_args(argv))
+
+
+def config_from_args(task: str, args: argparse.Namespace) -> FinetuneConfig:
+    """The ds_config (checked), its zoo block and the flags, merged: flags win, then the block, then the
+    defaults; the global batch defaults to the ds_config's train_batch_size, ``save`` to runs/finetune-<task>."""
     from zoo.training.run_config import check_ds_config, read_ds_config
 
     ds_config = read_ds_config(args.deepspeed_config)
     check_ds_config(ds_config, args.deepspeed_config, needs_optimizer=False)   # deepspeed_dict fills the optimizer
-    zoo_block = ds_config.get("zoo", {})
-    unknown = sorted(set(zoo_block) - FINETUNE_ZOO_KEYS)
-    if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} in the zoo block of {args.deepspeed_config}; the finetune "
-                         f"scripts read {sorted(FINETUNE_ZOO_KEYS)}.")
-    config = FinetuneConfig(
-        task=task, pretrained=args.pretrained, data_dir=args.data_dir, ds_config=ds_config,
-        ds_config_path=args.deepspeed_config,
-        lr=args.lr if args.lr is not None else zoo_block.get("lr", 2e-5),
-        batch_size=args.batch_size if args.batch_size is not None else ds_config.get("train_batch_size", 32),
-        epochs=args.epochs, seed=args.seed, max_seq_length=args.max_seq_length, overwrite=args.overwrite,
-        save=args.save or zoo_block.get("save") or f"runs/finetune-{task}",
-        tensor_parallel_size=(args.tensor_parallel_size if args.tensor_parallel_size is not None
-                              else zoo_block.get("tensor_parallel_size")),
-        warmup=args.warmup, weight_decay=args.weight_decay, eval_batch_size=args.eval_batch_size,
-        log_interval=args.log_interval, doc_stride=args.doc_stride, max_query_length=args.max_query_length,
-        squad_version=args.squad_version, dropout=args.dropout, wandb_project=args.wandb_project,
-        sequence_parallel=bool(args.sequence_parallel if args.sequence_parallel is not None
-                               else zoo_block.get("sequence_parallel", False)),
-        distributed_timeout_minutes=(args.distributed_timeout_minutes if args.distributed_timeout_minutes is not None
-                                     else zoo_block.get("distributed_timeout_minutes")))
+    block = check_block_keys(ds_config.get("zoo", {}), FinetuneConfig, args.deepspeed_config,
+                             unknown_fix=f"the finetune scripts read {sorted(FINETUNE_ZOO_KEYS)}")
+    values = merged_settings(FinetuneConfig, block, args)
+    if "train_batch_size" in ds_config:
+        values.setdefault("batch_size", ds_config["train_batch_size"])
+    values["save"] = values.get("save") or f"runs/finetune-{task}"
+    config = FinetuneConfig(task=task, ds_config=ds_config, ds_config_path=args.deepspeed_config, **values)
+    check_types(config, args.deepspeed_config)
     return validate(config)
 
 

@@ -10,7 +10,9 @@ zoo reads its own settings from the top-level ``"zoo"`` key, which DeepSpeed ign
             "data_workers": 2, "exit_interval": 0, "exit_duration_in_mins": null, "exit_signal_handler": true,
             "distributed_timeout_minutes": null, "sample_prompts": []}
 
-``data_path`` null means the bundled Wikipedia sample, preprocessed once into a cache directory.
+``data_path`` null means the bundled Wikipedia sample, preprocessed once into a cache directory; a
+string is one indexed-dataset prefix, a list Megatron's blend ``[W1, P1, W2, P2, ...]`` (the flag:
+``--data-path W1 P1 W2 P2 ...``); either is held as a list (one prefix: a list of one).
 ``pretrained`` names a transformers-layout directory (GPT-2, MegatronBert or Bert, e.g. from
 ``save_pretrained`` or ``launch/export.py``) whose weights replace the random init, at any tp; the
 preset then only names the family, the shapes come from the directory. ``load`` resumes a zoo
@@ -34,47 +36,75 @@ import argparse
 import copy
 import json
 import math
-import os
-import types
-import typing
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from zoo.parallel.state import check_grid
-from zoo.models.presets import model_config
+from zoo.options import (add_deepspeed_config_argument, add_options, check_block_keys, check_types, json_kind,
+                         merged_settings, option, shown)
 
 
 @dataclass
 class RunConfig:
-    tensor_parallel_size: int = 1
-    model: str = "gpt2-tiny"
-    seq_length: int = 1024
-    train_iters: int = 1000
-    data_path: str | None = None
-    split: str = "969,30,1"
-    seed: int = 1234
-    save: str | None = "runs/pretrain"
-    load: str | None = None
-    pretrained: str | None = None   # transformers-layout directory to start from (instead of random init)
-    log_interval: int = 10
-    eval_interval: int = 1000
-    eval_iters: int = 10
-    save_interval: int = 0
-    checkpoint_activations: bool = False   # full recomputation (Megatron's older flag for --recompute-granularity full)
-    recompute_granularity: str | None = None   # "full" (every layer) or "selective" (the attention core)
-    sequence_parallel: bool = False  # Korthikanti et al. 2022: LayerNorm/dropout/residual split along the sequence
-    wandb_project: str | None = None
-    model_overrides: dict[str, Any] = field(default_factory=dict)   # e.g. {"resid_pdrop": 0.0}
-    data_workers: int = 2            # DataLoader worker processes per rank (0: read batches in the training process)
-    exit_interval: int = 0           # stop with a checkpoint after every iteration that is a multiple of it
-    exit_duration_in_mins: float | None = None   # stop with a checkpoint before this much wall time
-    exit_signal_handler: bool = True   # SIGTERM/SIGUSR1: stop at the next iteration with a checkpoint
-    distributed_timeout_minutes: float | None = None   # every collective's timeout (DeepSpeed's default: 10)
-    overwrite: bool = False          # a fresh run (no --load) may replace the checkpoints of a --save directory
-    sample_prompts: list[str] = field(default_factory=list)   # GPT only: text sampled from each at the end (the demo)
+    """One pretraining run's settings: each field is a ``--flag`` (dashes) and a zoo-block key (underscores)."""
+
+    tensor_parallel_size: int = option(1, group="parallelism", help="tensor-parallel degree: ranks per model replica")
+    model: str = option("gpt2-tiny", group="model", help="model preset (zoo.models.presets), e.g. gpt2-345m, bert-tiny")
+    seq_length: int = option(1024, group="model", help="tokens per training sample")
+    train_iters: int = option(1000, group="training", help="optimizer steps of the whole run")
+    data_path: list[str] | None = option(
+        None, group="data", metavar="PATH",
+        expects=("a string or a list of strings", '"data/corpus"'),
+        help="an indexed-dataset prefix written by launch/preprocess.py, or a blend W1 PREFIX1 W2 PREFIX2 ... "
+             "(default: the bundled Wikipedia sample)")
+    split: str = option("969,30,1", group="data", help="train,valid,test weights of the documents")
+    seed: int = option(1234, group="training", help="seeds the init, dropout and the data order")
+    save: str | None = option("runs/pretrain", group="checkpointing",
+                              help="run directory: metrics.jsonl, loss.png and checkpoints/")
+    load: str | None = option(None, group="checkpointing",
+                              help="resume from this run directory (at any tp); none there yet starts at iteration 0")
+    pretrained: str | None = option(None, group="checkpointing",
+                                    help="transformers-layout directory to start from (instead of random init)")
+    log_interval: int = option(10, group="logging", help="iterations between log lines")
+    eval_interval: int = option(1000, group="training", help="iterations between validations (0: never)")
+    eval_iters: int = option(10, group="training", help="batches per validation")
+    save_interval: int = option(0, group="checkpointing", help="iterations between checkpoints (0: at the end only)")
+    checkpoint_activations: bool = option(
+        False, group="training",
+        help="recompute each layer in backward (DeepSpeed activation checkpointing; Megatron's older flag for "
+             "--recompute-granularity full)")
+    recompute_granularity: str | None = option(
+        None, group="training", help="'full' (every layer) or 'selective' (the attention core)")
+    sequence_parallel: bool = option(
+        False, group="parallelism",
+        help="sequence parallelism (Korthikanti et al. 2022): LayerNorm, dropout and residuals on seq_length / tp "
+             "tokens per rank; seq_length must divide by tp")
+    wandb_project: str | None = option(None, group="logging", help="log to this W&B project")
+    model_overrides: dict[str, Any] = option(group="model", flag=None, default_factory=dict,
+                                             help='model config fields to change, e.g. {"resid_pdrop": 0.0}')
+    data_workers: int = option(2, group="data",
+                               help="DataLoader worker processes per rank (0: read batches in the training process)")
+    exit_interval: int = option(0, group="checkpointing",
+                                help="stop with a checkpoint after every iteration that is a multiple of it (0: off)")
+    exit_duration_in_mins: float | None = option(None, group="checkpointing",
+                                                 help="stop with a checkpoint before this much wall time")
+    exit_signal_handler: bool = option(
+        True, group="checkpointing", negatable=True,
+        help="on SIGTERM or SIGUSR1 every rank stops at the next iteration with a checkpoint and exits 0")
+    distributed_timeout_minutes: float | None = option(
+        None, group="parallelism", help="every collective's timeout (default: DeepSpeed's 10 minutes)")
+    overwrite: bool = option(
+        False, group="checkpointing",
+        help="let a run without --load write into a --save directory that already holds checkpoints (its "
+             "checkpoints and metrics are replaced)")
+    sample_prompts: list[str] = option(group="logging", flag=None, default_factory=list,
+                                       help="GPT only: text sampled from each prompt at the end (the demo)")
     ds_config: dict[str, Any] = field(default_factory=dict, repr=False)
     ds_config_path: str | None = None
+
+    def __post_init__(self) -> None:
+        if isinstance(self.data_path, str):   # one prefix is a blend of one
+            self.data_path = [self.data_path]
 
     @property
     def recompute(self) -> str | None:
@@ -95,50 +125,13 @@ class RunConfig:
         return "fp32"
 
 
-CLI_FLAGS = {  # flag -> (RunConfig field, type)
-    "--tensor-parallel-size": ("tensor_parallel_size", int),
-    "--model": ("model", str),
-    "--seq-length": ("seq_length", int),
-    "--train-iters": ("train_iters", int),
-    "--data-path": ("data_path", str),
-    "--split": ("split", str),
-    "--seed": ("seed", int),
-    "--save": ("save", str),
-    "--load": ("load", str),
-    "--pretrained": ("pretrained", str),
-    "--log-interval": ("log_interval", int),
-    "--eval-interval": ("eval_interval", int),
-    "--eval-iters": ("eval_iters", int),
-    "--save-interval": ("save_interval", int),
-    "--wandb-project": ("wandb_project", str),
-    "--recompute-granularity": ("recompute_granularity", str),
-    "--data-workers": ("data_workers", int),
-    "--exit-interval": ("exit_interval", int),
-    "--exit-duration-in-mins": ("exit_duration_in_mins", float),
-    "--distributed-timeout-minutes": ("distributed_timeout_minutes", float),
-}
-
-
 def build_parser(description: str) -> argparse.ArgumentParser:
-    import deepspeed
-
-    parser = argparse.ArgumentParser(description=description)
-    for flag, (name, kind) in CLI_FLAGS.items():
-        parser.add_argument(flag, dest=name, type=kind, default=None,
-                            help=f"overrides zoo.{name} of the ds_config")
-    parser.add_argument("--checkpoint-activations", dest="checkpoint_activations", action="store_true",
-                        default=None, help="recompute each layer in backward (DeepSpeed activation checkpointing)")
-    parser.add_argument("--sequence-parallel", dest="sequence_parallel", action="store_true", default=None,
-                        help="sequence parallelism (Korthikanti et al. 2022): LayerNorm, dropout and residuals on "
-                             "seq_length / tp tokens per rank; seq_length must divide by tp")
-    parser.add_argument("--exit-signal-handler", dest="exit_signal_handler", action=argparse.BooleanOptionalAction,
-                        default=None, help="on SIGTERM or SIGUSR1 every rank stops at the next iteration with a "
-                                           "checkpoint and exits 0 (default on; --no-exit-signal-handler: off)")
-    parser.add_argument("--overwrite", dest="overwrite", action="store_true", default=None,
-                        help="let a run without --load write into a --save directory that already holds "
-                             "checkpoints (its checkpoints and metrics are replaced)")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)))
-    return deepspeed.add_config_arguments(parser)
+    """The pretraining parser: every RunConfig flag in its --help group (absent flags parse as None, so the
+    zoo block keeps its values), plus DeepSpeed's ``--deepspeed_config``."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(parser, RunConfig)
+    add_deepspeed_config_argument(parser)
+    return parser
 
 
 def read_ds_config(path: str | None) -> dict[str, Any]:
@@ -155,7 +148,7 @@ def read_ds_config(path: str | None) -> dict[str, Any]:
     except json.JSONDecodeError as err:
         raise ValueError(f"DeepSpeed config {path} is not valid JSON ({err}); fix the file.") from None
     if not isinstance(ds_config, dict):
-        raise ValueError(f"DeepSpeed config {path} holds {_json_kind(ds_config)}, not a JSON object; write it as "
+        raise ValueError(f"DeepSpeed config {path} holds {json_kind(ds_config)}, not a JSON object; write it as "
                          "{\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 4, \"optimizer\": {...}, ...}, "
                          "like the files in ds_configs/.")
     return ds_config
@@ -174,16 +167,16 @@ def check_ds_config(ds_config: dict[str, Any], path: str | None, *, needs_optimi
     file (``needs_optimizer``: pretraining), an ``optimizer`` block with a ``type`` is there."""
     for block in DS_CONFIG_BLOCKS:
         if block in ds_config and not isinstance(ds_config[block], dict):
-            raise ValueError(f"{block!r} in DeepSpeed config {path} is {_shown(ds_config[block])} "
-                             f"({_json_kind(ds_config[block])}), not a JSON object; write it as \"{block}\": "
+            raise ValueError(f"{block!r} in DeepSpeed config {path} is {shown(ds_config[block])} "
+                             f"({json_kind(ds_config[block])}), not a JSON object; write it as \"{block}\": "
                              "{...} like the files in ds_configs/.")
     for key in DS_CONFIG_BATCH_KEYS:
         value = ds_config.get(key)
         if key not in ds_config or (key == "gradient_accumulation_steps" and value == "auto"):
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            kind = "" if isinstance(value, int) and not isinstance(value, bool) else f" ({_json_kind(value)})"
-            raise ValueError(f"{key} in DeepSpeed config {path} is {_shown(value)}{kind}, not a positive integer; "
+            kind = "" if isinstance(value, int) and not isinstance(value, bool) else f" ({json_kind(value)})"
+            raise ValueError(f"{key} in DeepSpeed config {path} is {shown(value)}{kind}, not a positive integer; "
                              f"write it as e.g. \"{key}\": 8.")
     enabled = [name for name in ("fp16", "bf16") if ds_config.get(name, {}).get("enabled") is True]
     if len(enabled) == 2:
@@ -197,7 +190,7 @@ def check_ds_config(ds_config: dict[str, Any], path: str | None, *, needs_optimi
                              "\"weight_decay\": 0.01}}.")
         if not isinstance(optimizer.get("type"), str):
             raise ValueError(f"the optimizer block of DeepSpeed config {path} names no type (it has "
-                             f"{_shown(optimizer.get('type'))}); add e.g. \"type\": \"AdamW\".")
+                             f"{shown(optimizer.get('type'))}); add e.g. \"type\": \"AdamW\".")
 
 
 def load_run_config(args: argparse.Namespace) -> RunConfig:
@@ -206,35 +199,27 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     ds_config = read_ds_config(path)
     block = ds_config.get("zoo", {})
     if not isinstance(block, dict):
-        raise ValueError(f"the zoo block of {path} is {block!r}, not a JSON object; write it as "
-                         "\"zoo\": {\"tensor_parallel_size\": 1, \"model\": \"gpt2-tiny\", ...}.")
+        check_block_keys(block, RunConfig, path)
     check_ds_config(ds_config, path, needs_optimizer=True)
-    block = dict(block)
-    known = {f.name for f in fields(RunConfig)} - {"ds_config", "ds_config_path"}
-    unknown = sorted(set(block) - known)
-    if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} in the zoo block of {path}; valid keys are {sorted(known)}.")
-    config = RunConfig(**block, ds_config=copy.deepcopy(ds_config), ds_config_path=str(path))
-    for name in known:
-        value = getattr(args, name, None)
-        if value is not None:
-            setattr(config, name, value)
+    block = check_block_keys(block, RunConfig, path)
+    config = RunConfig(**merged_settings(RunConfig, block, args), ds_config=copy.deepcopy(ds_config),
+                       ds_config_path=str(path))
     return check_input_paths(validate_static(config))
 
 
 def check_input_paths(config: RunConfig) -> RunConfig:
     """Every file the run reads exists, checked before a process group, a model or an engine is built: the
-    ``data_path`` prefix's ``.bin`` and ``.idx``, the ``pretrained`` directory and its config.json (read and
+    ``.bin`` and ``.idx`` of every ``data_path`` prefix (one, or each corpus of a blend), the ``pretrained`` directory and its config.json (read and
     checked, see :func:`zoo.models.hf_io.read_config_json`), and ``load`` when it exists (a ``load`` not
     there yet is a run to start, so a job script can always pass ``--save X --load X``)."""
-    from zoo.data.indexed_dataset import data_file_path, index_file_path
-    from zoo.models.hf_io import read_config_json
+    from zoo.data.blending import parse_data_path  # local: torch import cost (the parser is built without torch)
+    from zoo.data.indexed_dataset import data_file_path, index_file_path  # local: torch import cost
+    from zoo.models.hf_io import read_config_json  # local: torch import cost
 
-    if config.data_path is not None:
-        missing = [path for path in (data_file_path(config.data_path), index_file_path(config.data_path))
-                   if not Path(path).is_file()]
+    for _, prefix in parse_data_path(config.data_path) or ():
+        missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not Path(path).is_file()]
         if missing:
-            raise FileNotFoundError(f"--data-path {config.data_path} names no indexed dataset ({' and '.join(missing)} "
+            raise FileNotFoundError(f"--data-path {prefix} names no indexed dataset ({' and '.join(missing)} "
                                     f"{'is' if len(missing) == 1 else 'are'} missing); pass the --output-prefix that "
                                     "launch/preprocess.py wrote, without .bin or .idx.")
     if config.pretrained is not None:
@@ -247,6 +232,8 @@ def check_input_paths(config: RunConfig) -> RunConfig:
 
 def validate_static(config: RunConfig) -> RunConfig:
     """Checks that need no process group."""
+    from zoo.models.presets import model_config  # local: torch import cost (the parser is built without torch)
+
     check_field_types(config)
     check_ds_config(config.ds_config, config.ds_config_path, needs_optimizer=False)
     family_config = model_config(config.model)  # raises on an unknown preset
@@ -298,7 +285,7 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
         return
     bad = next((p for p in prompts if not isinstance(p, str)), None)
     if bad is not None:
-        raise ValueError(f"sample_prompts holds {_shown(bad)} ({_json_kind(bad)}), not a string; write it as e.g. "
+        raise ValueError(f"sample_prompts holds {shown(bad)} ({json_kind(bad)}), not a string; write it as e.g. "
                          "\"sample_prompts\": [\"The history of\"].")
     if family_config.model_type != "gpt2":
         raise ValueError(f"sample_prompts are for GPT models, but model {config.model!r} is a "
@@ -317,60 +304,16 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
                              f"model's n_positions={n_positions}; shorten it.")
 
 
-TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object", float: "a number",
-              list: "a list"}
-TYPE_EXAMPLES = {int: "6", str: '"text"', bool: "true", dict: "{}", float: "30", list: "[]"}
-
-
 def check_field_types(config: RunConfig) -> None:
     """Every zoo setting has its field's type (CLI flags are typed by argparse, so a wrong type comes
     from the zoo block of the ds_config): one sentence naming the key, its value and the expected type."""
-    hints = typing.get_type_hints(RunConfig)
-    for f in fields(RunConfig):
-        if f.name in ("ds_config", "ds_config_path"):
-            continue
-        value = getattr(config, f.name)
-        allowed = _allowed_types(hints[f.name])
-        if _has_type(value, allowed):
-            continue
-        kind = allowed[0]
-        nullable = " or null" if type(None) in allowed else ""
-        raise ValueError(f"zoo setting {f.name!r} in {config.ds_config_path} is {_shown(value)} "
-                         f"({_json_kind(value)}) but must be {TYPE_NAMES[kind]}{nullable}; write it as e.g. "
-                         f"\"{f.name}\": {TYPE_EXAMPLES[kind]}.")
-
-
-def _allowed_types(hint) -> tuple[type, ...]:
-    """``int`` -> (int,); ``str | None`` -> (str, NoneType); ``dict[str, Any]`` -> (dict,)."""
-    if typing.get_origin(hint) in (typing.Union, types.UnionType):
-        return tuple(t for arg in typing.get_args(hint) for t in _allowed_types(arg))
-    return (typing.get_origin(hint) or hint,)
-
-
-def _has_type(value, allowed: tuple[type, ...]) -> bool:
-    if isinstance(value, bool):   # bool is an int subclass: true is not an iteration count
-        return bool in allowed
-    if isinstance(value, int) and float in allowed:   # JSON's 30 is a number of minutes too
-        return True
-    return isinstance(value, allowed)
-
-
-def _shown(value) -> str:
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _json_kind(value) -> str:
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
-            dict: "a JSON object"}.get(type(value), type(value).__name__)
+    check_types(config, config.ds_config_path)
 
 
 def validate_for_world(config: RunConfig, world_size: int) -> int:
     """Batch sizes against the data-parallel size; returns the gradient-accumulation steps."""
+    from zoo.parallel.state import check_grid  # local: torch import cost (the parser is built without torch)
+
     tp = config.tensor_parallel_size
     check_grid(tp, world_size)
     dp = world_size // tp

@@ -1,0 +1,51 @@
+"""How every command ends: a user error is one ``error: <sentence>`` line and exit code 2, and a process
+group the command created is destroyed after it succeeds.
+
+A user error is a ValueError or FileNotFoundError raised with one sentence naming the value and the fix
+(:func:`zoo.errors.report_error` prints it). After a failure nothing is torn down, since another rank may
+still wait in a collective (:func:`zoo.distributed.process_group_left_on_success`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import sys
+from typing import Callable, Iterator, TypeVar
+
+from zoo.errors import report_error
+from zoo.options import add_local_rank_argument
+
+USER_ERRORS = (ValueError, FileNotFoundError)
+USER_ERROR_EXIT_CODE = 2
+T = TypeVar("T")
+
+
+def command_parser(parser: argparse.ArgumentParser, *, launched: bool = True) -> argparse.ArgumentParser:
+    """``parser`` with the flags every launched command takes (``--local_rank``, passed by the deepspeed
+    launcher); ``launched`` False for commands that run as one plain process."""
+    if launched:
+        add_local_rank_argument(parser)
+    return parser
+
+
+@contextlib.contextmanager
+def process_group_left_on_success() -> Iterator[None]:
+    from zoo.distributed import process_group_left_on_success as left  # local: torch import cost, after parsing
+
+    with left():
+        yield
+
+
+def run_command(work: Callable[[], T], *, teardown: bool = True, return_code: bool = False) -> T | int:
+    """``work()``'s result; on a user error, its sentence on stderr and exit code 2 (``return_code``: returned
+    as 2 instead of raised as SystemExit). ``teardown``: destroy a process group ``work`` created, once it
+    succeeded."""
+    try:
+        with process_group_left_on_success() if teardown else contextlib.nullcontext():
+            return work()
+    except USER_ERRORS as err:
+        report_error(err)
+        if return_code:
+            return USER_ERROR_EXIT_CODE
+        sys.exit(USER_ERROR_EXIT_CODE)
