@@ -73,10 +73,15 @@ def build_blend_cache(blend: Sequence[tuple[float, str]], num_samples: int) -> b
     corpus, sample = blend_index([weight for weight, _ in blend], num_samples)
     table = np.empty(len(corpus), dtype=BLEND_DTYPE)
     table["corpus"], table["sample"] = corpus, sample
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with atomic_file(path) as tmp:
-        with open(tmp, "wb") as out:
-            np.save(out, table, allow_pickle=False)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_file(path) as tmp:
+            with open(tmp, "wb") as out:
+                np.save(out, table, allow_pickle=False)
+    except OSError as err:
+        why = "permission denied" if isinstance(err, PermissionError) else err.strerror
+        raise ValueError(f"the blend index of --data-path cannot be written to {path.parent} ({why}); make the "
+                         "first corpus's directory or $ZOO_CACHE writable.") from None
     return True
 
 
