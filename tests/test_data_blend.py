@@ -11,7 +11,7 @@ import torch
 
 from tests.spawn import spawn
 from zoo.data import BertDataset, GPTDataset, IndexedDatasetBuilder
-from zoo.data.blend_cache import blend_cache_path
+from zoo.data.blend_cache import blend_cache_path, shared_blend_index
 from zoo.data.blending import BlendedDataset, blend_index, check_data_path, parse_data_path
 from zoo.models.presets import model_config
 from zoo.parallel import ParallelState
@@ -232,3 +232,15 @@ def test_index_is_a_prefix_of_any_longer_one_whatever_the_chunk():
     np.testing.assert_array_equal(short[1], long[1][:5_000])
     for k in range(3):  # each corpus's samples are used in order 0, 1, 2, ...
         np.testing.assert_array_equal(long[1][long[0] == k], np.arange(np.count_nonzero(long[0] == k)))
+
+
+def test_a_damaged_blend_index_is_one_sentence_and_left_in_place(corpora):
+    blend = parse_data_path(blend_items(corpora))
+    path = shared_blend_index(blend, 100).path
+    with open(path, "r+b") as damaged:
+        damaged.truncate(300)
+    with pytest.raises(ValueError) as caught:
+        shared_blend_index(blend, 100)
+    assert str(caught.value) == (f"blend index {path} does not hold the 100 blend entries its name stands for; "
+                                 "delete it so that the next run rebuilds it.")
+    assert path.stat().st_size == 300

@@ -37,11 +37,13 @@ class BlendIndex:
         self.num_samples = int(num_samples)
         self.num_corpora = int(num_corpora)
         self.built_here = built_here
-        table = np.load(self.path, mmap_mode="r", allow_pickle=False)
-        if table.dtype != BLEND_DTYPE or table.shape != (self.num_samples,):
-            raise ValueError(f"blend index {self.path} holds {table.shape} entries of {table.dtype}, not the "
-                             f"{self.num_samples} blend entries its name stands for; delete it so that the next run "
-                             "rebuilds it.")
+        try:
+            table = np.load(self.path, mmap_mode="r", allow_pickle=False)
+        except (ValueError, OSError):  # not an .npy file, or one cut short
+            table = None
+        if table is None or table.dtype != BLEND_DTYPE or table.shape != (self.num_samples,):
+            raise ValueError(f"blend index {self.path} does not hold the {self.num_samples} blend entries its name "
+                             "stands for; delete it so that the next run rebuilds it.")
         self.corpus, self.sample = table["corpus"], table["sample"]
 
     def __getstate__(self):
