@@ -228,6 +228,7 @@ def test_exports_and_resharded_copies_honour_the_umask(run_dir, tmp_path, umask)
 @pytest.mark.parametrize("umask", [0o022, 0o027], indirect=True)
 def test_loss_plot_and_evaluation_results_honour_the_umask(tmp_path, umask, monkeypatch, capsys):
     import zoo.eval.runner as runner
+    from zoo.cli.evaluate import main as evaluate_main
     from zoo.training.metrics import plot_loss
 
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "loss": 5.0}) + "\n")
@@ -238,7 +239,7 @@ def test_loss_plot_and_evaluation_results_honour_the_umask(tmp_path, umask, monk
                "multi_token_targets": 0, "truncated": 0}
     monkeypatch.setattr(runner, "evaluate_checkpoint", lambda args: results)
     out = tmp_path / "new" / "lambada.json"
-    runner.main(["--task", "lambada", "--data", "unused", "--load", "unused", "--out", str(out)])
+    evaluate_main(["--task", "lambada", "--data", "unused", "--load", "unused", "--out", str(out)])
     assert json.loads(out.read_text()) == results and mode(out) == 0o666 & ~umask
     assert sorted(p.name for p in tmp_path.iterdir()) == ["loss.png", "metrics.jsonl", "new"]
     assert [p.name for p in out.parent.iterdir()] == ["lambada.json"], "temporary files left behind"
@@ -248,13 +249,14 @@ def test_loss_plot_and_evaluation_results_honour_the_umask(tmp_path, umask, monk
 def evaluate_cli(capsys, monkeypatch, out) -> str:
     """launch/evaluate.py in process with an evaluation that must never start; returns the sentence."""
     import zoo.eval.runner as runner
+    from zoo.cli.evaluate import main as evaluate_main
 
     def forbidden(args):
         raise AssertionError("the evaluation started before --out was checked")
 
     monkeypatch.setattr(runner, "evaluate_checkpoint", forbidden)
     with pytest.raises(SystemExit) as exit_info:
-        runner.main(["--task", "wikitext", "--data", "unused", "--load", "unused", "--out", str(out)])
+        evaluate_main(["--task", "wikitext", "--data", "unused", "--load", "unused", "--out", str(out)])
     assert exit_info.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("error: "), line

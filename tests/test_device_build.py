@@ -94,12 +94,12 @@ def _run_until_load_fails(main, argv: list[str]) -> None:
 @pytest.mark.parametrize("cli", ["evaluate", "generate"])
 def test_tf32_flag_sets_both_backends_and_is_off_by_default(cli, tmp_path, tf32_flags_restored):
     import launch.generate
-    import zoo.eval.runner
+    import zoo.cli.evaluate
 
     data = tmp_path / "wiki.test.tokens"
     data.write_text(" = Title = \n\n a few words of text . \n")
     missing = str(tmp_path / "no-such-model")
-    main, argv = ((zoo.eval.runner.main, ["--task", "wikitext", "--data", str(data), "--load", missing])
+    main, argv = ((zoo.cli.evaluate.main, ["--task", "wikitext", "--data", str(data), "--load", missing])
                   if cli == "evaluate" else (launch.generate.main, ["--prompt", "Hello", "--load", missing]))
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = False, False
     _run_until_load_fails(main, argv + ["--tf32"])

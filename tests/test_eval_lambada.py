@@ -200,7 +200,7 @@ def test_file_errors(tmp_path):
 def test_cli_writes_json_and_survives_wandb_failure(tmp_path, hf_dir, hf_model, tokenizer, monkeypatch, capsys):
     import wandb
 
-    from zoo.eval.runner import main
+    from zoo.cli.evaluate import main
 
     def refuse(*_, **__):
         raise RuntimeError("no network")
@@ -226,7 +226,7 @@ def test_cli_writes_json_and_survives_wandb_failure(tmp_path, hf_dir, hf_model, 
      "sequence length 65 exceeds the model's n_positions 64; pass --seq-length 64 or less."),
 ])
 def test_cli_user_errors_exit_2(tmp_path, hf_dir, capsys, argv, message):
-    from zoo.eval.runner import main
+    from zoo.cli.evaluate import main
 
     (tmp_path / "wiki.test.tokens").write_text(" \n = Robert Boulter = \n \n Robert Boulter is an actor . \n")
     with pytest.raises(SystemExit) as exit_info:

@@ -380,7 +380,7 @@ def test_evaluate_reads_a_deepspeed_checkpoint_directly(trained_run, tmp_path):
     import json
 
     from zoo.checkpoint import export_checkpoint
-    from zoo.eval.runner import main
+    from zoo.cli.evaluate import main
 
     texts = ["The quick brown fox jumps over the lazy dog", "Tensor parallel layers split the heads"]
     data = tmp_path / "lambada_test.jsonl"

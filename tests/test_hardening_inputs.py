@@ -203,7 +203,7 @@ def test_generate_cli_checks_output_before_generating(tmp_path, capsys):
 
 
 def test_generate_output_is_atomic_with_the_umask_mode(tmp_path):
-    cli = launch_script("generate")
+    import zoo.cli.generate as cli
     old = os.umask(0o022)
     try:
         cli.write_jsonl_atomic(tmp_path / "sub" / "out.jsonl", [{"prompt": "é", "tokens": [1]}])

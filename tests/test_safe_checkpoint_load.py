@@ -103,7 +103,7 @@ def test_export_refuses_a_planted_pickle(real_run, tmp_path, capsys):
 def test_evaluate_refuses_a_planted_pickle(real_run, tmp_path, capsys, monkeypatch):
     import tempfile
 
-    from zoo.eval.runner import main
+    from zoo.cli.evaluate import main
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))   # the export cache lives under it
     run, planted, marker = planted_copy(real_run, tmp_path)

@@ -128,15 +128,18 @@ def add_options(parser: argparse.ArgumentParser, cls: type, *, with_defaults: bo
         help_text = f.metadata["help"]
         if default is dataclasses.MISSING:
             kwargs["required"] = True
-        elif default not in (None, False, [], {}) and "%(default)" not in help_text:
+        elif not (default is None or isinstance(default, bool) or default in ([], {})) and "default" not in help_text:
             help_text += f" (default: {default})"
-        kwargs["help"] = help_text.replace("%", "%%").replace("%%(default)s", "%(default)s")
+        kwargs["help"] = help_text.replace("%", "%%")
         if default is not dataclasses.MISSING:
             kwargs["default"] = default if with_defaults else None
-        if bool in kinds:
-            kwargs["action"] = argparse.BooleanOptionalAction if f.metadata["negatable"] else "store_true"
-        elif list in kinds:
-            kwargs.update(nargs="+", type=_element_type(hints[f.name]))
+        if bool in kinds and f.metadata["negatable"]:
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif bool in kinds:   # a flag that turns the default over: --overwrite, --no-strict
+            kwargs["action"] = "store_false" if default is True else "store_true"
+        elif list in kinds:   # one flag with several values, or (action="append") a repeatable flag
+            kwargs.setdefault("nargs", None if "action" in kwargs else "+")
+            kwargs["type"] = _element_type(hints[f.name])
         else:
             kwargs["type"] = next(kind for kind in kinds if kind is not type(None))
         group_of(parser, f.metadata["group"]).add_argument(*flags_of(f), **kwargs)

@@ -9,13 +9,12 @@ group and evaluates on the tp x dp grid; started as a plain process it runs alon
 (``ParallelState.single()``). ``--load`` is a Hugging Face-style directory (config.json +
 safetensors), as zoo's or transformers' ``save_pretrained`` writes it. Rank 0 shows a progress
 bar, prints the results and writes them as JSON (``--out``, atomically; every rank checks before
-evaluating that it can be written) and, optionally, to W&B.
+evaluating that it can be written) and, optionally, to W&B. The command is :mod:`zoo.cli.evaluate`.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import stat
 import sys
@@ -23,42 +22,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from zoo.atomic import check_writable_directory, write_text_atomic
+from zoo.atomic import check_writable_directory
 from zoo.distributed import (directory_bytes, join_process_group, launched_distributed, run_on_first_rank,
                              single_device)
-from zoo.eval.wikitext import DEFAULT_OVERLAP
-from zoo.dtypes import add_dtype_argument, torch_dtype
-from zoo.errors import report_error
-
-TASKS = ("wikitext", "lambada")
-TF32_HELP = ("let float32 matmuls and cuDNN use TF32 tensor cores (Ampere/Hopper GPUs: several times faster, "
-             "inputs rounded to 10 mantissa bits); off by default, and a no-op on CPU")
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", required=True, choices=TASKS)
-    parser.add_argument("--data", required=True,
-                        help="wiki.test.tokens / lambada_test.jsonl, or a datasets save_to_disk directory")
-    parser.add_argument("--load", required=True, help="HF-style GPT-2 directory (config.json + safetensors)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=1)
-    parser.add_argument("--seq-length", type=int, default=None,
-                        help="WikiText window length (default: the model's n_positions, 1024 for GPT-2)")
-    parser.add_argument("--overlap", type=int, default=DEFAULT_OVERLAP,
-                        help="WikiText window stride: tokens newly scored per window (default 32)")
-    parser.add_argument("--no-strict", dest="strict", action="store_false",
-                        help="LAMBADA: predict only the last BPE token instead of the whole last word")
-    parser.add_argument("--batch-size", type=int, default=4, help="windows / passages per forward per DP rank")
-    parser.add_argument("--split", default="test", help="split to take from a saved DatasetDict")
-    parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
-    add_dtype_argument(parser, "float32", "weights and activations of the model")
-    parser.add_argument("--tf32", action="store_true", help=TF32_HELP)
-    parser.add_argument("--out", default=None, help="write the results here as JSON")
-    parser.add_argument("--wandb-project", default=None, help="also log the results to this W&B project")
-    parser.add_argument("--local_rank", "--local-rank", type=int, default=int(os.environ.get("LOCAL_RANK", 0)),
-                        help=argparse.SUPPRESS)     # passed by the deepspeed launcher
-    return parser
+from zoo.dtypes import torch_dtype
 
 
 def evaluate_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
@@ -214,27 +181,3 @@ def log_to_wandb(project: str, results: dict[str, Any]) -> bool:
         print(f"warning: W&B logging skipped ({type(err).__name__}: {err}); the results are still printed "
               "and written with --out.", file=sys.stderr)
         return False
-
-
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
-    import torch.distributed as dist
-
-    try:
-        if args.out:
-            check_output_file(args.out)   # on every rank, before any work: no collective to agree on
-        results = evaluate_checkpoint(args)
-        is_writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
-        if is_writer:
-            print(format_results(results))
-            if args.out:
-                write_text_atomic(args.out, json.dumps(results, indent=2) + "\n")
-            if args.wandb_project:
-                log_to_wandb(args.wandb_project, results)
-        return results
-    except (ValueError, FileNotFoundError) as err:
-        report_error(err)
-        sys.exit(2)
-    finally:
-        if launched_distributed() and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()

@@ -90,7 +90,7 @@ class RunConfig:
                                                  help="stop with a checkpoint before this much wall time")
     exit_signal_handler: bool = option(
         True, group="checkpointing", negatable=True,
-        help="on SIGTERM or SIGUSR1 every rank stops at the next iteration with a checkpoint and exits 0")
+        help="on SIGTERM or SIGUSR1 every rank stops at the next iteration with a checkpoint and exits 0 (default: on)")
     distributed_timeout_minutes: float | None = option(
         None, group="parallelism", help="every collective's timeout (default: DeepSpeed's 10 minutes)")
     overwrite: bool = option(

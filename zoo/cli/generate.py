@@ -1,0 +1,154 @@
+"""``launch/generate.py``: text generation from a GPT-2 checkpoint at any tensor-parallel degree.
+
+    python launch/generate.py --load out/hf --prompt "The capital of France is" --greedy
+    python launch/generate.py --load out/hf --prompt "Hello" --dtype bfloat16     # or: --dtype float32 --tf32
+    deepspeed --num_gpus 2 launch/generate.py --load runs/gpt2 --prompt-file prompts.txt \\
+        --temperature 0.8 --top-k 50 --top-p 0.95 --max-new-tokens 64 --output out.jsonl
+
+Under the ``deepspeed`` launcher or ``torchrun`` it joins the process group; ``--tensor-parallel-size``
+defaults to the world size (the remaining factor is data parallelism over the prompts). ``--load`` is
+a Hugging Face-style GPT-2 directory or a zoo DeepSpeed run/checkpoint directory (exported once to a
+cache). Every TP rank produces the same tokens; rank 0 prints the completions and writes ``--output``
+(JSONL of {prompt, completion, tokens, finish_reason}, atomically).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from zoo.atomic import atomic_file, check_writable_directory
+from zoo.cli.evaluate import TF32_HELP
+from zoo.cli.runner import command_parser, run_command
+from zoo.dtypes import add_dtype_argument, torch_dtype
+from zoo.options import add_options, group_of, option
+
+
+@dataclass(kw_only=True)
+class GenerateOptions:
+    """The settings of one generation command."""
+
+    load: str = option(group="model", help="HF-style GPT-2 directory (config.json + safetensors) or a zoo DeepSpeed "
+                                           "run directory")
+    tokenizer: str | None = option(None, group="model",
+                                   help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
+    prompt: list[str] = option(group="data", default_factory=list, action="append", help="a prompt (repeatable)")
+    prompt_file: str | None = option(None, group="data",
+                                     help="a text file of prompts, one per line (blank lines skipped)")
+    batch_size: int = option(8, group="data", help="prompts decoded together (left-padded)")
+    tensor_parallel_size: int | None = option(None, group="parallelism", help="default: the world size")
+    max_new_tokens: int = option(32, group="training", help="tokens generated per prompt at most")
+    greedy: bool = option(False, group="training", help="arg-max decoding (also implied by --temperature 0)")
+    temperature: float = option(1.0, group="training", help="divides the logits before sampling")
+    top_k: int = option(0, group="training", help="keep the k most likely tokens (0: off)")
+    top_p: float = option(1.0, group="training", help="nucleus sampling mass in (0, 1] (1: off)")
+    seed: int = option(1234, group="training", help="seeds every prompt's sampling stream")
+    use_cache: bool = option(True, group="training", flag="--no-cache",
+                             help="recompute the whole sequence every step instead of using the KV cache")
+    output: str | None = option(None, group="logging", help="also write the completions here as JSONL")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_options(parser, GenerateOptions, with_defaults=True)
+    add_dtype_argument(group_of(parser, "model"), "float32", "weights and activations of the model")
+    group_of(parser, "model").add_argument("--tf32", action="store_true", help=TF32_HELP)
+    return command_parser(parser)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """--prompt values, then the non-blank lines of --prompt-file (UTF-8 text)."""
+    prompts = list(args.prompt)
+    if args.prompt_file is not None:
+        path = Path(args.prompt_file)
+        if not path.is_file():
+            raise FileNotFoundError(f"prompt file '{path}' does not exist; pass a text file with one prompt per line.")
+        data = path.read_bytes()
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            line = data.count(b"\n", 0, err.start) + 1
+            raise ValueError(f"prompt file '{path}' is not UTF-8 text (byte {data[err.start]:#04x} on line {line}); "
+                             "convert it, e.g. iconv -f latin1 -t utf-8.") from None
+        prompts += [line for line in text.splitlines() if line.strip()]
+    if not prompts:
+        raise ValueError("no prompts given; pass --prompt TEXT (repeatable) or --prompt-file FILE.")
+    return prompts
+
+
+def generation_config(args: argparse.Namespace):
+    """The decoding settings, validated (zoo.inference) before anything is loaded."""
+    from zoo.inference import GenerationConfig  # local: torch import cost, after parsing
+
+    if args.batch_size < 1:
+        raise ValueError(f"--batch-size {args.batch_size} must be a positive integer.")
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
+                            top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=args.use_cache).validate()
+
+
+def check_output(output: str | None) -> None:
+    """Refuse an --output that could not be written, before any model is loaded or token generated."""
+    if output is None:
+        return
+    path = Path(output)
+    if path.is_dir():
+        raise ValueError(f"--output {path} is a directory; pass a file path such as {path / 'completions.jsonl'}.")
+    try:
+        check_writable_directory(path.parent, "--output")
+    except ValueError:
+        raise ValueError(f"--output {path} cannot be written (its directory {path.parent} is not a writable "
+                         "directory); pass a path in a directory you can write to.") from None
+
+
+def write_jsonl_atomic(path: str | os.PathLike, rows: list[dict]) -> None:
+    """One JSON object per line, written atomically (zoo.atomic: never half-written, the umask's mode)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_file(path) as tmp, open(tmp, "w", encoding="utf-8") as out:
+        out.writelines(json.dumps(row, ensure_ascii=False) + "\n" for row in rows)
+
+
+def generate_from_checkpoint(args: argparse.Namespace, texts: list[str], config):
+    """Load, generate (collective), and return every prompt's TextCompletion on every rank."""
+    import torch.distributed as dist  # local: torch import cost, after parsing
+
+    from zoo.data import load_gpt2_tokenizer  # local: torch import cost, after parsing
+    from zoo.distributed import join_process_group, launched_distributed, single_device  # local: torch import cost
+    from zoo.eval.runner import set_tf32, transformers_directory  # local: torch import cost, after parsing
+    from zoo.inference import generate_text  # local: torch import cost, after parsing
+    from zoo.models import GPT2LMHeadModel  # local: torch import cost, after parsing
+    from zoo.parallel import ParallelState  # local: torch import cost, after parsing
+
+    set_tf32(args.tf32)
+    device = join_process_group(args.local_rank) if launched_distributed() else single_device()
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    ps = ParallelState.initialize(args.tensor_parallel_size or world)
+    hf_dir = transformers_directory(args.load)
+    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=torch_dtype(args.dtype)).to(device).eval()
+    tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
+    return generate_text(model, tokenizer, texts, config, ps, batch_size=args.batch_size)
+
+
+def main(argv: list[str] | None = None):
+    """Every rank returns the completions; rank 0 prints them and writes ``--output``."""
+    args = build_parser().parse_args(argv)
+
+    def work():
+        import torch.distributed as dist  # local: torch import cost, after parsing
+
+        texts = read_prompts(args)
+        config = generation_config(args)
+        check_output(args.output)
+        results = generate_from_checkpoint(args, texts, config)
+        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+            for index, result in enumerate(results):
+                print(f"--- [{index}] ({len(result.tokens)} tokens, {result.finish_reason})")
+                print(result.prompt + result.completion)
+            if args.output:
+                write_jsonl_atomic(args.output, [r.to_dict() for r in results])
+        return results
+
+    return run_command(work)
