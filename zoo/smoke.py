@@ -17,11 +17,15 @@ the process exits 1 if any failed. The device is DeepSpeed's accelerator's, set 
 ``init_distributed``; the models and every tensor live on it.
 
     deepspeed --num_gpus N launch/smoke.py [--model gpt2-1.2b] [--seq-length 1024]
+
+The training steps are the training loop's own (:meth:`zoo.training.loop.TrainingLoop.train_step` over a
+:class:`OneBatchTask`), so the smoke checks the step every zoo job takes.
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import math
 import os
 import shutil
@@ -29,12 +33,29 @@ import tempfile
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
+import transformers
 
-from zoo.training.planner import peak_tflops_of   # the one table of GPU peaks (zoo.training.planner.GPUS)
+from zoo.assets import GPT2_TOKENIZER_DIR
+from zoo.data import preprocess_bert
+from zoo.data.preprocess import BUNDLED_CORPUS
+from zoo.distributed import join_process_group, process_group_left_on_success
 from zoo.errors import report_error
+from zoo.inference import GenerationConfig, generate
+from zoo.models import GPT2LMHeadModel
+from zoo.models import gpt2_config as preset_config
+from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS, bert_config
+from zoo.parallel import ParallelState, model_parallel_seed
+from zoo.training.families import forward_with_metrics
+from zoo.training.grad_norm import current_loss_scale
+from zoo.training.loop import LoopState, TrainingLoop, setup_engine
+from zoo.training.metrics import megatron_flops_per_iteration
+from zoo.training.planner import peak_tflops_of   # the one table of GPU peaks (zoo.training.planner.GPUS)
+from zoo.training.pretrain import pretrain
+from zoo.training.run_config import RunConfig, validate_static
 
 REL_TOL = 1e-5
 PARITY_TEXT = "Megatron-LM splits every transformer layer across GPUs with two all-reduces forward."
@@ -87,8 +108,6 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def validate(args: argparse.Namespace) -> None:
     """The same ValueError on every rank, before any collective."""
-    from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS, bert_config
-
     if args.model not in GPT2_PRESETS:
         raise ValueError(f"--model {args.model!r} is not a GPT-2 preset; choose one of {sorted(GPT2_PRESETS)}.")
     if args.bert_model not in BERT_PRESETS:
@@ -112,10 +131,8 @@ def validate(args: argparse.Namespace) -> None:
 
 def setup(args: argparse.Namespace) -> Smoke:
     """Join the launcher's group as every zoo job does (on this rank's device), then the TP x DP grid."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator   # local: DeepSpeed costs seconds to import
 
-    from zoo.distributed import join_process_group
-    from zoo.parallel import ParallelState
 
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
     join_process_group(local_rank)
@@ -125,8 +142,6 @@ def setup(args: argparse.Namespace) -> Smoke:
 
 
 def seed_everything(seed: int, parallel) -> None:
-    from zoo.parallel import model_parallel_seed
-
     model_parallel_seed(seed, parallel)
 
 
@@ -142,8 +157,6 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def gpt2_config(smoke: Smoke, **overrides):
-    from zoo.models import gpt2_config as preset_config
-
     return preset_config(smoke.args.model, **overrides)
 
 
@@ -152,18 +165,12 @@ def no_dropout():
 
 
 def parity_ids(smoke: Smoke) -> torch.Tensor:
-    import transformers
-
-    from zoo.assets import GPT2_TOKENIZER_DIR
-
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER_DIR))
     return torch.tensor([tokenizer(PARITY_TEXT)["input_ids"]], device=smoke.device)   # (1, s)
 
 
 def check_parity(smoke: Smoke, model, ids: torch.Tensor) -> bool:
     """tp = N against the tp = 1 model of the same seed, both on the device, fp32, dropout off."""
-    from zoo.models import GPT2LMHeadModel
-
     reference = build(smoke, GPT2LMHeadModel, model.config, None).eval()
     with torch.no_grad():
         ours = model.eval()(ids, labels=ids, gather_output=True)
@@ -199,8 +206,6 @@ def uses_torch_adam(smoke: Smoke) -> bool:
 
 
 def engine_for(smoke: Smoke, model, precision: str):
-    from zoo.training.loop import setup_engine
-
     return setup_engine(model, ds_config(smoke, precision), smoke.parallel, weight_decay=0.01, refresh_masters=False)
 
 
@@ -213,7 +218,7 @@ def train_batch(smoke: Smoke, vocab_size: int) -> torch.Tensor:
 
 @contextmanager
 def timed(smoke: Smoke, seconds: list[float]):
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator   # local: DeepSpeed costs seconds to import
 
     get_accelerator().synchronize()
     start = time.perf_counter()
@@ -222,14 +227,30 @@ def timed(smoke: Smoke, seconds: list[float]):
     seconds.append(time.perf_counter() - start)
 
 
-def train_step(engine, ids: torch.Tensor) -> torch.Tensor:
-    """One optimizer step of the LM loss on ``ids``; the loss, still on the device."""
-    from zoo.training.loss_scaling import backward
+class OneBatchTask:
+    """The smoke's training task (:class:`zoo.training.tasks.TrainTask`): the LM loss of one fixed batch
+    ``ids`` (on the device), one micro-batch per step, DeepSpeed's grad norm."""
 
-    loss = engine(ids, labels=ids).loss
-    backward(engine, loss)
-    engine.step()
-    return loss
+    total_iterations = samples_per_iteration = log_interval = 1
+
+    def __init__(self, ids: torch.Tensor):
+        self.ids = ids
+
+    def micro_batches(self, state: LoopState) -> list[dict[str, torch.Tensor]]:
+        return [{"input_ids": self.ids, "labels": self.ids}]
+
+    def forward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
+        return forward_with_metrics(engine, batch)
+
+    def own_grad_norm(self, engine) -> None:
+        return None
+
+
+def train_step(smoke: Smoke, engine, ids: torch.Tensor) -> torch.Tensor:
+    """One optimizer step of the LM loss on ``ids`` through the training loop's step; the loss (fp32),
+    still on the device."""
+    sums, _ = TrainingLoop(engine, smoke.parallel, OneBatchTask(ids)).train_step(LoopState())
+    return sums["loss"]
 
 
 def train_steps(smoke: Smoke, engine, ids: torch.Tensor) -> tuple[list[float], list[float]]:
@@ -238,7 +259,7 @@ def train_steps(smoke: Smoke, engine, ids: torch.Tensor) -> tuple[list[float], l
     engine.train()
     for step in range(smoke.args.steps):
         with timed(smoke, seconds):
-            loss = train_step(engine, ids)
+            loss = train_step(smoke, engine, ids)
         losses.append(loss.item())
         if step == 0:
             smoke.first_grad_norms[engine_precision(engine)] = engine.get_global_grad_norm()
@@ -265,10 +286,8 @@ def dynamic_loss_scaling(optimizer) -> bool:
 
 def check_training(smoke: Smoke, precision: str, ids: torch.Tensor):
     """(passed, engine, seconds per step), or None when the accelerator lacks the precision."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator   # local: DeepSpeed costs seconds to import
 
-    from zoo.models import GPT2LMHeadModel
-    from zoo.training.grad_norm import current_loss_scale
 
     supported = get_accelerator().is_fp16_supported() if precision == "fp16" else get_accelerator().is_bf16_supported()
     if not supported:
@@ -311,11 +330,6 @@ BUNDLED_ARTICLES = 12    # of the bundled Wikipedia sample: the BERT run's corpu
 
 def bert_corpus(directory: str) -> str:
     """The first articles of the bundled corpus, preprocessed for BERT into ``directory`` (rank 0)."""
-    import gzip
-
-    from zoo.data import preprocess_bert
-    from zoo.data.preprocess import BUNDLED_CORPUS
-
     source = os.path.join(directory, "articles.jsonl")
     with gzip.open(BUNDLED_CORPUS, "rt") as articles, open(source, "w") as out:
         out.writelines(line for _, line in zip(range(BUNDLED_ARTICLES), articles))
@@ -325,8 +339,6 @@ def bert_corpus(directory: str) -> str:
 
 
 def bert_run_config(smoke: Smoke, data_path: str, save: str):
-    from zoo.training.run_config import RunConfig, validate_static
-
     micro = smoke.args.micro_batch_size
     ds = {"train_batch_size": micro * smoke.parallel.dp_size, "train_micro_batch_size_per_gpu": micro,
           "gradient_clipping": 1.0, "steps_per_print": 10 ** 9,
@@ -341,8 +353,6 @@ def bert_run_config(smoke: Smoke, data_path: str, save: str):
 def check_bert(smoke: Smoke) -> bool:
     """Two iterations of zoo's own pretraining loop on BERT (MLM + SOP metrics, a validation pass, a
     checkpoint): the loop's batches, metrics and collectives on the device, not only the model's."""
-    from zoo.training.pretrain import pretrain
-
     directory = shared_temp_dir(make=bert_corpus)
     try:
         result = pretrain(bert_run_config(smoke, os.path.join(directory, "bert"), os.path.join(directory, "run")))
@@ -358,11 +368,6 @@ def check_bert(smoke: Smoke) -> bool:
 
 def check_generation(smoke: Smoke, model) -> bool:
     """Left-padded batch vs each prompt alone (greedy): the same tokens; no TP rank disagreed."""
-    import transformers
-
-    from zoo.inference import GenerationConfig, generate
-    from zoo.assets import GPT2_TOKENIZER_DIR
-
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER_DIR))
     prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
     config = GenerationConfig(max_new_tokens=8, greedy=True, eod_token_id=None)
@@ -404,7 +409,7 @@ def check_checkpoint(smoke: Smoke, engine, ids: torch.Tensor) -> bool:
     try:
         engine.save_checkpoint(directory, tag="smoke")
         saved = weights(engine)
-        train_step(engine, ids)
+        train_step(smoke, engine, ids)
         moved = any(not torch.equal(saved[n], p) for n, p in engine.module.named_parameters())
         load_path, _ = engine.load_checkpoint(directory, tag="smoke")
         restored = all(torch.equal(saved[n], p) for n, p in engine.module.named_parameters())
@@ -423,8 +428,6 @@ def peak_tflops(device: torch.device) -> float | None:
 
 def report_throughput(smoke: Smoke, precision: str, seconds: list[float], config) -> None:
     """Model TFLOPs per device of the timed steps (the first, warm-up, step left out) and the MFU."""
-    from zoo.training.metrics import megatron_flops_per_iteration
-
     per_step = sorted(seconds[1:])[len(seconds[1:]) // 2]                              # median
     flops = megatron_flops_per_iteration(smoke.args.micro_batch_size * smoke.parallel.dp_size,
                                          smoke.args.seq_length, config.n_layer, config.n_embd, config.vocab_size)
@@ -435,8 +438,6 @@ def report_throughput(smoke: Smoke, precision: str, seconds: list[float], config
 
 
 def run(smoke: Smoke) -> bool:
-    from zoo.models import GPT2LMHeadModel
-
     config = gpt2_config(smoke, **no_dropout())
     model = build(smoke, GPT2LMHeadModel, config, smoke.parallel)
     results = [check_parity(smoke, model, parity_ids(smoke)), check_generation(smoke, model)]
@@ -460,8 +461,6 @@ def run(smoke: Smoke) -> bool:
 
 def main(argv=None) -> int:
     """Exit status: 0 when every check passed on every rank, 1 otherwise, 2 for a bad flag."""
-    from zoo.distributed import process_group_left_on_success
-
     args = parse_args(argv)
     with process_group_left_on_success():
         try:

@@ -28,65 +28,24 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
 import torch.distributed as dist
 
-from zoo.atomic import write_text_atomic
+from zoo.data.tokenizers import load_bert_tokenizer
 from zoo.distributed import host_group, process_group_left_on_success, raise_on_any_rank, single_process_env
+from zoo.errors import report_error
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict, parse_args
 from zoo.finetune.dev_curve import DEV_CURVE_FILE, baseline_metric, plot_dev_curve
-from zoo.finetune.tasks import EvalSet, Task, get_task
-from zoo.errors import report_error
+from zoo.finetune.task_evaluation import BestTracker, DevValidator, write_file
+from zoo.finetune.task_training import FinetuneTask
+from zoo.finetune.tasks import Task, get_task
+from zoo.models.bert import BertConfig
+from zoo.models.hf_io import read_config_json
+from zoo.training import loop as training_loop
+from zoo.training.loop import LoopState, TrainingLoop, setup_engine
+from zoo.training.metrics import MetricsLogger, plot_loss
+from zoo.training.run_directory import claim_finetuning_directory
 
-
-def _atomic_write(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    write_text_atomic(path, text)
-
-
-def global_batches(num_examples: int, batch_size: int, epoch: int, seed: int) -> list[torch.Tensor]:
-    """The epoch's global batches: a permutation seeded by (seed, epoch), cut into full batches."""
-    generator = torch.Generator().manual_seed(seed * 1000 + epoch)
-    order = torch.randperm(num_examples, generator=generator)
-    return list(order[: (num_examples // batch_size) * batch_size].split(batch_size))
-
-
-def rank_micro_batches(batch: torch.Tensor, ps, micro: int) -> list[torch.Tensor]:
-    """This DP rank's contiguous share of a global batch, cut into micro-batches."""
-    share = batch.shape[0] // ps.dp_size
-    mine = batch[ps.dp_rank * share: (ps.dp_rank + 1) * share]
-    return list(mine.split(micro))
-
-
-def _to_device(tensors: dict[str, torch.Tensor], rows, device) -> dict[str, torch.Tensor]:
-    return {k: v[rows].to(device, non_blocking=True) for k, v in tensors.items()}
-
-
-@torch.no_grad()
-def run_eval_set(engine, eval_set: EvalSet, task: Task, ps, batch_size: int) -> dict[str, np.ndarray]:
-    """The model's outputs on every row, each DP rank running an interleaved share, gathered on all."""
-    engine.eval()
-    rows = torch.arange(len(eval_set))[ps.dp_rank::ps.dp_size]
-    pieces: dict[str, list[np.ndarray]] = {name: [] for name in task.outputs}
-    for chunk in rows.split(batch_size):
-        output = engine(**_to_device(eval_set.inputs, chunk, engine.device))
-        for name in task.outputs:
-            pieces[name].append(getattr(output, name).float().cpu().numpy())
-    local = {name: (np.concatenate(p) if p else None) for name, p in pieces.items()}
-    engine.train()
-    if ps.dp_size == 1:
-        return local
-    gathered: list[Any] = [None] * ps.dp_size
-    dist.all_gather_object(gathered, (rows.numpy(), local), group=ps.dp_group)
-    outputs = {}
-    for name in task.outputs:
-        parts = [(r, out[name]) for r, out in gathered if out[name] is not None]
-        full = np.empty((len(eval_set),) + parts[0][1].shape[1:], dtype=np.float32)
-        for r, values in parts:
-            full[r] = values
-        outputs[name] = full
-    return outputs
+__all__ = ["finetune", "main", "check_inputs_fit", "print_baseline_comparison"]
 
 
 def check_inputs_fit(config: FinetuneConfig, model_config, tokenizer, tokenizer_source) -> None:
@@ -102,15 +61,25 @@ def check_inputs_fit(config: FinetuneConfig, model_config, tokenizer, tokenizer_
 
 
 def finetune(config: FinetuneConfig) -> dict[str, Any]:
-    """Run one finetuning job; returns the results also written to ``results.json``."""
-    from zoo.data.tokenizers import load_bert_tokenizer
-    from zoo.models.hf_io import read_config_json
-    from zoo.models.bert import BertConfig
-    from zoo.training.loop import join
-    from zoo.training.run_directory import claim_finetuning_directory
-
+    """Run one finetuning job; returns the results also written to ``results.json``. Everything a user can
+    get wrong in files and flags is checked before any process group starts."""
     task = get_task(config.task)
-    # Everything a user can get wrong in files and flags is checked before any process group starts.
+    model_config, data = read_inputs(config, task)
+    ps = training_loop.join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
+    is_writer = dist.get_rank() == 0
+    # one run per directory, and never over an earlier run's results: checked before the model is read
+    lock = raise_on_any_rank(lambda: claim_finetuning_directory(config.save, config.overwrite) if is_writer else None)
+    try:
+        return train_and_evaluate(config, task, data, model_config, ps, is_writer)
+    finally:
+        if lock is not None:
+            lock.release()
+
+
+def read_inputs(config: FinetuneConfig, task: Task):
+    """(model config, encoded task data) of ``--pretrained`` and ``--data-dir``, checked: the tokenizer
+    and the sequences fit the model's tables, the training split exists when there are epochs to train,
+    and the split of the main metric exists."""
     model_config = BertConfig.from_dict(read_config_json(config.pretrained))
     tokenizer_dir = Path(config.pretrained) if (Path(config.pretrained) / "vocab.txt").is_file() else None
     tokenizer = load_bert_tokenizer(tokenizer_dir)
@@ -125,24 +94,35 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
         raise FileNotFoundError(f"no {main_split} split found in {config.data_dir} for {config.task}, and it gives "
                                 f"the metric the best model is chosen by ({task.main_metric}); add it (the layouts "
                                 "are listed in zoo/finetune/tasks.py and the README).")
-
-    ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
-    is_writer = dist.get_rank() == 0
-    # one run per directory, and never over an earlier run's results: checked before the model is read
-    lock = raise_on_any_rank(lambda: claim_finetuning_directory(config.save, config.overwrite) if is_writer else None)
-    try:
-        return train_and_evaluate(config, task, data, model_config, ps, is_writer)
-    finally:
-        if lock is not None:
-            lock.release()
+    return model_config, data
 
 
 def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, ps, is_writer: bool) -> dict[str, Any]:
-    """The finetuning run proper, in a claimed run directory: the model, the engine, the epochs and their
-    evaluations; returns the results also written to ``results.json``."""
-    from zoo.training.loop import LoopPlugins, LoopState, TrainingLoop, setup_engine
-    from zoo.training.metrics import MetricsLogger, plot_loss
+    """The finetuning run proper, in a claimed run directory: the engine, the epochs through the training
+    loop with a :class:`FinetuneTask` and a :class:`DevValidator`; returns the results."""
+    engine, ds_config, steps_per_epoch, total_steps = build_engine(config, task, data, model_config, ps)
+    run_dir = Path(config.save)
+    # the metrics agreements run on a gloo group of the host, never on the accelerator (collective: every rank)
+    host = host_group(None if config.distributed_timeout_minutes is None
+                      else timedelta(minutes=config.distributed_timeout_minutes))
+    logger = raise_on_any_rank(lambda: MetricsLogger(run_dir, is_writer,
+                                                     config.wandb_project or os.environ.get("WANDB_PROJECT"),
+                                                     wandb_config={**config.to_dict(), "deepspeed": ds_config},
+                                                     group=host), group=host)
+    tracker = BestTracker(task, run_dir, is_writer, save_model=config.epochs > 0)
+    validator = DevValidator(engine, data.eval_sets, task, ps, logger, tracker, config.eval_batch_size, config.epochs,
+                             steps_per_epoch, total_steps, is_writer)
+    loop = TrainingLoop(engine, ps, FinetuneTask(config, data.train, engine, ps, steps_per_epoch, total_steps), logger,
+                        validator, progress_desc=f"finetune {config.task}", is_writer=is_writer)
+    state = loop.run(LoopState())
+    if total_steps == 0:
+        validator.evaluate(state)
+    return report_results(config, task, run_dir, tracker, state, logger, is_writer)
 
+
+def build_engine(config: FinetuneConfig, task: Task, data, model_config, ps):
+    """(engine, ds_config, steps per epoch, total steps): the head model from ``--pretrained`` (a missing
+    head drawn from ``--seed``), its schedule, and the DeepSpeed engine (WarmupDecayLR over the steps)."""
     overrides = {"sequence_parallel": True} if config.sequence_parallel else {}
     if config.dropout is not None:
         overrides.update(hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.dropout,
@@ -159,57 +139,17 @@ def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, p
     ds_config = deepspeed_dict(config, ps.dp_size, total_steps)
     # a guard: the weights were loaded before initialize, so the masters match them already
     engine = setup_engine(model, ds_config, ps, config.weight_decay, refresh_masters=True)
-    micro = engine.train_micro_batch_size_per_gpu()
+    return engine, ds_config, steps_per_epoch, total_steps
 
-    run_dir = Path(config.save)
-    # the metrics agreements run on a gloo group of the host, never on the accelerator (collective: every rank)
-    host = host_group(None if config.distributed_timeout_minutes is None
-                      else timedelta(minutes=config.distributed_timeout_minutes))
-    logger = raise_on_any_rank(lambda: MetricsLogger(run_dir, is_writer,
-                                                     config.wandb_project or os.environ.get("WANDB_PROJECT"),
-                                                     wandb_config={**config.to_dict(), "deepspeed": ds_config},
-                                                     group=host), group=host)
-    tracker = BestTracker(task, run_dir, is_writer, save_model=config.epochs > 0)
-    loop: TrainingLoop
 
-    def evaluate(state: LoopState) -> None:
-        step = state.iteration
-        epoch = min(step / steps_per_epoch, config.epochs) if steps_per_epoch else 0
-        metrics, files = evaluate_all_sets(engine, data.eval_sets, task, ps, config.eval_batch_size)
-        event = {"iteration": step, "epoch": epoch, "split": "dev", **metrics}
-        logger.log(event)
-        if is_writer:
-            shown = ", ".join(f"{k} {v:.4f}" for k, v in metrics.items() if isinstance(v, float))
-            print(f"epoch {epoch:g} (step {step}): {shown}", flush=True)
-        tracker.update(event, metrics, files, engine)
-
-    def log(state: LoopState, means: dict[str, float], window) -> dict[str, Any]:
-        event = {"iteration": state.iteration, "epoch": state.iteration / steps_per_epoch, "loss": means["loss"],
-                 "lr": engine.get_lr()[0], "step_time_s": window.step_time,
-                 "samples_per_s": config.batch_size * window.steps / window.seconds}
-        logger.log(event)
-        loop.write(f"step {state.iteration}/{total_steps} | loss {event['loss']:.4f} | lr {event['lr']:.3e} | "
-                   f"{event['samples_per_s']:.1f} samples/s")
-        return event
-
-    batches = EpochBatches(num_train, config.batch_size, config.seed, steps_per_epoch)
-    plugins = LoopPlugins(
-        total_iterations=total_steps, samples_per_iteration=config.batch_size, log_interval=config.log_interval,
-        micro_batches=lambda state: [{k: v[rows] for k, v in data.train.items()}
-                                     for rows in rank_micro_batches(batches.at(state.iteration), ps, micro)],
-        forward=forward_with_loss, log=log,
-        is_evaluation_step=lambda step: step % steps_per_epoch == 0 or step == total_steps,
-        evaluate=evaluate)
-    loop = TrainingLoop(engine, ps, plugins, progress_desc=f"finetune {config.task}", is_writer=is_writer)
-    state = loop.run(LoopState())
-    if total_steps == 0:
-        evaluate(state)
-
+def report_results(config: FinetuneConfig, task: Task, run_dir: Path, tracker: BestTracker, state: LoopState,
+                   logger: MetricsLogger, is_writer: bool) -> dict[str, Any]:
+    """results.json, loss.png and dev.png and the closing lines on the writer; the W&B summary; the results."""
     best, history = tracker.best, tracker.history
     results = {"task": config.task, "main_metric": task.main_metric, "best": best, "final": history[-1],
                "train_loss": state.last_event.get("loss"), "steps": state.iteration, "config": config.to_dict()}
     if is_writer:
-        _atomic_write(run_dir / "results.json", json.dumps(results, indent=2, default=str) + "\n")
+        write_file(run_dir / "results.json", json.dumps(results, indent=2, default=str) + "\n")
         if state.iteration:
             plot_loss(run_dir)
         plot_dev_curve(run_dir, history, task.main_metric)
@@ -240,61 +180,6 @@ def print_wandb_location() -> None:
         run_dir = Path(run.dir).parent   # run.dir is the run's files/ folder
         print(f"W&B run directory: {run_dir}" + (f" (offline; upload with `wandb sync {run_dir}`)" if run.offline
                                                  else ""), flush=True)
-
-
-def forward_with_loss(engine, inputs: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
-    """A task head's forward on the device batch; its loss is the one metric, left on the device."""
-    output = engine(**inputs)
-    return output, {"loss": output.loss.detach().float()}
-
-
-class EpochBatches:
-    """Global batch ``step`` of the run: batch ``step % steps_per_epoch`` of epoch ``step // steps_per_epoch``
-    (:func:`global_batches`, drawn once per epoch)."""
-
-    def __init__(self, num_examples: int, batch_size: int, seed: int, steps_per_epoch: int):
-        self.num_examples, self.batch_size, self.seed = num_examples, batch_size, seed
-        self.steps_per_epoch = steps_per_epoch
-        self.epoch, self.batches = None, []
-
-    def at(self, step: int) -> torch.Tensor:
-        epoch = step // self.steps_per_epoch
-        if epoch != self.epoch:
-            self.epoch, self.batches = epoch, global_batches(self.num_examples, self.batch_size, epoch, self.seed)
-        return self.batches[step % self.steps_per_epoch]
-
-
-def evaluate_all_sets(engine, eval_sets: list[EvalSet], task: Task, ps, batch_size: int):
-    """Scores of every eval set (``"<set>/<metric>"``) and the prediction files (``"<set>.<ext>"``)."""
-    metrics, files = {}, {}
-    for eval_set in eval_sets:
-        outputs = run_eval_set(engine, eval_set, task, ps, batch_size)
-        scores, contents = eval_set.score(outputs)
-        metrics.update({f"{eval_set.name}/{k}": v for k, v in scores.items()})
-        files.update({f"{eval_set.name}.{ext}": text for ext, text in contents.items()})
-    return metrics, files
-
-
-class BestTracker:
-    """The evaluation history and the best evaluation by the task's main metric: on a new best, its
-    prediction files (writer) and the model (``save_pretrained``, collective) are saved."""
-
-    def __init__(self, task: Task, run_dir: Path, is_writer: bool, save_model: bool):
-        self.task, self.run_dir, self.is_writer, self.save_model = task, run_dir, is_writer, save_model
-        self.best: dict[str, Any] = {}
-        self.history: list[dict[str, Any]] = []
-
-    def update(self, event: dict[str, Any], metrics: dict[str, Any], files: dict[str, str], engine) -> None:
-        self.history.append(event)
-        score = metrics.get(self.task.main_metric)
-        if self.best and not score > self.best["score"]:
-            return
-        self.best = {"score": score, "epoch": event["epoch"], "step": event["iteration"], "metrics": metrics}
-        if self.is_writer:
-            for name, text in files.items():
-                _atomic_write(self.run_dir / "predictions" / name, text)
-        if self.save_model:
-            engine.module.save_pretrained(self.run_dir / "best")
 
 
 def main(task: str, argv=None, leave_process_group: bool = True) -> None:

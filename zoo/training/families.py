@@ -9,9 +9,10 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from zoo.data import BertDataset, GPTDataset, default_bert_corpus_prefix, default_corpus_prefix
 from zoo.models.config import ZOO_RUN_FIELDS, BertConfig, GPT2Config
 from zoo.models.families import family_of, family_of_model_type
-
+from zoo.models.hf_io import read_config_json
 
 
 def pretrained_model(directory: str, run_config: GPT2Config | BertConfig, preset: str,
@@ -25,8 +26,6 @@ def pretrained_model(directory: str, run_config: GPT2Config | BertConfig, preset
     with the directory's config.json. A bare BERT encoder (no pretraining heads, e.g. MiniLM) gets
     fresh MLM and SOP heads.
     """
-    from zoo.models.hf_io import read_config_json
-
     values = read_config_json(directory)
     stored, family = values.get("model_type"), family_of(run_config)
     if family_of_model_type(stored) is not family:
@@ -50,24 +49,16 @@ def pretrained_model(directory: str, run_config: GPT2Config | BertConfig, preset
 def default_corpus(config: GPT2Config | BertConfig, progress: bool) -> str:
     """The bundled Wikipedia sample, preprocessed once for this family's tokenizer."""
     if family_of(config).name == "bert":
-        from zoo.data import default_bert_corpus_prefix
-
         return default_bert_corpus_prefix(progress=progress)
-    from zoo.data import default_corpus_prefix
-
     return default_corpus_prefix(progress=progress)
 
 
 def build_dataset(config: GPT2Config | BertConfig, indexed, seq_length: int, seed: int, split: str, which: str,
                   num_samples: int):
     if family_of(config).name == "bert":
-        from zoo.data import BertDataset
-
         return BertDataset(indexed, max_seq_length=seq_length, seed=seed, split=split, which=which,
                            num_samples=num_samples, vocab_size=config.vocab_size,
                            max_position_embeddings=config.max_position_embeddings)
-    from zoo.data import GPTDataset
-
     return GPTDataset(indexed, seq_length, seed, split=split, which=which, num_samples=num_samples,
                       vocab_size=config.vocab_size)
 

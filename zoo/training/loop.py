@@ -1,11 +1,11 @@
 """The one training loop of pretraining and finetuning, in the style of torchtitan's trainer.
 
-The skeleton owns what both jobs share, each step a small function:
+The skeleton owns what every job shares, each step a small function:
 
 * :func:`join` (process group, this rank's device set at once, the tp x dp grid, the seeds) and
   :func:`setup_engine` (``deepspeed.initialize`` with zoo's parameter groups and mpu);
 * :meth:`TrainingLoop.train_step`: the iteration's micro-batches copied to the device without
-  blocking, forward, backward, step; the metrics are summed on the device;
+  blocking (:func:`to_device`), forward, backward, step; the metrics are summed on the device;
 * :class:`LogWindow`: the sums of a log interval, brought to the host once per interval (one
   all-reduce over the DP ranks and one synchronisation, never per micro-step);
 * :meth:`TrainingLoop.maybe_evaluate`, :meth:`TrainingLoop.maybe_save`;
@@ -17,9 +17,11 @@ The skeleton owns what both jobs share, each step a small function:
   (:func:`zoo.distributed.ranks_that_did_not_arrive`, a roll call through the store that costs nothing
   until something failed).
 
-What a model family or a finetuning task adds plugs in through :class:`LoopPlugins`: the micro-batches
-of an iteration, the forward and its metrics, the log event, evaluation and the save payload. The
-end-of-run summary stays with the caller, which gets the final :class:`LoopState` back.
+What a job adds plugs in as objects: a :class:`zoo.training.tasks.TrainTask` (the micro-batches of an
+iteration, the forward and its metrics, the log event), a validator (``is_evaluation_step`` and
+``evaluate``, e.g. :class:`zoo.training.validator.Validator`) and a checkpointer (``is_save_step`` and
+``save``, :class:`zoo.training.checkpointer.Checkpointer`). The end-of-run summary stays with the caller,
+which gets the final :class:`LoopState` back.
 """
 
 from __future__ import annotations
@@ -31,20 +33,29 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
+from tqdm import tqdm
 
+from zoo.distributed import (agree_max, describe_duration, is_collective_failure, join_process_group,
+                             loop_run_number, ranks_that_did_not_arrive)
+from zoo.launcher_watch import current_watch
+from zoo.models.families import param_groups
+from zoo.parallel import ParallelState, model_parallel_seed
+from zoo.stop_report import report_stop
+from zoo.training.cuda_arch import fit_cuda_arch_list_for_deepspeed
+from zoo.training.engine import refresh_fp32_master_weights
 from zoo.training.loss_scaling import backward
 
-__all__ = ["LoopState", "LoopPlugins", "StopConditions", "TrainingLoop", "LogWindow", "join", "setup_engine",
-           "to_device", "pin_memory_here"]
+__all__ = ["LoopState", "StopConditions", "TrainingLoop", "LogWindow", "join", "setup_engine", "to_device",
+           "pin_memory_here", "Validates", "Saves"]
 
 
 # ----------------------------------------------------------------------------------------------- setup
 
-def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | None = None):
+def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | None = None) -> ParallelState:
     """Join the launcher's process group, set this rank's accelerator device right away (before the
     TP RNG tracker is seeded on it), share the CPU cores, build the tp x dp grid and seed it.
 
@@ -52,10 +63,7 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
     (``--distributed-timeout-minutes``) bounds every collective of the world, TP and DP groups; None is
     DeepSpeed's default (10 minutes, or ``$DEEPSPEED_TIMEOUT``) for all three. Returns the ParallelState,
     whose ``timeout`` the loop's roll call waits."""
-    from deepspeed.constants import default_pg_timeout
-
-    from zoo.distributed import join_process_group
-    from zoo.parallel import ParallelState, model_parallel_seed
+    from deepspeed.constants import default_pg_timeout   # local: DeepSpeed costs seconds to import
 
     timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     join_process_group(int(os.environ.get("LOCAL_RANK", 0)), timeout=timeout)
@@ -68,11 +76,7 @@ def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], ps, weight_d
                  refresh_masters: bool):
     """The DeepSpeed engine of ``model`` (AdamW groups without decay on biases and norms, zoo's mpu);
     ``refresh_masters`` copies weights loaded before ``initialize`` into fp16/bf16 master weights."""
-    import deepspeed
-
-    from zoo.models.families import param_groups
-    from zoo.training.cuda_arch import fit_cuda_arch_list_for_deepspeed
-    from zoo.training.engine import refresh_fp32_master_weights
+    import deepspeed   # local: DeepSpeed costs seconds to import
 
     fit_cuda_arch_list_for_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
@@ -84,14 +88,14 @@ def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], ps, weight_d
 
 def pin_memory_here() -> bool:
     """Pinned host batches when there is an accelerator to copy them to (never on a CPU run)."""
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator   # local: DeepSpeed costs seconds to import
 
     return get_accelerator().device_name() != "cpu"
 
 
 def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]:
     """The device copy of a host batch, queued without blocking the host (the source is pinned by the
-    DataLoader on an accelerator; a pageable source is copied synchronously by torch, as before)."""
+    DataLoader on an accelerator; torch copies a pageable source synchronously)."""
     return {key: value.to(device, non_blocking=True) for key, value in batch.items()}
 
 
@@ -99,44 +103,38 @@ def to_device(batch: dict[str, torch.Tensor], device) -> dict[str, torch.Tensor]
 
 @dataclass
 class LoopState:
+    """Where a run is: its iteration and the samples it consumed (what a checkpoint keeps, through
+    :meth:`state_dict` and :meth:`load_state_dict`), the last log event, and why it stopped early."""
+
     iteration: int = 0
     consumed_samples: int = 0
     last_event: dict[str, Any] = field(default_factory=dict)
     stopped_by: str | None = None     # why the run stopped before its last iteration
 
+    def state_dict(self) -> dict[str, int]:
+        """The loop's share of a checkpoint's client state; :meth:`load_state_dict` reads it back."""
+        return {"iteration": self.iteration, "consumed_samples": self.consumed_samples}
 
-def _never(iteration: int) -> bool:
-    return False
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from a :meth:`state_dict` (a checkpoint's client state may hold more keys)."""
+        self.iteration, self.consumed_samples = state["iteration"], state["consumed_samples"]
 
 
-def _nothing(state: LoopState) -> None:
-    return None
+class Validates(Protocol):
+    """The loop's validator: which iterations evaluate, and the evaluation (collective over every rank;
+    ``write`` shows a line on the writer's console without breaking the progress bar)."""
+
+    def is_evaluation_step(self, iteration: int) -> bool: ...
+
+    def evaluate(self, state: LoopState, write) -> None: ...
 
 
-@dataclass
-class LoopPlugins:
-    """What a model family or a task adds to the skeleton.
+class Saves(Protocol):
+    """The loop's checkpointer: which iterations save (an early stop always does), and the save."""
 
-    * ``micro_batches(state)``: the host micro-batches of the next iteration, already agreed across
-      ranks (a bad sample on one rank raises the same sentence on every rank);
-    * ``forward(engine, device_batch)``: the output (with ``.loss``) and the device metrics to average
-      over the log window ("loss" at least);
-    * ``log(state, means, window)``: the metrics.jsonl event of a log window (means over the window's
-      micro-batches and the DP ranks), also printed; returned to become ``state.last_event``;
-    * ``is_evaluation_step`` / ``evaluate``, ``is_save_step`` / ``save``: after an iteration.
-    """
+    def is_save_step(self, iteration: int) -> bool: ...
 
-    total_iterations: int
-    samples_per_iteration: int
-    log_interval: int
-    micro_batches: Callable[[LoopState], list[dict[str, torch.Tensor]]]
-    forward: Callable[[Any, dict[str, torch.Tensor]], tuple[Any, dict[str, torch.Tensor]]]
-    log: Callable[[LoopState, dict[str, float], "LogWindow"], dict[str, Any]]
-    is_evaluation_step: Callable[[int], bool] = _never
-    evaluate: Callable[[LoopState], None] = _nothing
-    is_save_step: Callable[[int], bool] = _never
-    save: Callable[[LoopState], None] = _nothing
-    grad_norm_fallback: Callable[[Any], torch.Tensor] | None = None   # when DeepSpeed keeps none (fp32)
+    def save(self, state: LoopState) -> None: ...
 
 
 # ------------------------------------------------------------------------------------------ log window
@@ -213,8 +211,6 @@ class StopConditions:
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
     def install(self) -> None:
-        from zoo.launcher_watch import current_watch
-
         watch = current_watch()
         if watch is not None:
             watch.listen(self.received.append)
@@ -224,8 +220,6 @@ class StopConditions:
             self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
 
     def uninstall(self) -> None:
-        from zoo.launcher_watch import current_watch
-
         watch = current_watch()
         if watch is not None:
             watch.listen(None)
@@ -247,8 +241,6 @@ class StopConditions:
 
     def reason(self, iteration: int) -> str | None:
         """Why every rank stops after ``iteration`` (None: go on). Collective over ``group``."""
-        from zoo.distributed import agree_max
-
         signalled, late = agree_max([bool(self.received), self.out_of_time()], self.group)
         if signalled:
             return self.received[0] if self.received else "a signal on another rank"
@@ -262,13 +254,21 @@ class StopConditions:
 # ------------------------------------------------------------------------------------------------ loop
 
 class TrainingLoop:
-    """``run(state)`` trains from ``state`` until ``plugins.total_iterations`` or an agreed stop."""
+    """``run(state)`` trains from ``state`` until ``task.total_iterations`` or an agreed stop.
 
-    def __init__(self, engine, ps, plugins: LoopPlugins, stop: StopConditions | None = None,
+    ``task`` (:class:`zoo.training.tasks.TrainTask`) gives the batches, the forward and the log events,
+    which go to ``logger`` (a :class:`zoo.training.metrics.MetricsLogger`); ``validator`` and
+    ``checkpointer`` are optional (None: no evaluation, no checkpoint); ``stop`` None trains to the end."""
+
+    def __init__(self, engine, ps, task, logger=None, validator: Validates | None = None,
+                 checkpointer: Saves | None = None, stop: StopConditions | None = None,
                  progress_desc: str = "train", is_writer: bool = False):
         self.engine = engine
         self.ps = ps
-        self.plugins = plugins
+        self.task = task
+        self.logger = logger
+        self.validator = validator
+        self.checkpointer = checkpointer
         self.stop = stop
         self.progress_desc = progress_desc
         self.is_writer = is_writer
@@ -278,16 +278,16 @@ class TrainingLoop:
     # one iteration ------------------------------------------------------------------------------
     def train_step(self, state: LoopState) -> tuple[dict[str, torch.Tensor], int]:
         """Forward, backward and step over the iteration's micro-batches; returns the metric sums over
-        them, on the device, and their count. The grad norm of the iteration is kept (as a device tensor) when DeepSpeed
-        keeps none."""
-        engine, plugins = self.engine, self.plugins
-        batches = plugins.micro_batches(state)
+        them, on the device, and their count. The task's own grad norm of the iteration (a device tensor,
+        or None where DeepSpeed's is used) is taken before the last step."""
+        engine, task = self.engine, self.task
+        batches = task.micro_batches(state)
         sums: dict[str, torch.Tensor] = {}
         for micro_step, batch in enumerate(batches):
-            output, metrics = plugins.forward(engine, to_device(batch, engine.device))
+            output, metrics = task.forward(engine, to_device(batch, engine.device))
             backward(engine, output.loss)
-            if micro_step == len(batches) - 1 and plugins.grad_norm_fallback is not None:
-                self.window.grad_norm = plugins.grad_norm_fallback(engine)
+            if micro_step == len(batches) - 1:
+                self.window.grad_norm = task.own_grad_norm(engine)
             engine.step()
             for key, value in metrics.items():
                 sums[key] = sums[key] + value if key in sums else value
@@ -295,31 +295,36 @@ class TrainingLoop:
 
     # after an iteration -------------------------------------------------------------------------
     def is_log_step(self, state: LoopState) -> bool:
-        return (state.iteration % self.plugins.log_interval == 0 or state.iteration == self.plugins.total_iterations
+        return (state.iteration % self.task.log_interval == 0 or state.iteration == self.task.total_iterations
                 or state.stopped_by is not None)
 
     def log_window(self, state: LoopState) -> None:
+        """The window's event (the task's, from the means over the window's micro-batches and the DP
+        ranks): logged, shown on the writer's console and kept as ``state.last_event``."""
         start = time.perf_counter()
         means = self.window.means(self.ps, self.engine.device)
         self.window.seconds += time.perf_counter() - start   # the interval's one synchronisation
-        state.last_event = self.plugins.log(state, means, self.window)
+        event = self.task.log_event(state, means, self.window)
+        self.logger.log(event)
+        self.write(self.task.log_line(event))
+        state.last_event = event
         self.window = LogWindow()
 
     def maybe_evaluate(self, state: LoopState) -> None:
-        if self.plugins.is_evaluation_step(state.iteration):
-            self.plugins.evaluate(state)
+        if self.validator is not None and self.validator.is_evaluation_step(state.iteration):
+            self.validator.evaluate(state, self.write)
 
     def maybe_save(self, state: LoopState) -> None:
         """The save of a save step, and of an early stop; after the stop's save (its ``latest`` written),
         the writer tells zoo's launcher that the run stopped with a checkpoint (:mod:`zoo.stop_report`)."""
-        from zoo.stop_report import report_stop
-
-        if self.plugins.is_save_step(state.iteration) or state.stopped_by is not None:
+        if self.checkpointer is None:
+            return
+        if self.checkpointer.is_save_step(state.iteration) or state.stopped_by is not None:
             start = time.perf_counter()
-            self.plugins.save(state)
+            self.checkpointer.save(state)
             if self.stop is not None:
                 self.stop.last_save_s = time.perf_counter() - start
-            if state.stopped_by is not None and self.is_writer and self.plugins.save is not _nothing:
+            if state.stopped_by is not None and self.is_writer:
                 try:
                     report_stop(state.stopped_by, state.iteration)
                 except OSError as err:       # the checkpoint is saved; only the launcher's report is missing
@@ -328,28 +333,24 @@ class TrainingLoop:
                           f"exit code instead of 75", file=sys.stderr, flush=True)
 
     def check_stop(self, state: LoopState) -> None:
-        if self.stop is not None and state.iteration < self.plugins.total_iterations:
+        if self.stop is not None and state.iteration < self.task.total_iterations:
             state.stopped_by = self.stop.reason(state.iteration)
 
     # the skeleton -------------------------------------------------------------------------------
     def run(self, state: LoopState) -> LoopState:
-        from tqdm import tqdm
-
-        from zoo.distributed import loop_run_number
-
         run_number = loop_run_number()
-        self.progress = tqdm(total=self.plugins.total_iterations, initial=state.iteration,
-                             disable=not self.is_writer, desc=self.progress_desc, unit="it", dynamic_ncols=True,
-                             file=sys.stdout)
+        total = self.task.total_iterations
+        self.progress = tqdm(total=total, initial=state.iteration, disable=not self.is_writer,
+                             desc=self.progress_desc, unit="it", dynamic_ncols=True, file=sys.stdout)
         if self.stop is not None:
             self.stop.install()
         try:
-            while state.iteration < self.plugins.total_iterations and state.stopped_by is None:
+            while state.iteration < total and state.stopped_by is None:
                 start = time.perf_counter()
                 with self.late_ranks_named(run_number, f"iteration {state.iteration + 1}"):
                     sums, micro_steps = self.train_step(state)
                 state.iteration += 1
-                state.consumed_samples += self.plugins.samples_per_iteration
+                state.consumed_samples += self.task.samples_per_iteration
                 seconds = time.perf_counter() - start
                 self.window.add(sums, micro_steps, seconds)
                 if self.stop is not None:
@@ -382,9 +383,7 @@ class TrainingLoop:
             raise error from err
 
     def late_rank_error(self, err: RuntimeError, run_number: int | None, point: str) -> RuntimeError:
-        from deepspeed.constants import default_pg_timeout
-
-        from zoo.distributed import describe_duration, is_collective_failure, ranks_that_did_not_arrive
+        from deepspeed.constants import default_pg_timeout   # local: DeepSpeed costs seconds to import
 
         if run_number is None or not is_collective_failure(err):
             return err

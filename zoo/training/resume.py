@@ -17,17 +17,34 @@ import os
 from pathlib import Path
 from typing import Any
 
-from zoo.checkpoint.files import (LATEST_FILE, checkpoints_root, model_states_path, rank_files_tp,
-                                  read_model_states, resume_tag_directory)
+import torch.distributed as dist
+
+from zoo.checkpoint.files import (LATEST_FILE, checkpoints_root, has_complete_checkpoint, model_states_path,
+                                  rank_files_tp, read_model_states, resume_tag_directory)
+from zoo.checkpoint.reshard import ensure_resharded, resharded_directory
 from zoo.checkpoint.safe_load import check_tag_files
+from zoo.checkpoint.zero_reshard import partition_files
 from zoo.distributed import directory_bytes, raise_on_any_rank, run_on_first_rank
 
-__all__ = ["checkpoint_to_load", "check_rank_states", "model_config_differences"]
+__all__ = ["checkpoint_to_load", "check_rank_states", "has_checkpoint", "model_config_differences"]
 
 # How a pretraining run picks another checkpoint when `latest` names a missing one (it has no --tag).
 LATEST_FIX = ("write the tag of a complete checkpoint ({tags}) into {latest}, or start the run without --load")
 # Model-config keys a resumed run may change: they are not part of the weights' shapes or meaning.
 FREE_ON_RESUME = ("initializer_range",)
+
+
+def has_checkpoint(load: str | os.PathLike) -> bool:
+    """Whether ``--load`` names something to resume from: a run directory or checkpoints/ directory with a
+    complete checkpoint (:func:`zoo.checkpoint.files.has_complete_checkpoint`). A path that does not exist
+    yet, a run directory without checkpoints, or one whose only tag is a save that never finished, is a run
+    to start (anything else is left to the loader's checks and their sentences)."""
+    path = Path(load)
+    if not path.exists():
+        return False
+    if not path.is_dir():
+        return True
+    return has_complete_checkpoint(path)
 
 
 def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any] | None = None,
@@ -47,9 +64,6 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
     DeepSpeed engine), a checkpoint whose optimizer files the engine would not read (ZeRO partitions
     for a non-ZeRO run, bf16 partitions for an fp32 one, ...) is refused in one sentence.
     """
-    from zoo.checkpoint.reshard import ensure_resharded, resharded_directory
-    from zoo.checkpoint.zero_reshard import partition_files
-
     def locate() -> tuple[Path, Path, int, Any]:
         root = checkpoints_root(load)
         tag_dir, note = resume_tag_directory(root)
@@ -93,8 +107,6 @@ def is_first_rank() -> bool:
 
 def rank_and_world() -> tuple[int, int]:
     """(global rank, world size), (0, 1) without a process group."""
-    import torch.distributed as dist
-
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1

@@ -1,0 +1,143 @@
+"""A pretraining run's checkpoints: which iterations save, what a checkpoint holds, and resuming from one.
+
+The client state of a checkpoint is built in one place (:meth:`Checkpointer.payload`) and read back by
+the same object (:meth:`Checkpointer.restore`): the loop's position (:meth:`LoopState.state_dict`), every
+random generator the run draws from (Python, NumPy, torch, the accelerator and DeepSpeed's TP RNG
+tracker), and the run's identity (preset, model config, tp, seed, split, sequence length, LR schedule),
+which resuming checks and warns about. Writing goes through :func:`zoo.checkpoint.save.save_checkpoint`
+(a tag counts only once every rank finished it); reading through
+:func:`zoo.training.resume.checkpoint_to_load` (located, checked and, at another tp, resharded on every
+rank) and DeepSpeed's loader under the weights-only unpickler.
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from zoo.checkpoint.files import CHECKPOINT_SUBDIR
+from zoo.checkpoint.safe_load import weights_only_loads
+from zoo.checkpoint.save import save_checkpoint
+from zoo.distributed import raise_on_any_rank
+from zoo.parallel.random import TP_RNG_STATE_NAME, TP_SEED_OFFSET
+from zoo.training.loop import LoopState
+from zoo.training.resume import checkpoint_to_load, has_checkpoint
+from zoo.training.run_config import RunConfig, lr_schedule, schedule_change_warning
+
+__all__ = ["Checkpointer", "rng_state", "set_rng_state", "reseed_tp_rng"]
+
+
+def rng_state() -> dict[str, Any]:
+    """Every generator a training step draws from, as a checkpoint keeps it."""
+    import deepspeed   # local: DeepSpeed costs seconds to import
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "accelerator": deepspeed.accelerator.get_accelerator().get_rng_state(),
+            "tracker": deepspeed.checkpointing.get_cuda_rng_tracker().get_states()}
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    """Put every generator back where :func:`rng_state` found it."""
+    import deepspeed   # local: DeepSpeed costs seconds to import
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    deepspeed.accelerator.get_accelerator().set_rng_state(state["accelerator"])
+    deepspeed.checkpointing.get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def reseed_tp_rng(seed: int, iteration: int, ps) -> None:
+    """After a tp change, give the TP RNG tracker a fresh stream per TP rank.
+
+    The tracker's stream is per TP rank (dropout inside TP regions); a checkpoint written at another tp
+    has no stream for this rank's heads, so none can be carried over exactly. The new seed mixes the
+    run's seed, the iteration and the TP rank, so the streams differ across ranks, across resumes at
+    different iterations, and from the ones the run started with (``seed + 2718 + tp_rank``).
+    """
+    import deepspeed   # local: DeepSpeed costs seconds to import
+
+    tracker = deepspeed.checkpointing.get_cuda_rng_tracker()
+    tracker.reset()
+    tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + ps.tp_rank + 7919 * (iteration + 1) * ps.tp_size)
+
+
+class Checkpointer:
+    """Saves and resumes the DeepSpeed ``engine`` of a pretraining run (collective: every rank).
+
+    Saves go to ``<--save>/checkpoints/iter_NNNNNNN`` every ``--save-interval`` iterations, at the last
+    iteration, and at an early stop (the loop decides that one). ``model_config`` is the model's
+    ``hf_config_dict()``: recorded with each save and required of the checkpoint a run resumes from.
+    """
+
+    def __init__(self, engine, config: RunConfig, ds_config: dict[str, Any], ps, model_config: dict[str, Any],
+                 is_writer: bool):
+        self.engine, self.config, self.ds_config, self.ps = engine, config, ds_config, ps
+        self.model_config, self.is_writer = model_config, is_writer
+        self.directory = Path(config.save) / CHECKPOINT_SUBDIR
+
+    # saving ---------------------------------------------------------------------------------------
+    def is_save_step(self, iteration: int) -> bool:
+        interval = self.config.save_interval
+        return bool(interval) and iteration % interval == 0 or iteration == self.config.train_iters
+
+    def tag_directory(self, iteration: int) -> Path:
+        return self.directory / f"iter_{iteration:07d}"
+
+    def save(self, state: LoopState) -> None:
+        save_checkpoint(self.engine, self.directory, self.tag_directory(state.iteration).name, self.payload(state))
+
+    def payload(self, state: LoopState) -> dict[str, Any]:
+        """The checkpoint's client state (:meth:`restore` reads it back)."""
+        config = self.config
+        return {**state.state_dict(), "rng": rng_state(), "zoo_model": config.model,
+                "model_config": self.model_config, "tensor_parallel_size": self.ps.tp_size,
+                "seed": config.seed, "split": config.split, "seq_length": config.seq_length,
+                "lr_schedule": lr_schedule(self.ds_config)}
+
+    # resuming -------------------------------------------------------------------------------------
+    def resume(self) -> LoopState:
+        """The loop state to start from: ``--load``'s checkpoint, or a fresh start, said in one line when
+        ``--load`` names a run without a complete checkpoint yet (so a job script can always pass
+        ``--save X --load X``)."""
+        load = self.config.load
+        if not load:
+            return LoopState()
+        if not has_checkpoint(load):
+            if self.is_writer:
+                print(f"--load {load}: no checkpoint yet, starting from iteration 0", flush=True)
+            return LoopState()
+        return self.restore(self.load(load))
+
+    def restore(self, client: dict[str, Any]) -> LoopState:
+        """The loop state of a :meth:`payload`, with every generator restored, the TP RNG reseeded after a
+        tp change, and a changed LR schedule warned about on the writer."""
+        state = LoopState()
+        state.load_state_dict(client)
+        set_rng_state(client["rng"])
+        if "resharded_from" in client:
+            reseed_tp_rng(client.get("seed", self.config.seed), state.iteration, self.ps)
+        change = schedule_change_warning(client.get("lr_schedule"), lr_schedule(self.ds_config), state.iteration)
+        if self.is_writer and "lr_schedule" in client and change:
+            print(f"warning: {change}", file=sys.stderr)
+        return state
+
+    def load(self, load: str) -> dict[str, Any]:
+        """Load the engine from ``--load``: the checkpoint is located and checked on every rank (readable,
+        same model), then loaded; its client state is returned. A failure on any rank is raised on all."""
+        load_dir, tag = checkpoint_to_load(load, self.ps, self.model_config)
+
+        def load_here() -> dict[str, Any]:
+            with weights_only_loads(self.engine):   # DeepSpeed's own reads use the weights-only unpickler too
+                _, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
+            if client is None:
+                raise FileNotFoundError(f"the checkpoint under {load} could not be loaded; check its 'latest' tag "
+                                        "file and its mp_rank_XX_model_states.pt files.")
+            return client
+
+        return raise_on_any_rank(load_here)
