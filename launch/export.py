@@ -1,10 +1,10 @@
-"""Export a zoo DeepSpeed checkpoint (GPT-2 or BERT), trained at any tp degree, to a transformers directory:
-GPT2LMHeadModel, MegatronBertForPreTraining (pre-norm BERT) or BertForPreTraining (post-norm BERT).
+"""Export a zoo DeepSpeed checkpoint (GPT-2 or BERT), trained at any tp degree, to a transformers directory
+(see zoo.cli.export).
 
     python launch/export.py --load runs/demo --out runs/demo/hf [--tag iter_0000300] [--dtype float16|bfloat16|float32]
 """
 
-from zoo.checkpoint.deepspeed_export import main
+from zoo.cli.export import main
 
 if __name__ == "__main__":
     main()

@@ -82,7 +82,7 @@ def assert_tree_modes(directory: Path, mask: int) -> None:
 
 def export_cli(capsys, load, out) -> str:
     """launch/export.py in process; returns the error sentence after checking exit code 2."""
-    from zoo.checkpoint.deepspeed_export import main
+    from zoo.cli.export import main
 
     with pytest.raises(SystemExit) as exit_info:
         main(["--load", str(load), "--out", str(out)])

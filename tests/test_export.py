@@ -220,7 +220,7 @@ def test_export_main_writes_requested_dtype(trained_run, tmp_path, capsys):
     from safetensors.torch import load_file
 
     from zoo.checkpoint import export_checkpoint
-    from zoo.checkpoint.deepspeed_export import main
+    from zoo.cli.export import main
 
     export_checkpoint(trained_run["run_dir"] / "checkpoints", tmp_path / "fp32", tag="iter_0000002")
     main(["--load", str(trained_run["run_dir"]), "--out", str(tmp_path / "bf16"), "--dtype", "bf16"])

@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.spawn import spawn
+from zoo.cli.plan import main
 from zoo.training.planner import (activation_bytes, attention_scores_bytes, deepspeed_estimate, layer_activation_bytes,
-                                  main, output_activation_bytes, parse_memory, peak_tflops_of, plan, state_bytes)
+                                  output_activation_bytes, parse_memory, peak_tflops_of, plan, state_bytes)
 
 REPO = Path(__file__).resolve().parent.parent
 # Shoeybi et al. 2019, Table 1: tp degree -> parameters (billions), all trained on 32 GB V100s.

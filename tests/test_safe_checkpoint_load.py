@@ -91,7 +91,7 @@ def test_real_checkpoint_loads_with_the_allow_list(real_run):
 
 
 def test_export_refuses_a_planted_pickle(real_run, tmp_path, capsys):
-    from zoo.checkpoint.deepspeed_export import main
+    from zoo.cli.export import main
 
     run, planted, marker = planted_copy(real_run, tmp_path)
     with pytest.raises(SystemExit) as excinfo:

@@ -9,7 +9,7 @@ Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Time is Megatron's FLOPs formula (:func:`zoo.training.metrics.megatron_flops_per_iteration`) over an
 assumed model-FLOPs utilisation of the named GPU's dense peak.
 
-    python launch/plan.py --deepspeed_config ds_configs/tp8.json --num-gpus 8 [--gpu V100] [--json]
+    python launch/plan.py --deepspeed_config ds_configs/tp8.json --num-gpus 8 [--gpu V100] [--json]   # zoo.cli.plan
 
 All byte counts are per rank (one GPU); sizes are printed in GB = 10^9 bytes.
 """
@@ -26,7 +26,6 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping
 
 from zoo.training.run_config import RunConfig, load_run_config, validate_for_world, validate_static
-from zoo.errors import report_error
 
 
 @dataclass(frozen=True)
@@ -457,32 +456,6 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Per-rank memory and iteration time of a zoo run, from its config.")
-    parser.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", required=True,
-                        help="ds_config JSON with its zoo block (model, tp, seq_length, checkpoint_activations)")
-    parser.add_argument("--num-gpus", "--num_gpus", dest="num_gpus", type=int, required=True,
-                        help="devices per node (as for the deepspeed launcher)")
-    parser.add_argument("--num-nodes", "--num_nodes", dest="num_nodes", type=int, default=1)
-    parser.add_argument("--gpu", default="V100", help=f"one of {[g.name for g in GPUS] + [CPU]} (default V100)")
-    parser.add_argument("--gpu-memory", dest="gpu_memory", default=None,
-                        help="memory per device, e.g. 32GB or 80GiB (default: the GPU's)")
-    parser.add_argument("--mfu", type=float, default=0.4, help="assumed model-FLOPs utilisation (default 0.4)")
-    parser.add_argument("--json", action="store_true", help="print the fields as JSON")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    try:
-        result = plan(args.deepspeed_config, args.num_gpus, num_nodes=args.num_nodes, gpu=args.gpu,
-                      gpu_memory=args.gpu_memory, mfu=args.mfu)
-    except (ValueError, FileNotFoundError) as err:
-        report_error(err)
-        sys.exit(2)
-    print(result.to_json() if args.json else format_plan(result))
-
-
 __all__ = ["GPUS", "GpuSpec", "Plan", "activation_bytes", "attention_scores_bytes", "count_parameters", "deepspeed_estimate",
-           "layer_activation_bytes", "main", "output_activation_bytes", "parse_memory", "peak_tflops_of", "plan",
+           "layer_activation_bytes", "output_activation_bytes", "parse_memory", "peak_tflops_of", "plan",
            "state_bytes"]
