@@ -1,5 +1,5 @@
 """The one training loop (zoo.training.loop): no host-device synchronisation from zoo's code between
-log events (issue 17 item 4), and the stop conditions' pure parts.
+log events, and the stop conditions' pure parts.
 
 The sync test counts, during pretraining iterations at tp = 2, every ``.item()``, ``.cpu()``,
 ``.tolist()``, ``.numpy()``, ``float()`` and ``int()`` that zoo's own code calls on a floating-point
@@ -135,7 +135,7 @@ def test_signal_is_a_flag_until_the_iteration_boundary():
     assert signal.getsignal(signal.SIGUSR1) is before
 
 
-# ----------------------------------------------------------------------------- rank-0-only work (issue 17 item 7)
+# ----------------------------------------------------------------------------- rank-0-only work
 def _first_rank_worker(rank, world_size):
     import torch.distributed as dist
 
