@@ -6,9 +6,10 @@ indexed sequence and a document is the run of its sentences: document ``d`` is s
 ``[doc_idx[d], doc_idx[d+1])``, the layout Megatron-LM's ``preprocess_data.py --split-sentences``
 writes. Sequences hold WordPiece ids without special tokens ([CLS]/[SEP] are added per sample).
 
-Input formats and bad-input handling are those of :func:`zoo.data.preprocess.preprocess` (``.txt``
-one document per line, ``.jsonl``/``.json`` with the text under ``json_key``, ``.parquet``;
-optionally compressed; documents without a string text are skipped and reported in one warning).
+Inputs, bad-input handling and the parallel pipeline are those of GPT preprocessing
+(:mod:`zoo.data.preprocess_sources`, :mod:`zoo.data.input_diagnosis`, :mod:`zoo.data.preprocess_pipeline`):
+files, directories or ``hub:`` datasets; documents without a string text are skipped and reported in one
+warning; the output is the same bytes for every number of workers.
 Sentences that tokenize to nothing are dropped, and so are documents left without a sentence.
 
 The sentence splitter (:func:`split_sentences`) is a deliberately simple rule set, no model:
@@ -22,18 +23,17 @@ The sentence splitter (:func:`split_sentences`) is a deliberately simple rule se
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import re
-import time
-from contextlib import ExitStack
 from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
 
-from zoo.data.indexed_dataset import IndexedDatasetBuilder
-from zoo.data.preprocess import (BUNDLED_CORPUS, PreprocessSummary, cached_corpus_prefix, load_texts,
-                                 scratch_directory, validated_inputs)
+from zoo.assets import BUNDLED_CORPUS
+from zoo.data.preprocess_pipeline import PreprocessSummary, cached_corpus_prefix
 from zoo.data.tokenizers import load_bert_tokenizer
 
 
@@ -78,24 +78,48 @@ class BertPreprocessSummary(PreprocessSummary):
         return super().__str__() + f", {self.sentences} sentences"
 
 
-def _encode_sentences(batch, tokenizer, key):
-    """datasets.map function: split each document into sentences and tokenize them all at once.
+def encode_sentences(texts: list, tokenizer) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One batch, in a worker: each string text split into sentences, all sentences tokenized in one
+    fast-tokenizer call. Sentences without tokens are dropped, then documents without sentences.
 
-    Returns per kept document its ids back to back and the token count of each sentence.
+    Returns (ids back to back, int32; tokens per sentence, int64; sentences per kept document, int64).
     """
-    docs = [split_sentences(t) if isinstance(t, str) else [] for t in batch[key]]
+    docs = [split_sentences(t) if isinstance(t, str) else [] for t in texts]
     flat = [s for doc in docs for s in doc]
     ids = []
     if flat:
         ids = tokenizer(flat, add_special_tokens=False, verbose=False, return_attention_mask=False)["input_ids"]
-    out_ids, out_lengths, k = [], [], 0
+    kept_ids, per_document, k = [], [], 0
     for doc in docs:
         sentence_ids = [x for x in ids[k : k + len(doc)] if x]
         k += len(doc)
         if sentence_ids:
-            out_ids.append([t for s in sentence_ids for t in s])
-            out_lengths.append([len(s) for s in sentence_ids])
-    return {"input_ids": out_ids, "sentence_lengths": out_lengths}
+            kept_ids.extend(sentence_ids)
+            per_document.append(len(sentence_ids))
+    lengths = np.fromiter(map(len, kept_ids), dtype=np.int64, count=len(kept_ids))
+    tokens = np.fromiter(itertools.chain.from_iterable(kept_ids), dtype=np.int32, count=int(lengths.sum()))
+    return tokens, lengths, np.asarray(per_document, dtype=np.int64)
+
+
+class _SentenceWriter:
+    """Writes encoded batches, one indexed sequence per sentence and one document per input document,
+    and counts the sentences written."""
+
+    def __init__(self):
+        self.sentences = 0
+
+    def __call__(self, builder, encoded) -> tuple[int, int]:
+        tokens, lengths, per_document = encoded
+        sentence_lengths = iter(lengths.tolist())
+        offset = 0
+        for count in per_document.tolist():
+            for _ in range(count):
+                length = next(sentence_lengths)
+                builder.add_item(tokens[offset : offset + length])
+                offset += length
+            builder.end_document()
+        self.sentences += len(lengths)
+        return len(per_document), tokens.size
 
 
 def preprocess_bert(
@@ -110,63 +134,19 @@ def preprocess_bert(
     """Sentence-splits and tokenizes ``inputs`` into ``<output_prefix>.bin/.idx`` (atomically).
 
     One indexed sequence per sentence, one indexed document per input document (see module doc).
-    ``tokenizer`` is a transformers tokenizer, a tokenizer directory, or None for the bundled
-    bert-base-uncased WordPiece vocab. Returns the document/sentence/token counts and timing.
+    ``inputs`` are files, directories or ``hub:`` names, read in order. ``tokenizer`` is a transformers
+    tokenizer, a tokenizer directory, or None for the bundled bert-base-uncased WordPiece vocab.
+    Returns the document/sentence/token counts and timing.
     """
-    import datasets
-    from tqdm.auto import tqdm
+    from zoo.data.preprocess_sources import tokenize_sources  # local: reading inputs imports datasets (~1.5 s)
 
-    start = time.perf_counter()
-    paths, loaders = validated_inputs(inputs, workers)
     if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
         tokenizer = load_bert_tokenizer(tokenizer)
-
-    documents = sentences = tokens = 0
-    with ExitStack() as stack:
-        cache = stack.enter_context(scratch_directory(output_prefix))
-        if not progress and datasets.is_progress_bar_enabled():
-            datasets.disable_progress_bars()
-            stack.callback(datasets.enable_progress_bars)
-        raw = load_texts(paths, loaders, json_key, cache)
-        num_proc = min(int(workers), max(1, len(raw)))
-        encoded = raw.map(
-            _encode_sentences,
-            batched=True,
-            batch_size=batch_size,
-            num_proc=num_proc if num_proc > 1 else None,
-            fn_kwargs={"tokenizer": tokenizer, "key": "text"},
-            remove_columns=["text"],
-            load_from_cache_file=False,
-            new_fingerprint=f"zoo-bert-tokenize-{os.getpid()}-{time.time_ns()}",
-            desc="Tokenizing",
-        )
-        if len(encoded) == 0:
-            raise ValueError(
-                f"the inputs {', '.join(paths)} hold no non-blank documents; check the files and --json-key."
-            )
-        builder = stack.enter_context(IndexedDatasetBuilder(output_prefix, vocab_size=len(tokenizer)))
-        bar = stack.enter_context(tqdm(total=len(encoded), desc="Writing", unit="doc", disable=not progress))
-        for table in encoded.with_format("arrow").iter(batch_size=1024):
-            ids = table.column("input_ids").combine_chunks()
-            lengths = table.column("sentence_lengths").combine_chunks()
-            flat = ids.values.to_numpy(zero_copy_only=False)
-            doc_offsets = ids.offsets.to_numpy()
-            sentence_lengths = lengths.values.to_numpy(zero_copy_only=False)
-            sentence_offsets = lengths.offsets.to_numpy()
-            for d in range(len(table)):
-                doc_sizes = sentence_lengths[sentence_offsets[d] : sentence_offsets[d + 1]]
-                doc_tokens = flat[doc_offsets[d] : doc_offsets[d + 1]]
-                for sentence in np.split(doc_tokens, np.cumsum(doc_sizes)[:-1]):
-                    builder.add_item(sentence)
-                builder.end_document()
-                sentences += len(doc_sizes)
-            documents += len(table)
-            tokens += int(doc_offsets[-1] - doc_offsets[0])
-            bar.update(len(table))
-        del encoded, raw
-    return BertPreprocessSummary(
-        os.fspath(output_prefix), documents, tokens, time.perf_counter() - start, sentences=sentences
-    )
+    writer = _SentenceWriter()
+    encode = functools.partial(encode_sentences, tokenizer=tokenizer)
+    documents, tokens, seconds = tokenize_sources(inputs, output_prefix, encode, writer, len(tokenizer), workers,
+                                                  json_key, progress, batch_size)
+    return BertPreprocessSummary(os.fspath(output_prefix), documents, tokens, seconds, sentences=writer.sentences)
 
 
 def default_bert_corpus_prefix(
@@ -178,6 +158,6 @@ def default_bert_corpus_prefix(
     """Prefix of ``corpus`` (default: the bundled Wikipedia sample) sentence-split and tokenized with
     the bundled uncased WordPiece vocab in ``cache_dir`` (default ``$ZOO_CACHE`` or ``~/.cache/zoo``).
 
-    Built once (see :func:`zoo.data.preprocess.cached_corpus_prefix`).
+    Built once (see :func:`zoo.data.preprocess_pipeline.cached_corpus_prefix`).
     """
     return cached_corpus_prefix(corpus, "bert-uncased_sentences", preprocess_bert, cache_dir, workers, progress)

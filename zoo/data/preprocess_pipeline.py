@@ -1,0 +1,224 @@
+"""The pipeline GPT and BERT preprocessing share: batches of texts in, one indexed dataset out.
+
+The main process reads batches of documents and writes; ``workers`` processes tokenize. Each worker
+runs one fast-tokenizer call per batch with the tokenizer's own threading off, so N workers use N
+cores and the throughput grows with N. Results come back in batch order as numpy arrays (cheap to
+pass between processes), so the output is byte-identical for every number of workers. At most
+``2 * workers + 1`` batches are in flight: memory stays bounded whatever the corpus size, which
+``multiprocessing.Pool.imap`` does not guarantee (it consumes its whole input ahead of the workers).
+
+The output is written atomically by :class:`~zoo.data.indexed_dataset.IndexedDatasetBuilder`: a failure
+anywhere leaves no ``.bin``/``.idx`` behind, and a scratch directory for ``datasets``' Arrow copies
+lives beside the output only while the command runs.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import queue
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterable, Iterator
+
+from tqdm.auto import tqdm
+
+from zoo.data.indexed_dataset import IndexedDatasetBuilder, dataset_exists
+
+_END = object()
+_RESULT_POLL_S = 1.0  # how often a wait for results checks that the workers are still alive
+
+
+@dataclass(frozen=True)
+class PreprocessSummary:
+    prefix: str
+    documents: int
+    tokens: int
+    seconds: float
+
+    @property
+    def docs_per_s(self) -> float:
+        return self.documents / self.seconds if self.seconds > 0 else float("inf")
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("inf")
+
+    def __str__(self) -> str:
+        return (
+            f"{self.prefix}: {self.documents} documents, {self.tokens} tokens in {self.seconds:.2f} s "
+            f"({self.docs_per_s:.1f} docs/s, {self.tokens_per_s:.0f} tokens/s)"
+        )
+
+
+class SkippedDocumentsWarning(UserWarning):
+    """Some documents of an input had no string text and have been skipped."""
+
+
+@contextmanager
+def scratch_directory(output_prefix: str | os.PathLike):
+    """A temporary directory beside ``output_prefix`` for ``datasets``' Arrow copies, removed afterwards.
+
+    The output's directory is created if missing (one sentence if it cannot be); if the work then fails,
+    the directories this created are removed again, so a failed run leaves nothing behind.
+    """
+    out_dir = Path(os.fspath(output_prefix)).resolve().parent
+    created = []
+    for directory in (out_dir, *out_dir.parents):
+        if directory.exists() or directory.is_symlink():
+            break
+        created.append(directory)
+    try:
+        with _output_directory_errors(output_prefix):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            scratch = tempfile.TemporaryDirectory(dir=out_dir, prefix=".zoo-preprocess-")
+        with scratch as cache:
+            yield cache
+    except BaseException:
+        for directory in created:  # deepest first; kept if something else appeared in it
+            try:
+                directory.rmdir()
+            except OSError:
+                break
+        raise
+
+
+@contextmanager
+def _output_directory_errors(output_prefix):
+    """Turns the errors of creating the output's directory into one sentence naming the prefix."""
+    try:
+        yield
+    except (FileExistsError, NotADirectoryError):
+        raise ValueError(f"output prefix '{os.fspath(output_prefix)}' lies under a file, not a directory; "
+                         "choose a prefix inside a directory.") from None
+    except PermissionError:
+        raise ValueError(f"output prefix '{os.fspath(output_prefix)}' is in a directory that cannot be created "
+                         "or written (permission denied); choose a prefix in a directory you can write to.") from None
+
+
+def _worker_loop(encode: Callable, tasks, results) -> None:
+    """One tokenizer process: encodes (number, batch) tasks until it receives None."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
+    while (task := tasks.get()) is not None:
+        number, batch = task
+        try:
+            results.put((number, encode(batch), None))
+        except Exception as err:  # reaches the main process as a RuntimeError naming it
+            results.put((number, None, f"{type(err).__name__}: {err}"))
+            return
+
+
+def encoded_in_order(encode: Callable, batches: Iterable, workers: int) -> Iterator:
+    """``encode(batch)`` for every batch, computed in ``workers`` processes and yielded in batch order.
+
+    At most ``2 * workers + 1`` batches are read ahead. The processes are forked where the platform
+    allows (the tokenizer is inherited, never pickled per batch) and always ended on return or error.
+    """
+    context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
+    tasks, results = context.Queue(), context.Queue()
+    processes = [context.Process(target=_worker_loop, args=(encode, tasks, results), daemon=True)
+                 for _ in range(int(workers))]
+    for process in processes:
+        process.start()
+    batches = iter(batches)
+    done, sent, ready = 0, 0, {}
+    try:
+        while sent < 2 * len(processes) + 1 and (batch := next(batches, _END)) is not _END:
+            tasks.put((sent, batch))
+            sent += 1
+        while done < sent:
+            while done not in ready:
+                number, encoded, error = _next_result(results, processes)
+                if error is not None:
+                    raise RuntimeError(f"a tokenizer worker failed on batch {number} ({error}).")
+                ready[number] = encoded
+            yield ready.pop(done)
+            done += 1
+            if (batch := next(batches, _END)) is not _END:
+                tasks.put((sent, batch))
+                sent += 1
+    finally:
+        for _ in processes:
+            tasks.put(None)
+        for process in processes:
+            process.join(timeout=5)
+            if process.is_alive():
+                process.terminate()
+                process.join()
+        tasks.cancel_join_thread()
+        tasks.close()
+        results.close()
+
+
+def _next_result(results, processes):
+    while True:
+        try:
+            return results.get(timeout=_RESULT_POLL_S)
+        except queue.Empty:
+            dead = [p.exitcode for p in processes if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a tokenizer worker process died (exit code {dead[0]}); "
+                                   "check the memory available to --workers processes.") from None
+
+
+def write_encoded(
+    output_prefix: str | os.PathLike,
+    vocab_size: int,
+    encoded: Iterable,
+    write: Callable[[IndexedDatasetBuilder, object], tuple[int, int]],
+    no_documents: str,
+    progress: bool,
+) -> tuple[int, int]:
+    """Writes every encoded batch with ``write(builder, batch) -> (documents, tokens)`` into
+    ``<output_prefix>.bin/.idx`` (atomically), showing a tqdm bar in tokens/s.
+
+    Returns (documents, tokens). No document at all raises ``ValueError(no_documents)`` and writes nothing.
+    """
+    documents = tokens = 0
+    with IndexedDatasetBuilder(output_prefix, vocab_size=vocab_size) as builder, \
+            tqdm(desc=f"Tokenizing {Path(os.fspath(output_prefix)).name}", unit="tok", unit_scale=True,
+                 disable=not progress) as bar:
+        for batch in encoded:
+            batch_documents, batch_tokens = write(builder, batch)
+            documents += batch_documents
+            tokens += batch_tokens
+            bar.update(batch_tokens)
+            bar.set_postfix(docs=documents, refresh=False)
+        if documents == 0:
+            raise ValueError(no_documents)
+    return documents, tokens
+
+
+def default_cache_dir() -> Path:
+    """``$ZOO_CACHE``, else ``~/.cache/zoo``."""
+    return Path(os.environ.get("ZOO_CACHE") or Path.home() / ".cache" / "zoo")
+
+
+def cached_corpus_prefix(corpus: str | os.PathLike, suffix: str, build, cache_dir: str | os.PathLike | None = None,
+                         workers: int | None = None, progress: bool = False) -> str:
+    """Prefix ``<cache>/<corpus name>_<suffix>`` of a corpus preprocessed once by
+    ``build([corpus], prefix, workers=, progress=)``.
+
+    When both files exist it returns at once. An exclusive file lock serializes concurrent callers and
+    the builder's atomic rename means a crash leaves nothing half-written. Call it on one rank and
+    barrier before the others read it.
+    """
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    name = Path(corpus).name.split(".")[0]
+    prefix = str(cache / f"{name}_{suffix}")
+    if dataset_exists(prefix):
+        return prefix
+    with open(cache / f".{name}_{suffix}.lock", "w") as lock:
+        try:
+            import fcntl  # local: POSIX only; elsewhere the atomic rename alone protects readers
+
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        except ImportError:
+            pass
+        if not dataset_exists(prefix):
+            workers = workers if workers is not None else min(2, os.cpu_count() or 1)
+            build([corpus], prefix, workers=workers, progress=progress)
+    return prefix
