@@ -35,7 +35,7 @@ def test_smoke_script_passes_every_check_through_the_deepspeed_launcher(tmp_path
 
 
 def _smoke_exit_code(rank, world_size, argv):
-    from zoo.smoke import main
+    from zoo.cli.smoke import main
 
     return main(argv)
 
@@ -46,7 +46,7 @@ def test_a_failed_check_exits_1():
 
 
 def test_a_bad_flag_is_one_sentence_and_exit_2(capsys):
-    from zoo.smoke import main
+    from zoo.cli.smoke import main
 
     assert main(["--model", "bert-tiny"]) == 2
     err = capsys.readouterr().err
@@ -56,7 +56,8 @@ def test_a_bad_flag_is_one_sentence_and_exit_2(capsys):
 def test_the_bert_step_caps_a_long_gpt2_sequence_at_the_bert_positions():
     """Found on an H100: `--seq-length 1024 --bert-model bert-336m` passed 1024 to a BERT with 512
     positions and the BERT step died with a traceback after all the GPT-2 checks had run."""
-    from zoo.smoke import parse_args, validate
+    from zoo.cli.smoke import parse_args
+    from zoo.smoke import validate
 
     args = parse_args(["--model", "gpt2-1.2b", "--seq-length", "1024", "--bert-model", "bert-336m"])
     validate(args)
@@ -67,7 +68,7 @@ def test_the_bert_step_caps_a_long_gpt2_sequence_at_the_bert_positions():
 
 
 def test_a_bert_sequence_longer_than_its_positions_is_exit_2(capsys):
-    from zoo.smoke import main
+    from zoo.cli.smoke import main
 
     assert main(["--bert-model", "bert-336m", "--bert-seq-length", "600"]) == 2
     err = capsys.readouterr().err
