@@ -11,12 +11,26 @@ they are not synchronisation points and are not counted.
 
 from __future__ import annotations
 
+import json
+import os
 import signal
+import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
+import pytest
+import torch
+import torch.distributed as dist
+
+import zoo.training.resume as resume
 from tests.spawn import spawn
 from tests.test_pretrain import corpus_prefix, run_config  # noqa: F401 - the module-scoped corpus fixture
+from zoo.distributed import (WAIT_MARGIN, directory_bytes, first_rank_timeout, ranks_that_did_not_arrive,
+                             run_on_first_rank)
+from zoo.parallel import ParallelState
+from zoo.training.loop import StopConditions, TrainingLoop
+from zoo.training.pretrain import pretrain
 
 ZOO = str(Path(__file__).resolve().parent.parent / "zoo")
 SYNC_METHODS = ("item", "cpu", "tolist", "numpy", "__float__", "__int__")
@@ -30,10 +44,6 @@ class SyncCounter:
         self.calls: list[str] = []
 
     def install(self, monkeypatch_setattr) -> None:
-        import sys
-
-        import torch
-
         for name in SYNC_METHODS:
             real = getattr(torch.Tensor, name)
 
@@ -48,11 +58,6 @@ class SyncCounter:
 
 
 def _sync_worker(rank, world_size, data_path, save):
-    import torch
-
-    from zoo.training.loop import TrainingLoop
-    from zoo.training.pretrain import pretrain
-
     counter = SyncCounter()
     originals = {name: getattr(torch.Tensor, name) for name in SYNC_METHODS}
     counter.install(setattr)
@@ -109,8 +114,6 @@ def test_no_host_sync_between_log_events(corpus_prefix, tmp_path):  # noqa: F811
 
 # ----------------------------------------------------------------------------- stop conditions (pure)
 def test_exit_interval_stops_on_its_multiples_and_time_budget_counts_the_save():
-    from zoo.training.loop import StopConditions
-
     stop = StopConditions(exit_interval=3, handle_signals=False)
     assert [stop.reason(it) for it in (1, 2, 3, 6)] == [None, None, "--exit-interval 3", "--exit-interval 3"]
     late = StopConditions(exit_duration_minutes=1.0, started=time.monotonic() - 50, handle_signals=False)
@@ -120,10 +123,6 @@ def test_exit_interval_stops_on_its_multiples_and_time_budget_counts_the_save():
 
 
 def test_signal_is_a_flag_until_the_iteration_boundary():
-    import os
-
-    from zoo.training.loop import StopConditions
-
     stop = StopConditions()
     before = signal.getsignal(signal.SIGUSR1)
     stop.install()
@@ -137,10 +136,6 @@ def test_signal_is_a_flag_until_the_iteration_boundary():
 
 # ----------------------------------------------------------------------------- rank-0-only work
 def _first_rank_worker(rank, world_size):
-    import torch.distributed as dist
-
-    from zoo.distributed import run_on_first_rank
-
     def work():
         return f"done by {dist.get_rank()}"
 
@@ -159,10 +154,6 @@ def _first_rank_worker(rank, world_size):
 def test_rank_zero_work_is_waited_for_with_a_timeout_sized_from_the_work():
     """The others wait on a host group whose timeout fits the bytes (116 GB: hours, not DeepSpeed's 10
     minutes); rank 0's result stays on rank 0 and its failure reaches every rank as the same sentence."""
-    from datetime import timedelta
-
-    from zoo.distributed import WAIT_MARGIN, first_rank_timeout
-
     assert first_rank_timeout(0) == WAIT_MARGIN
     assert first_rank_timeout(116 * 10 ** 9) > timedelta(hours=3)
     ranks = spawn(_first_rank_worker, 2)
@@ -171,11 +162,6 @@ def test_rank_zero_work_is_waited_for_with_a_timeout_sized_from_the_work():
 
 # ----------------------------------------------------------------------------- --distributed-timeout-minutes
 def _late_rank_worker(rank, world_size, data_path, save):
-    import torch.distributed as dist
-
-    from zoo.training.loop import TrainingLoop
-    from zoo.training.pretrain import pretrain
-
     real_check = TrainingLoop.check_stop
 
     def rank_1_stalls(self, state):
@@ -193,8 +179,6 @@ def _late_rank_worker(rank, world_size, data_path, save):
 def test_a_rank_that_never_arrives_ends_the_job_with_a_sentence_naming_it(corpus_prefix, tmp_path):  # noqa: F811
     """Rank 1 stalls before the stop agreement of iteration 2; rank 0 gives up after
     --distributed-timeout-minutes (3 s), calls the roll and names rank 1, instead of waiting forever."""
-    import pytest
-
     with pytest.raises(AssertionError, match=r"(?s)rank 0 failed:.*RuntimeError: rank 1 did not reach the end of "
                                              r"iteration 2 within 3 s \(--distributed-timeout-minutes\); it may "
                                              r"have died or hung: see its log\.") as failed:
@@ -203,10 +187,6 @@ def test_a_rank_that_never_arrives_ends_the_job_with_a_sentence_naming_it(corpus
 
 
 def _roll_call_worker(rank, world_size):
-    from datetime import timedelta
-
-    from zoo.distributed import ranks_that_did_not_arrive
-
     if rank == 1:
         return None   # never answers
     return ranks_that_did_not_arrive("test", timedelta(seconds=1))
@@ -222,10 +202,7 @@ def test_the_roll_call_names_the_ranks_that_never_answer_on_every_rank():
 def test_resharding_on_load_is_waited_for_with_a_timeout_sized_from_the_checkpoint(tmp_path, monkeypatch):
     """Rank 0 reshards a --load checkpoint of another tp while the others wait through run_on_first_rank,
     told the checkpoint's bytes (a big reshard outlasts the process group's timeout)."""
-    import zoo.training.resume as resume
-    from tests.test_reshard import synthetic_checkpoint
-    from zoo.distributed import directory_bytes
-    from zoo.parallel import ParallelState
+    from tests.test_reshard import synthetic_checkpoint  # local: the reshard tests' imports stay out of collection
 
     tag_dir = tmp_path / "checkpoints" / "iter_0000005"
     synthetic_checkpoint(tag_dir, 2, "torch")
@@ -248,8 +225,6 @@ def test_resharding_on_load_is_waited_for_with_a_timeout_sized_from_the_checkpoi
 def test_every_gpu_config_turns_the_throughput_timer_off():
     """DeepSpeed's throughput timer synchronises the accelerator every step; every fp16/bf16 config
     (the GPU ones, ZeRO variants included) turns it off."""
-    import json
-
     configs = sorted((Path(__file__).resolve().parent.parent / "ds_configs").glob("*.json"))
     gpu = {path.name: json.loads(path.read_text()) for path in configs}
     gpu = {name: c for name, c in gpu.items()
