@@ -127,7 +127,7 @@ def zoo_grads(model, ps) -> dict[str, torch.Tensor]:
     """zoo's gradients merged over the TP ranks under transformers' names (a collective)."""
     from zoo.models.hf_io import hf_state_dict
 
-    return hf_state_dict(model, model.hf_param_map(), ps, {n: p.grad for n, p in model.named_parameters()})
+    return hf_state_dict(model, ps, {n: p.grad for n, p in model.named_parameters()})
 
 
 def _parity_worker(rank, world_size, directory, kind):

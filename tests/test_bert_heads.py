@@ -112,7 +112,7 @@ def _parity(ps, directory: str, layout: str, head: str) -> dict[str, float]:
     ref_out.loss.backward()
     out.loss.backward()
     ref_grads = {n: p.grad for n, p in ref.named_parameters() if p.grad is not None}
-    grads = hf_state_dict(model, model.hf_param_map(), ps, {n: p.grad for n, p in model.named_parameters()})
+    grads = hf_state_dict(model, ps, {n: p.grad for n, p in model.named_parameters()})
     assert set(grads) == set(ref_grads), sorted(set(grads) ^ set(ref_grads))
     errors.update(float64_grad_errors(grads, ref_grads, ANALYTICALLY_ZERO[head]))
     return errors

@@ -268,7 +268,7 @@ def tp1_reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
     torch.manual_seed(99)
     model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **FAKE_MODEL))
-    return {k: v.to(dtype) for k, v in hf_state_dict(model, model.hf_param_map(), None).items()}
+    return {k: v.to(dtype) for k, v in hf_state_dict(model, None).items()}
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

@@ -86,7 +86,7 @@ def _parity_worker(rank, world_size, directory, padded):
     model = GPT2LMHeadModel.from_pretrained(directory, parallel=ps).eval()
 
     def zoo_grads():  # merged over the TP ranks under transformers' names (a collective)
-        return hf_state_dict(model, model.hf_param_map(), ps, {n: p.grad for n, p in model.named_parameters()})
+        return hf_state_dict(model, ps, {n: p.grad for n, p in model.named_parameters()})
 
     def ref_grads():
         return {n: p.grad for n, p in ref.named_parameters()}
@@ -158,7 +158,7 @@ def _train_losses(parallel, steps: int = 20):
 
     torch.manual_seed(42)
     model = GPT2LMHeadModel(tiny_zoo_config(), parallel=parallel)
-    init = hf_state_dict(model, model.hf_param_map(), parallel)
+    init = hf_state_dict(model, parallel)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.01)
     losses = []
     for step in range(steps):
@@ -197,7 +197,7 @@ def _init_worker(rank, world_size):
     ps = ParallelState.initialize(world_size)
     torch.manual_seed(42)
     model = GPT2LMHeadModel(tiny_zoo_config(), parallel=ps)
-    merged = hf_state_dict(model, model.hf_param_map(), ps)  # collective: every rank calls it
+    merged = hf_state_dict(model, ps)  # collective: every rank calls it
     return merged if rank == 0 else None
 
 
@@ -207,7 +207,7 @@ def test_init_is_tp_invariant_at_tp4(tp4_run):
 
     torch.manual_seed(42)
     model = GPT2LMHeadModel(tiny_zoo_config())
-    reference = hf_state_dict(model, model.hf_param_map(), None)
+    reference = hf_state_dict(model, None)
     merged = tp4_run[0][1]
     for key in reference:
         assert torch.equal(merged[key], reference[key]), f"init of {key} differs between tp=1 and tp=4"

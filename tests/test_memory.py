@@ -94,7 +94,7 @@ def _load_and_save_at_tp(rank, world_size, source: Path, out: Path, reference: P
     GPT2LMHeadModel.from_pretrained(tiny, parallel=ps).save_pretrained(tiny.parent / "tiny_out")
     model, load = peak_growth(lambda: GPT2LMHeadModel.from_pretrained(source, parallel=ps))
     _, save = peak_growth(lambda: model.save_pretrained(out, max_shard_size=SHARD))
-    state = hf_state_dict(model, model.hf_param_map(), ps)      # the previous writer's input, on every rank
+    state = hf_state_dict(model, ps)      # the previous writer's input, on every rank
     if rank == 0:
         reference_write(reference, state, SHARD)
     return {"load": load, "save": save}
@@ -148,7 +148,8 @@ def test_header_is_byte_for_byte_safetensors_save_file(tmp_path):
     """Every dtype zoo writes, mixed in one file, odd key order and shapes: header and data equal save_file's."""
     from safetensors.torch import save_file
 
-    from zoo.models.hf_io import SAFETENSORS_DTYPES, OutputTensor, safetensors_header, safetensors_order, write_rows
+    from zoo.models.hf_io import OutputTensor
+    from zoo.safetensors_io import SAFETENSORS_DTYPES, safetensors_header, safetensors_order, write_rows
 
     generator = torch.Generator().manual_seed(0)
     tensors = {}
@@ -191,7 +192,7 @@ def test_export_streams_byte_identical_bf16_with_shards(tmp_path):
         torch.save({"module": module, "zoo_model": "bert-tiny", "model_config": master.hf_config_dict(),
                     "tensor_parallel_size": 2}, run / f"mp_rank_{rank:02d}_model_states.pt")
     export_checkpoint(tmp_path / "run", tmp_path / "export", dtype=torch.bfloat16, max_shard_size=40_000)
-    state = {k: v.to(torch.bfloat16) for k, v in hf_state_dict(master, master.hf_param_map(), None).items()}
+    state = {k: v.to(torch.bfloat16) for k, v in hf_state_dict(master, None).items()}
     reference_write(tmp_path / "reference", state, 40_000)
     streamed, reference = weight_files(tmp_path / "export"), weight_files(tmp_path / "reference")
     assert len(streamed) > 3 and streamed.keys() == reference.keys()
@@ -251,7 +252,7 @@ def test_released_pages_read_back_from_the_file_and_foreign_byte_order_is_left_a
 
 # --------------------------------------------------------------------------- a failing writer
 def _save_with_failing_writer(rank, world_size, out: Path, kind: str):
-    import zoo.models.hf_io as hf_io
+    import zoo.safetensors_io as safetensors_io
     from zoo.models import GPT2Config, GPT2LMHeadModel
     from zoo.parallel import ParallelState
 
@@ -265,7 +266,7 @@ def _save_with_failing_writer(rank, world_size, out: Path, kind: str):
     else:
         target = out
         if rank == 0:                       # the writer's disk fills after the first tensor
-            original, calls = hf_io.write_rows, []
+            original, calls = safetensors_io.write_rows, []
 
             def failing(handle, entry, rows):
                 calls.append(entry.key)
@@ -274,7 +275,7 @@ def _save_with_failing_writer(rank, world_size, out: Path, kind: str):
                            ValueError("the writer refused this tensor; fix it."))
                 original(handle, entry, rows)
 
-            hf_io.write_rows = failing
+            safetensors_io.write_rows = failing
     try:
         model.save_pretrained(target)
     except Exception as err:  # noqa: BLE001 - the test compares what every rank saw

@@ -7,12 +7,13 @@ One process does it, whatever number of processes trained the model. The exporte
 1. finds the tag directory (``latest`` or ``--tag``) and checks every TP rank's file is there,
 2. recovers the model config (:mod:`zoo.checkpoint.layout`) and builds the training model on the meta
    device with a layout-only :class:`ParallelState` of that tp degree, which tells each parameter's
-   ``partition_dim``, ``partition_stride`` and transformers key (``hf_param_map()``: transposes,
-   BERT's fused QKV blocks, vocab rows) without allocating or communicating,
+   partition spec (split dimension, stride, vocab rows, transposition, declared by its layer) and
+   transformers key (:func:`zoo.models.hf_io.hf_params`, BERT's fused QKV naming three) without
+   allocating or communicating,
 3. streams, one output tensor at a time, with the same writer as ``save_pretrained``
    (:func:`zoo.models.hf_io.stream_pretrained`): each tensor's shards are read from the rank files,
    which stay memory-mapped (``torch.load(..., mmap=True)``: the optimizer states are never read),
-   merged (:func:`zoo.parallel.utils.merge_shards`; rows split along the file's first dimension are
+   merged (:meth:`zoo.parallel.partition.PartitionSpec.merge`; rows split along the file's first dimension are
    written as they are, never merged), the vocab padding cut, GPT-2's Conv1D weights transposed,
    BERT's fused QKV split into its blocks, cast, appended to its safetensors file and freed; the
    source pages it touched are then released (:func:`zoo.checkpoint.mapped_pages.release_pages`). The peak is
@@ -37,11 +38,10 @@ from zoo.checkpoint.files import (check_rank_files, model_states_path, read_mode
 from zoo.checkpoint.layout import check_layout, checked_layout_model, embedding_key, recover_config
 from zoo.checkpoint.mapped_pages import mapped_ranges, release_pages
 from zoo.dtypes import add_dtype_argument, torch_dtype
-from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, OutputTensor, check_pretrained_target, hf_rows,
-                              local_block, output_tensors, stream_pretrained, to_hf_layout)
+from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, OutputTensor, check_pretrained_target, hf_params,
+                              hf_rows, local_block, output_tensors, stream_pretrained)
 from zoo.models.pretrained import tokenizer_files, with_dtype
-from zoo.parallel.layers import is_tensor_parallel
-from zoo.parallel.utils import merge_shards
+from zoo.parallel.partition import partition_specs
 from zoo.errors import report_error
 
 __all__ = ["ExportResult", "export_checkpoint", "main", "merged_hf_state", "merged_master"]
@@ -62,33 +62,27 @@ class ExportResult:
 
 # --------------------------------------------------------------------------- merging
 def merged_master(layout: torch.nn.Module, name: str, shards: list[torch.Tensor]) -> torch.Tensor:
-    """One parameter's master tensor (zoo's layout, vocab still padded) from every TP rank's shard:
-    sharded parameters are concatenated along ``partition_dim`` in rank order, respecting
-    ``partition_stride`` (the per-rank [q | k | v] blocks of the fused QKV); replicated ones are
-    taken from rank 0."""
-    param = layout.get_parameter(name)
-    if is_tensor_parallel(param):
-        return merge_shards(shards, param.partition_dim, getattr(param, "partition_stride", 1))
-    return shards[0]
+    """One parameter's master tensor (zoo's layout, vocab still padded) from every TP rank's shard, by its
+    partition spec: sharded parameters are concatenated along the split dimension in rank order, respecting
+    the stride (the per-rank [q | k | v] blocks of the fused QKV); replicated ones are taken from rank 0."""
+    return partition_specs(layout)[name].merge(shards)
 
 
-def hf_tensors(master: torch.Tensor, spec: HFParam, param: torch.Tensor) -> dict[str, torch.Tensor]:
+def hf_tensors(master: torch.Tensor, hf: HFParam) -> dict[str, torch.Tensor]:
     """A merged master in transformers' keys and layout; a fused parameter gives one tensor per block."""
-    tensor = to_hf_layout(master, spec)
-    if not spec.fused:
-        return {spec.key: tensor}
-    dim = param.partition_dim if is_tensor_parallel(param) else 0
-    return {key: block.contiguous() for key, block in zip(spec.fused, tensor.chunk(len(spec.fused), dim=dim))}
+    tensor = hf.spec.to_file_layout(master)
+    if not hf.fused:
+        return {hf.key: tensor}
+    return {key: block.contiguous() for key, block in zip(hf.keys, tensor.chunk(len(hf.keys), dim=hf.spec.block_dim))}
 
 
 def merged_hf_state(layout: torch.nn.Module, modules: list[dict[str, torch.Tensor]],
                     dtype: torch.dtype | None = None) -> dict[str, torch.Tensor]:
     """Every TP rank's module state dict merged into transformers' keys and layout."""
-    param_map = layout.hf_param_map()
     out = {}
-    for name, param in layout.named_parameters():
-        master = merged_master(layout, name, [module[name] for module in modules])
-        for key, tensor in hf_tensors(master, param_map[name], param).items():
+    for name, hf in hf_params(layout).items():
+        master = hf.spec.merge([module[name] for module in modules])
+        for key, tensor in hf_tensors(master, hf).items():
             out[key] = tensor.to(dtype) if dtype is not None else tensor.clone()
     return out
 
@@ -99,15 +93,15 @@ def checkpoint_producer(layout: torch.nn.Module, modules: list[dict[str, torch.T
 
     Each call first hands the previous entry's source tensors (written by then) to ``release``."""
     params = dict(layout.named_parameters())
-    param_map = layout.hf_param_map()
+    param_map = hf_params(layout)
     previous: list[torch.Tensor] = []
 
     def produce(entry: OutputTensor) -> list[torch.Tensor]:
         release(previous)
-        param, spec = params[entry.name], param_map[entry.name]
-        sources = [module[entry.name] for module in modules] if is_tensor_parallel(param) else [modules[0][entry.name]]
+        param, hf = params[entry.name], param_map[entry.name]
+        sources = [module[entry.name] for module in modules] if hf.spec.is_sharded else [modules[0][entry.name]]
         previous[:] = sources
-        return hf_rows([local_block(source, param, spec, entry) for source in sources], param, spec, entry)
+        return hf_rows([local_block(source, hf, entry) for source in sources], param, hf, entry)
 
     return produce
 
@@ -148,7 +142,7 @@ def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None,
         del states
 
     out_dtype = dtype or modules[0][embedding_key(config)].dtype
-    param_map = layout.hf_param_map()
+    param_map = hf_params(layout)
     outputs = output_tensors(layout.named_parameters(), param_map, layout_parallel(layout), out_dtype,
                              {name: modules[0][name].dtype for name, _ in layout.named_parameters()})
     ranges = mapped_ranges(model_states_path(tag_dir, rank) for rank in range(tp_size))

@@ -2,9 +2,10 @@
 partition tags at a given tp degree, built on the meta device without processes or memory.
 
 A checkpoint is GPT-2 (``GPT2LMHeadModel``) or BERT (``BertForPreTraining``, pre-norm or post-norm):
-the pretraining models of :mod:`zoo.models.families`. Each parameter's ``partition_dim`` and
-``partition_stride`` and its ``hf_param_map()`` entry (transformers key, vocab rows) say how its
-shards merge and split; that is all the exporter and the tp resharder need.
+the pretraining models of :mod:`zoo.models.families`. Each parameter's partition spec, declared by its
+layer (:func:`zoo.parallel.partition.partition_specs`: split dimension, stride, vocab rows), says how its
+shards merge and split; with the model's transformers key names, that is all the exporter and the tp
+resharder need.
 """
 
 from __future__ import annotations

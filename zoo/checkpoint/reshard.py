@@ -7,8 +7,9 @@ directory there is replaced only if it is such a copy); ``pretrain`` does it on 
 checkpoint's tp differs from the run's and then lets DeepSpeed's ``load_checkpoint`` read the copy,
 so the user passes the usual ``--load`` and nothing else.
 
-Every sharded tensor goes through its master: the p shards are merged along the parameter's
-``partition_dim`` (respecting ``partition_stride``, the per-rank [q | k | v] blocks of the fused QKV),
+Every sharded tensor goes through its master, by the partition spec its layer declares
+(:mod:`zoo.parallel.partition`): the p shards are merged along the split dimension (respecting the
+stride, the per-rank [q | k | v] blocks of the fused QKV),
 the vocab padding of tp = p is cut and that of tp = q added (zero rows: padded rows are excluded from
 the softmax and receive no gradient), and rank r of q takes its slice. Replicated tensors are copied
 from rank 0. The same rule applies to the weights, to Adam's ``exp_avg``/``exp_avg_sq`` and to the fp32
@@ -46,8 +47,7 @@ from zoo.checkpoint.files import (MODEL_STATES, MODEL_STATES_RE, check_rank_file
 from zoo.checkpoint.layout import check_layout, checked_layout_model, optimizer_groups, recover_config
 from zoo.checkpoint.zero_reshard import (OPTIM_STATES_RE, check_reshardable_zero_config, partition_files,
                                          write_zero_resharded)
-from zoo.parallel.layers import is_tensor_parallel
-from zoo.parallel.utils import merge_shards, shard_tensor
+from zoo.parallel.partition import partition_specs
 
 RESHARDED_SUBDIR = "resharded"
 SOURCE_RECORD = "resharded_from.json"
@@ -66,8 +66,8 @@ def resharded_directory(checkpoints: Path, tag: str, tp_size: int, dp_size: int 
 
 # --------------------------------------------------------------------------- tensors
 class TensorResharder:
-    """Merges one tensor's shards of tp = ``old_tp`` and slices them for tp = ``new_tp``, by the
-    partition tags and vocab rows of the model's layout at both degrees."""
+    """Merges one tensor's shards of tp = ``old_tp`` and slices them for tp = ``new_tp``, by the partition
+    specs of the model's layout (the same at both degrees) and its local shapes at each."""
 
     def __init__(self, config, old_tp: int, new_tp: int, path: Path):
         self.old = checked_layout_model(config, old_tp, path)
@@ -75,8 +75,7 @@ class TensorResharder:
         self.old_tp, self.new_tp = old_tp, new_tp
         self.old_params = dict(self.old.named_parameters())
         self.new_params = dict(self.new.named_parameters())
-        self.vocab_rows = {name: spec.vocab_rows for name, spec in self.old.hf_param_map().items()
-                           if spec.vocab_rows is not None}
+        self.specs = partition_specs(self.new)
 
     def is_parameter_shaped(self, name: str, tensor: Any) -> bool:
         """``tensor`` (a state entry of parameter ``name``) has the parameter's local shape at old tp."""
@@ -84,17 +83,12 @@ class TensorResharder:
 
     def reshard(self, name: str, shards: list[torch.Tensor], new_rank: int) -> torch.Tensor:
         """Rank ``new_rank``'s slice at new tp of the tensor whose old-tp shards are ``shards``."""
-        old, new = self.old_params[name], self.new_params[name]
-        if not is_tensor_parallel(old):
+        spec = self.specs[name]
+        if not spec.is_sharded:
             return shards[0].clone()
-        master = merge_shards(list(shards), old.partition_dim, getattr(old, "partition_stride", 1))
-        if name in self.vocab_rows:   # the padding depends on tp: cut the old, add the new (zeros)
-            rows = self.vocab_rows[name]
-            padded = new.shape[0] * self.new_tp
-            master = master.narrow(0, 0, rows)
-            if padded > rows:
-                master = torch.cat([master, master.new_zeros((padded - rows, *master.shape[1:]))])
-        local = shard_tensor(master, new.partition_dim, new_rank, self.new_tp, getattr(new, "partition_stride", 1))
+        master = spec.merge(shards)
+        master = spec.repad(master, self.new_params[name].shape[0] * self.new_tp)   # the padding depends on tp
+        local = spec.shard(master, new_rank, self.new_tp)
         return local.clone()   # own storage: torch.save of a view would write the whole master
 
     def reshard_entries(self, name: str, entries: list[dict[str, Any]], new_rank: int) -> dict[str, Any]:

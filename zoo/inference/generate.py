@@ -132,7 +132,8 @@ def sync_across_tp(tokens: torch.Tensor, parallel: ParallelState | None) -> tupl
     return chosen, chosen != tokens
 
 
-def _next_tokens(logits: torch.Tensor, config: GenerationConfig, generators, parallel, vocab_size) -> torch.Tensor:
+def _next_tokens(logits: torch.Tensor, config: GenerationConfig, generators: list[torch.Generator],
+                 parallel: ParallelState | None, vocab_size: int) -> torch.Tensor:
     """Each row's next token from the last position's logits: local shard (greedy) or full vocab (sampling)."""
     if config.is_greedy:
         return vocab_parallel_argmax(logits, parallel, vocab_size)                          # (b,)

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from numbers import Integral, Real
 
 import torch
+from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
 
 def check_temperature(temperature, allow_zero: bool = False) -> None:
@@ -77,8 +78,6 @@ def apply_temperature(logits: torch.Tensor, temperature: float) -> torch.Tensor:
 def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
     """Keep the k largest logits of each row (and any tied with the k-th); k = 0 or k >= V keeps all.
     transformers' ``TopKLogitsWarper`` does the filtering."""
-    from transformers.generation.logits_process import TopKLogitsWarper
-
     check_top_k(k)
     if k == 0 or k >= logits.shape[-1]:
         return logits
@@ -88,8 +87,6 @@ def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
 def top_p_filter(logits: torch.Tensor, p: float) -> torch.Tensor:
     """Keep the smallest set of most probable tokens whose probability mass is >= p; p = 1 keeps all.
     transformers' ``TopPLogitsWarper`` does the filtering (in float32 at least, like the softmax after it)."""
-    from transformers.generation.logits_process import TopPLogitsWarper
-
     check_top_p(p)
     if p == 1.0:
         return logits

@@ -9,16 +9,15 @@ from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
-from zoo.models.config import BertConfig, recompute_mode
-from zoo.models.hf_io import HFParam
 from zoo.assets import BERT_TOKENIZER_DIR
+from zoo.models.config import BertConfig, recompute_mode
 from zoo.models.pretrained import HFPretrainedMixin
-from zoo.models.transformer import (TransformerLayer, attention_bias, region_dropout, run_layers,
-                                    sequence_parallel_for)
-from zoo.parallel import VocabParallelEmbedding, mark_tensor_parallel, scaled_init_std, vocab_parallel_cross_entropy
-from zoo.parallel.layers import SequenceParallelLayerNorm, mark_sequence_parallel
+from zoo.models.transformer import TransformerLayer, attention_bias, lm_loss, region_dropout, run_layers
+from zoo.parallel import VocabParallelEmbedding, gather_from_tp_region, mark_tensor_parallel, scaled_init_std
+from zoo.parallel.layers import SequenceParallelLayerNorm, mark_sequence_parallel, uses_sequence_parallel
 from zoo.parallel.mappings import (all_reduce_grads_of_replicated, gather_from_sequence_parallel_region,
                                    scatter_to_sequence_parallel_region)
+from zoo.parallel.partition import PartitionSpec
 from zoo.parallel.state import ParallelState, as_state
 
 
@@ -87,6 +86,15 @@ class BertEmbeddings(nn.Module):
         return region_dropout(self.dropout, x, self.parallel, sequence_parallel)
 
 
+HEAD_NAMES = {   # BertForPreTraining's heads -> transformers' keys
+    "transform.weight": "cls.predictions.transform.dense.weight",
+    "transform.bias": "cls.predictions.transform.dense.bias",
+    "transform_ln.weight": "cls.predictions.transform.LayerNorm.weight",
+    "transform_ln.bias": "cls.predictions.transform.LayerNorm.bias",
+    "lm_bias": "cls.predictions.bias",
+    "seq_relationship.weight": "cls.seq_relationship.weight",
+    "seq_relationship.bias": "cls.seq_relationship.bias",
+}
 _BERT_BUFFERS = ("embeddings.position_ids", "embeddings.token_type_ids", "cls.predictions.decoder.weight",
                  "cls.predictions.decoder.bias")
 
@@ -139,8 +147,8 @@ class BertModel(_BertCheckpoints, nn.Module):
     """The bare encoder: ``.last_hidden_state`` (b, s, h) and ``.pooler_output`` (b, h).
 
     ``config.sequence_parallel`` (tp > 1): embeddings, layers and the final LayerNorm run on this
-    rank's s/p tokens (:meth:`encode`); :meth:`forward` all-gathers the result, so its outputs, and the
-    finetuning heads on top of them, are as without it.
+    rank's s/p tokens (:meth:`hidden_states`); :meth:`forward` all-gathers the result, so its outputs, and
+    the finetuning heads on top of them, are as without it.
     """
 
     def __init__(self, config: BertConfig, parallel: ParallelState | None = None, add_pooling_layer: bool = True):
@@ -167,22 +175,22 @@ class BertModel(_BertCheckpoints, nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None) -> BaseModelOutputWithPooling:
-        x, sp = self.encode(input_ids, attention_mask, token_type_ids, position_ids)   # (b, s or s/p, h)
+        x, sp = self.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)  # (b, s or s/p, h)
         if sp:   # replicated consumers (pooler, heads): backward keeps this rank's tokens of the gradient
             x = gather_from_sequence_parallel_region(x, self.parallel, tensor_parallel_output_grad=False)
         pooled = self.pool(x[:, 0]) if self.pooler is not None else None               # (b, h)
         return BaseModelOutputWithPooling(last_hidden_state=x, pooler_output=pooled)
 
-    def encode(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-               token_type_ids: torch.Tensor | None = None,
-               position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
-        """(final hidden states, sequence_parallel): (b, s/p, h), this rank's tokens, when
-        sequence_parallel is True (config asks, tp > 1; s must divide by tp), else (b, s, h)."""
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      token_type_ids: torch.Tensor | None = None,
+                      position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, bool]:
+        """The one forward path: (final hidden states, sequence_parallel), the states (b, s/p, h), this rank's
+        tokens, when sequence_parallel is True (config asks, tp > 1; s must divide by tp), else (b, s, h)."""
         b, s = input_ids.shape
         if s > self.config.max_position_embeddings:
             raise ValueError(f"sequence length {s} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}; truncate inputs to that length.")
-        sp = sequence_parallel_for(self.config, self.parallel, s)
+        sp = uses_sequence_parallel(self.parallel, self.config.sequence_parallel, s)
         if token_type_ids is None:
             token_type_ids = torch.zeros_like(input_ids)
         if position_ids is None:
@@ -190,7 +198,7 @@ class BertModel(_BertCheckpoints, nn.Module):
         x = self.embeddings(input_ids, token_type_ids, position_ids, sequence_parallel=sp)  # (b, s or s/p, h)
         bias = attention_bias(attention_mask, s, causal=False, dtype=x.dtype)          # (b, 1, 1, s)
         x = run_layers(self.layer, x, bias, causal=False,
-                       checkpoint=recompute_mode(self.config) if self.training else None, sequence_parallel=sp)
+                       recompute=recompute_mode(self.config) if self.training else None, sequence_parallel=sp)
         if self.ln is not None:
             x = self.ln(x, sequence_parallel=sp)                                       # (b, s or s/p, h)
         return x, sp
@@ -209,39 +217,35 @@ class BertModel(_BertCheckpoints, nn.Module):
         """BERT's pooler: tanh(W h_[CLS] + b), (b, h) -> (b, h)."""
         return torch.tanh(self.pooler(cls_states))
 
-    def hf_param_map(self, prefix: str = "") -> dict[str, HFParam]:
+    def hf_names(self, prefix: str = "") -> dict[str, str | tuple[str, ...]]:
         """zoo parameter -> transformers key, for MegatronBert (pre-norm) or Bert (post-norm).
 
-        transformers keeps Q, K and V as three (h, h) matrices; zoo fuses them into ``c_attn`` with
-        stride 3, so rank r's shard is [Q_r; K_r; V_r], the rows of its own heads in each.
-        """
-        pre = self.config.pre_norm
-        vocab = self.config.vocab_size
+        transformers keeps Q, K and V as three (h, h) matrices where zoo fuses them into ``c_attn``: its
+        entry names the three keys, the blocks stacked along the split dimension (the layer's partition
+        spec, stride 3, says how each block is split: rank r's shard is [Q_r; K_r; V_r])."""
         per_layer = {
-            "ln_1": "attention.ln" if pre else "attention.output.LayerNorm",
+            "ln_1": "attention.ln" if self.config.pre_norm else "attention.output.LayerNorm",
             "attn.c_proj": "attention.output.dense",
-            "ln_2": "ln" if pre else "output.LayerNorm",
+            "ln_2": "ln" if self.config.pre_norm else "output.LayerNorm",
             "mlp.c_fc": "intermediate.dense",
             "mlp.c_proj": "output.dense",
         }
-        table = {}
+        table: dict[str, str | tuple[str, ...]] = {}
         for name, _ in self.named_parameters():
             parts = name.split(".")
             if parts[0] == "layer":
                 index, module, leaf = parts[1], ".".join(parts[2:-1]), parts[-1]
                 base = f"{prefix}encoder.layer.{index}."
                 if module == "attn.c_attn":
-                    table[name] = HFParam(key=None, fused=tuple(
-                        f"{base}attention.self.{q}.{leaf}" for q in ("query", "key", "value")))
+                    table[name] = tuple(f"{base}attention.self.{q}.{leaf}" for q in ("query", "key", "value"))
                 else:
-                    table[name] = HFParam(key=f"{base}{per_layer[module]}.{leaf}")
+                    table[name] = f"{base}{per_layer[module]}.{leaf}"
             elif parts[0] == "ln":
-                table[name] = HFParam(key=f"{prefix}encoder.ln.{parts[1]}")
+                table[name] = f"{prefix}encoder.ln.{parts[1]}"
             elif parts[0] == "pooler":
-                table[name] = HFParam(key=f"{prefix}pooler.dense.{parts[1]}")
+                table[name] = f"{prefix}pooler.dense.{parts[1]}"
             else:  # embeddings.*
-                table[name] = HFParam(key=prefix + name,
-                                      vocab_rows=vocab if name == "embeddings.word_embeddings.weight" else None)
+                table[name] = prefix + name
         return table
 
 
@@ -277,11 +281,15 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
         self.lm_bias = mark_tensor_parallel(nn.Parameter(torch.zeros(word.weight.shape[0])), 0)
         self.seq_relationship = _normal_linear(config.hidden_size, 2, std)
 
+    def own_partition_specs(self) -> dict[str, PartitionSpec]:
+        """The MLM bias is split like the vocabulary rows of the tied decoder."""
+        return {"lm_bias": PartitionSpec(0, vocab_rows=self.config.vocab_size)}
+
     def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None = None,
                 attention_mask: torch.Tensor | None = None, labels: torch.Tensor | None = None,
                 next_sentence_label: torch.Tensor | None = None, position_ids: torch.Tensor | None = None,
                 gather_output: bool = False) -> BertForPreTrainingOutput:
-        x, sp = self.bert.encode(input_ids, attention_mask, token_type_ids, position_ids)  # (b, s or s/p, h)
+        x, sp = self.bert.hidden_states(input_ids, attention_mask, token_type_ids, position_ids)  # (b, s or s/p, h)
         weight, bias = self.transform.weight, self.transform.bias
         if sp:
             weight, bias = all_reduce_grads_of_replicated(self.parallel, weight, bias)
@@ -292,15 +300,11 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
         sop_logits = self.seq_relationship(self.bert.pool(self.bert.first_token(x, sp)))  # (b, 2)
         loss = None
         if labels is not None:
-            token_loss = vocab_parallel_cross_entropy(local_logits, labels, self.parallel,
-                                                      vocab_size=self.config.vocab_size)  # (b, s)
-            loss = token_loss.sum() / (labels != -100).sum().clamp(min=1)
+            loss = lm_loss(local_logits, labels, self.parallel, self.config.vocab_size)
             if next_sentence_label is not None:
                 loss = loss + F.cross_entropy(at_least_fp32(sop_logits), next_sentence_label.view(-1))
         logits = local_logits
         if gather_output:
-            from zoo.parallel import gather_from_tp_region
-
             logits = gather_from_tp_region(local_logits, self.parallel)[..., :self.config.vocab_size]
         return BertForPreTrainingOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=sop_logits)
 
@@ -309,30 +313,16 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
         """Besides the layout check: the pretraining heads are all there (a pretraining checkpoint) or
         all absent (a bare encoder, whose heads start fresh); a partial set means a damaged file."""
         super().check_checkpoint_keys(directory, file_keys, config)
-        head_keys = sorted(spec.key for spec in cls._head_params(config).values())
+        head_keys = sorted(HEAD_NAMES.values())
         absent = [key for key in head_keys if key not in file_keys]
         if absent and len(absent) < len(head_keys):
             raise ValueError(f"checkpoint {directory} has some BERT pretraining head tensors but not {absent[0]!r}; "
                              "re-export it, or remove all cls.* tensors to load it as a bare encoder.")
-
-    @staticmethod
-    def _head_params(config: BertConfig) -> dict[str, HFParam]:
-        return {
-            "transform.weight": HFParam("cls.predictions.transform.dense.weight"),
-            "transform.bias": HFParam("cls.predictions.transform.dense.bias"),
-            "transform_ln.weight": HFParam("cls.predictions.transform.LayerNorm.weight"),
-            "transform_ln.bias": HFParam("cls.predictions.transform.LayerNorm.bias"),
-            "lm_bias": HFParam("cls.predictions.bias", vocab_rows=config.vocab_size),
-            "seq_relationship.weight": HFParam("cls.seq_relationship.weight"),
-            "seq_relationship.bias": HFParam("cls.seq_relationship.bias"),
-        }
 
     def init_new_params(self, names: list[str], seed: int) -> None:
         """Heads absent from a bare-encoder checkpoint, drawn as at random init (see
         :func:`init_head_params`), identical on every TP rank."""
         init_head_params(self, names, seed, self.config.initializer_range, layer_norms=("transform_ln.",))
 
-    def hf_param_map(self) -> dict[str, HFParam]:
-        table = {f"bert.{k}": v for k, v in self.bert.hf_param_map(prefix="bert.").items()}
-        table.update(self._head_params(self.config))
-        return table
+    def hf_names(self) -> dict[str, str | tuple[str, ...]]:
+        return {**{f"bert.{k}": v for k, v in self.bert.hf_names(prefix="bert.").items()}, **HEAD_NAMES}

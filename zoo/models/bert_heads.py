@@ -25,7 +25,7 @@ from transformers.modeling_outputs import (MultipleChoiceModelOutput, QuestionAn
 
 from zoo.models.bert import BertModel, _BertCheckpoints, at_least_fp32, init_head_params
 from zoo.models.config import BertConfig
-from zoo.models.hf_io import HFParam, read_config_json
+from zoo.models.hf_io import read_config_json
 from zoo.parallel.state import ParallelState, as_state
 
 _PRETRAINING_HEAD_PREFIXES = ("cls.",)
@@ -82,7 +82,7 @@ class _BertTaskModel(_BertCheckpoints, nn.Module):
         init_head_params(self, names, seed, self.config.initializer_range)
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, parallel=None, dtype: torch.dtype | None = None,
+    def from_pretrained(cls, directory: str | os.PathLike, parallel: ParallelState | None = None, dtype: torch.dtype | None = None,
                         num_labels: int | None = None, labels: list[str] | None = None, head_seed: int = 0,
                         **config_overrides):
         """Any pre- or post-norm BERT directory: a bare encoder, pretraining heads (dropped) or this
@@ -96,10 +96,9 @@ class _BertTaskModel(_BertCheckpoints, nn.Module):
     def configure_head(cls, config: BertConfig, num_labels: int | None, labels) -> BertConfig:
         return config
 
-    def hf_param_map(self) -> dict[str, HFParam]:
-        table = {f"bert.{k}": v for k, v in self.bert.hf_param_map(prefix="bert.").items()}
-        table.update({f"{self.head_name}.{leaf}": HFParam(f"{self.head_name}.{leaf}") for leaf in ("weight", "bias")})
-        return table
+    def hf_names(self) -> dict[str, str | tuple[str, ...]]:
+        heads = {f"{self.head_name}.{leaf}": f"{self.head_name}.{leaf}" for leaf in ("weight", "bias")}
+        return {**{f"bert.{k}": v for k, v in self.bert.hf_names(prefix="bert.").items()}, **heads}
 
 
 class BertForSequenceClassification(_BertTaskModel):

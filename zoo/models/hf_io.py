@@ -1,7 +1,8 @@
 """Reading and writing Hugging Face transformers checkpoints at any tp degree.
 
-A model states, per parameter, the transformers key it maps to (:class:`HFParam`); the partition
-rule comes from the parameter's own tags (``partition_dim``, ``partition_stride``).
+A model names, per parameter, the transformers key(s) it maps to (``hf_names()``, names only); how the
+tensor is split, padded and stored comes from the partition spec its layer declares
+(:mod:`zoo.parallel.partition`). :func:`hf_params` joins the two into one :class:`HFParam` per parameter.
 
 Loading reads only this rank's slices with ``safetensors.safe_open(...).get_slice``, one tensor at a
 time, each file mapped only while its tensor is read (a mapping's touched pages count in the RSS until
@@ -9,11 +10,9 @@ it is closed), so a rank's peak is about its own shard plus one tensor.
 
 Saving streams: the plan of files (huggingface_hub's split rules) is made from shapes alone, then
 each tensor is gathered to the writer only (TP rank 0 of DP rank 0), cast, appended to its
-safetensors file and freed. The writer holds one merged tensor at a time, the other ranks their
-own shards plus the piece in flight. safetensors itself can only write a file from tensors all in
-memory, so :func:`safetensors_header` writes its header (checked byte for byte against
-``save_file`` by tests/test_memory.py) and the data follow in safetensors' order.
-:func:`hf_state_dict` (every merged tensor on every rank) remains for comparisons in tests.
+safetensors file and freed (:mod:`zoo.safetensors_io`). The writer holds one merged tensor at a time,
+the other ranks their own shards plus the piece in flight. :func:`hf_state_dict` (every merged tensor
+on every rank) serves comparisons in tests.
 """
 
 from __future__ import annotations
@@ -21,8 +20,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
-import struct
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,14 +27,16 @@ from typing import Callable, Iterable
 
 import torch
 import torch.distributed as dist
+from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import SafetensorError, safe_open
 
-from zoo.atomic import check_output_directory, staged_directory
+from zoo.atomic import check_output_directory
 from zoo.models.config import check_hf_config_values
 from zoo.parallel.gather import gather_to_first
-from zoo.parallel.layers import is_tensor_parallel
+from zoo.parallel.partition import PartitionSpec, partition_specs
 from zoo.parallel.state import ParallelState, as_state
-from zoo.parallel.utils import merge_shards, shard_index
+from zoo.parallel.utils import shard_index
+from zoo.safetensors_io import safetensors_order, stream_directory
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -51,23 +50,28 @@ EXPORT_KIND = "Hugging Face export"
 
 @dataclass(frozen=True)
 class HFParam:
-    """Where a zoo parameter lives in a transformers checkpoint.
+    """Where a zoo parameter lives in a transformers checkpoint: its key, or the keys of the blocks of a fused
+    parameter (BERT's query, key, value behind zoo's fused QKV, stacked along the split dimension), and the
+    parameter's partition spec (split, stride, vocabulary rows, transposition)."""
 
-    ``transpose``: transformers stores it transposed (GPT-2's Conv1D keeps weights as (in, out),
-    zoo as nn.Linear's (out, in)). ``vocab_rows``: the tensor's first dim is the vocabulary, unpadded
-    in the file (this many rows) and padded in zoo.
-    """
-
-    key: str | None
-    transpose: bool = False
-    vocab_rows: int | None = None
-    fused: tuple[str, ...] = ()
+    keys: tuple[str, ...]
+    spec: PartitionSpec
 
     @property
-    def keys(self) -> tuple[str, ...]:
-        """The transformers keys behind this parameter: one, or the blocks of a fused parameter
-        (e.g. BERT's query, key, value behind zoo's fused QKV, stacked along the partition dim)."""
-        return self.fused or (self.key,)
+    def key(self) -> str:
+        return self.keys[0]
+
+    @property
+    def fused(self) -> bool:
+        return len(self.keys) > 1
+
+
+def hf_params(model: torch.nn.Module) -> dict[str, HFParam]:
+    """Every parameter of ``model`` with its transformers key(s) (the model's ``hf_names()``) and its
+    layer's partition spec (:func:`zoo.parallel.partition.partition_specs`)."""
+    names = model.hf_names()
+    return {name: HFParam((names[name],) if isinstance(names[name], str) else tuple(names[name]), spec)
+            for name, spec in partition_specs(model).items()}
 
 
 # --------------------------------------------------------------------------- reading
@@ -139,67 +143,43 @@ class CheckpointFiles:
         return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
 
-def read_local_shard(files: CheckpointFiles, spec: HFParam, param: torch.Tensor,
+def read_local_shard(files: CheckpointFiles, hf: HFParam, param: torch.Tensor,
                      parallel: ParallelState | None) -> torch.Tensor:
-    """This rank's piece of ``spec.key``, in zoo's layout and padding, shaped like ``param``."""
-    if spec.fused:  # each block is split across ranks on its own; the shard stacks the rank's pieces
-        dim = param.partition_dim if is_tensor_parallel(param) else 0
-        pieces = []
-        for key in spec.fused:
-            block_shape = list(param.shape)
-            block_shape[dim] //= len(spec.fused)
-            block = torch.empty(block_shape, device="meta")
-            if is_tensor_parallel(param):
-                block = _tag_like(block, param)
-            pieces.append(read_local_shard(files, HFParam(key, spec.transpose), block, parallel))
+    """This rank's piece of ``hf``'s tensor(s), in zoo's layout and padding, shaped like ``param``."""
+    spec = hf.spec
+    if hf.fused:  # each block is split across ranks on its own; the shard stacks the rank's pieces
+        dim = spec.block_dim
+        block_shape = list(param.shape)
+        block_shape[dim] //= len(hf.keys)
+        block = torch.empty(block_shape, device="meta")
+        pieces = [read_local_shard(files, HFParam((key,), spec.block()), block, parallel) for key in hf.keys]
         return torch.cat(pieces, dim=dim)
-    file_shape = files.shape(spec.key)
-    expected = list(_master_shape(param, parallel, spec))
-    if spec.transpose:
-        expected = expected[::-1]
-    if file_shape != expected:
-        raise ValueError(f"checkpoint tensor {spec.key!r} has shape {file_shape} but the model expects "
-                         f"{expected}; the config.json does not match the weights.")
-    if not is_tensor_parallel(param):
-        tensor = files.read(spec.key)
-        return tensor.t() if spec.transpose else tensor
-
     parallel = as_state(parallel)
     tp, rank = parallel.tp_size, parallel.tp_rank
-    dim = param.partition_dim
-    file_dim = (param.dim() - 1 - dim) if spec.transpose else dim
+    file_shape = files.shape(hf.key)
+    expected = list(spec.file_shape(param.shape, tp))
+    if file_shape != expected:
+        raise ValueError(f"checkpoint tensor {hf.key!r} has shape {file_shape} but the model expects "
+                         f"{expected}; the config.json does not match the weights.")
+    if not spec.is_sharded:
+        tensor = files.read(hf.key)
+        return tensor.t() if spec.transposed else tensor
+    dim = spec.dim
+    file_dim = spec.file_dim(param.dim())
     if spec.vocab_rows is not None:                      # vocab rows: real rows of this rank, then zeros
         per_rank = param.shape[dim]
         start = rank * per_rank
         end = min(start + per_rank, spec.vocab_rows)
-        local = files.read(spec.key, file_dim, [(start, end)]) if end > start else None
+        local = files.read(hf.key, file_dim, [(start, end)]) if end > start else None
         pad_shape = list(param.shape)
         pad_shape[dim] = per_rank - max(end - start, 0)
         if local is not None and pad_shape[dim] == 0:
             return local                                 # no padding on this rank: no concatenated copy
         padding = torch.zeros(pad_shape, dtype=local.dtype if local is not None else param.dtype)
         return padding if local is None else torch.cat([local, padding], dim=dim)
-    stride = 1 if spec.fused else getattr(param, "partition_stride", 1)
-    ranges = shard_index(file_shape[file_dim], rank, tp, stride)
-    tensor = files.read(spec.key, file_dim, ranges)
-    return tensor.t() if spec.transpose else tensor
-
-
-def _tag_like(block: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """A stand-in for one block of a fused parameter: same partition dim, no stride."""
-    block.tensor_model_parallel = True
-    block.partition_dim = param.partition_dim
-    block.partition_stride = 1
-    return block
-
-
-def _master_shape(param: torch.Tensor, parallel: ParallelState | None, spec: HFParam) -> tuple[int, ...]:
-    shape = list(param.shape)
-    if is_tensor_parallel(param):
-        shape[param.partition_dim] *= as_state(parallel).tp_size
-    if spec.vocab_rows is not None:
-        shape[0] = spec.vocab_rows
-    return tuple(shape)
+    ranges = shard_index(file_shape[file_dim], rank, tp, spec.stride)
+    tensor = files.read(hf.key, file_dim, ranges)
+    return tensor.t() if spec.transposed else tensor
 
 
 @torch.no_grad()
@@ -218,17 +198,17 @@ def load_hf_weights(model: torch.nn.Module, directory: str | os.PathLike, param_
     may_be_missing = tuple(may_be_missing)
     missing = []
     for name, param in params.items():
-        spec = param_map[name]
-        absent = [key for key in spec.keys if key not in available]
+        hf = param_map[name]
+        absent = [key for key in hf.keys if key not in available]
         if absent and name.startswith(may_be_missing) and may_be_missing:
             missing.append(name)
             continue
         if absent:
             raise ValueError(f"checkpoint {directory} has no tensor {absent[0]!r} (needed for {name}); "
                              "it was not written for this model type or config.")
-        local = read_local_shard(files, spec, param, parallel)
+        local = read_local_shard(files, hf, param, parallel)
         param.copy_(local.to(param.dtype))
-    wanted = {key for spec in param_map.values() for key in spec.keys}
+    wanted = {key for hf in param_map.values() for key in hf.keys}
     ignorable, ignorable_prefixes = tuple(ignorable), tuple(ignorable_prefixes)
     unexpected = sorted(k for k in available - wanted
                         if not k.endswith(ignorable) and not (ignorable_prefixes and k.startswith(ignorable_prefixes)))
@@ -239,45 +219,32 @@ def load_hf_weights(model: torch.nn.Module, directory: str | os.PathLike, param_
 
 
 # --------------------------------------------------------------------------- writing
-def gather_master(local: torch.Tensor, param: torch.Tensor, parallel: ParallelState | None,
-                  spec: HFParam) -> torch.Tensor:
+def gather_master(local: torch.Tensor, parallel: ParallelState | None, spec: PartitionSpec) -> torch.Tensor:
     """Collective over the TP group: the full tensor in transformers' layout (merged, unpadded)."""
     parallel = as_state(parallel)
     full = local.detach()
-    if is_tensor_parallel(param) and parallel.tp_size > 1:
+    if spec.is_sharded and parallel.tp_size > 1:
         pieces = [torch.empty_like(full) for _ in range(parallel.tp_size)]
         dist.all_gather(pieces, full.contiguous(), group=parallel.tp_group)
-        full = merge_shards(pieces, param.partition_dim, getattr(param, "partition_stride", 1))
+        full = spec.merge(pieces)
     else:
         full = full.clone()  # never hand out an alias of a live parameter
-    return to_hf_layout(full, spec)
+    return spec.to_file_layout(full)
 
 
-def to_hf_layout(master: torch.Tensor, spec: HFParam) -> torch.Tensor:
-    """A merged zoo master tensor in transformers' layout: vocab padding cut, Conv1D transposed."""
-    if spec.vocab_rows is not None and master.shape[0] > spec.vocab_rows:
-        master = master[:spec.vocab_rows].clone()   # own storage: a view would keep (and count) the padding
-    if spec.transpose:
-        master = master.t()
-    return master.contiguous()
-
-
-def hf_state_dict(model: torch.nn.Module, param_map: dict[str, HFParam], parallel: ParallelState | None,
+def hf_state_dict(model: torch.nn.Module, parallel: ParallelState | None,
                   tensors: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Collective: the model's parameters (or ``tensors`` keyed like them, e.g. gradients) merged across
     TP into transformers' keys and layout, on every rank. It holds the whole model on every rank: for
     comparisons in tests; saving streams instead (:func:`stream_pretrained`)."""
     out = {}
-    for name, param in model.named_parameters():
-        local = param if tensors is None else tensors[name]
-        spec = param_map[name]
-        full = gather_master(local, param, parallel, spec)
-        if spec.fused:
-            dim = param.partition_dim if is_tensor_parallel(param) else 0
-            out.update({key: block.contiguous()
-                        for key, block in zip(spec.fused, full.chunk(len(spec.fused), dim=dim))})
+    for name, hf in hf_params(model).items():
+        full = gather_master(model.get_parameter(name) if tensors is None else tensors[name], parallel, hf.spec)
+        if hf.fused:
+            out.update({key: block.contiguous() for key, block in zip(hf.keys, full.chunk(len(hf.keys),
+                                                                                        dim=hf.spec.block_dim))})
         else:
-            out[spec.key] = full
+            out[hf.key] = full
     return out
 
 
@@ -302,13 +269,6 @@ def check_pretrained_target(directory: str | os.PathLike) -> None:
 
 
 # --------------------------------------------------------------------------- streaming writes
-# safetensors' dtype names, in the order of its Rust ``Dtype`` enum: a file stores its tensors' data in
-# descending dtype order, then by name, and the header lists them in that order.
-SAFETENSORS_DTYPES = {torch.bool: "BOOL", torch.uint8: "U8", torch.float16: "F16", torch.bfloat16: "BF16",
-                      torch.int32: "I32", torch.float32: "F32", torch.float64: "F64", torch.int64: "I64"}
-SAFETENSORS_METADATA = {"format": "pt"}
-
-
 @dataclass(frozen=True)
 class OutputTensor:
     """One tensor of a transformers checkpoint being written: its key, shape (transformers' layout)
@@ -342,24 +302,23 @@ def output_tensors(named_params: Iterable[tuple[str, torch.Tensor]], param_map: 
     """The transformers tensors of a model, from its (possibly meta) parameters alone: no data, no
     communication. ``dtype``: the written dtype (default: each source's); ``source_dtypes``: the dtype of
     each parameter's data when it is not the parameter's own (an exported checkpoint)."""
+    tp = as_state(parallel).tp_size
     out = []
     for name, param in named_params:
-        spec = param_map[name]
+        hf = param_map[name]
         source = (source_dtypes or {}).get(name, param.dtype)
         written = dtype or source
-        master = list(_master_shape(param, parallel, spec))
-        if not spec.fused:
-            shape = tuple(master[::-1] if spec.transpose else master)
-            entry = OutputTensor(spec.key, name, None, shape, written, 0)
+        if not hf.fused:
+            entry = OutputTensor(hf.key, name, None, hf.spec.file_shape(param.shape, tp), written, 0)
             out.append(_with_split_bytes(entry, entry.nbytes))
             continue
-        dim = param.partition_dim if is_tensor_parallel(param) else 0
-        master[dim] //= len(spec.fused)
-        shape = tuple(master[::-1] if spec.transpose else master)
+        master = list(hf.spec.master_shape(param.shape, tp))
+        master[hf.spec.block_dim] //= len(hf.keys)
+        shape = tuple(master[::-1] if hf.spec.transposed else master)
         shared = written == source          # uncast blocks were views of the merged parameter
-        for block, key in enumerate(spec.fused):
+        for block, key in enumerate(hf.keys):
             entry = OutputTensor(key, name, block, shape, written, 0, name if shared else None)
-            total = entry.nbytes * (len(spec.fused) if shared and block == 0 else 1)
+            total = entry.nbytes * (len(hf.keys) if shared and block == 0 else 1)
             out.append(_with_split_bytes(entry, total))
     return out
 
@@ -377,8 +336,6 @@ def plan_files(outputs: list[OutputTensor], max_shard_size: int | str = DEFAULT_
     """huggingface_hub's split of the tensors into files (keys in order, a new shard when the next tensor
     would pass the limit, a tensor bigger than the limit alone), from sizes only: the names and the index
     are exactly what transformers writes and reads."""
-    from huggingface_hub import split_state_dict_into_shards_factory
-
     try:
         return split_state_dict_into_shards_factory(
             {entry.key: entry for entry in outputs}, get_storage_size=lambda entry: entry.split_bytes,
@@ -388,91 +345,31 @@ def plan_files(outputs: list[OutputTensor], max_shard_size: int | str = DEFAULT_
                          "string such as '5GB'.") from None
 
 
-def safetensors_order(entries: list[OutputTensor]) -> list[OutputTensor]:
-    """The order safetensors stores tensors in: larger dtypes first, then by key."""
-    ranks = {dtype: rank for rank, dtype in enumerate(SAFETENSORS_DTYPES)}
-    for entry in entries:
-        if entry.dtype not in ranks:
-            raise ValueError(f"tensor {entry.key!r} has dtype {entry.dtype}, which zoo does not write to "
-                             f"safetensors; cast the model to one of {sorted(map(str, ranks))}.")
-    return sorted(entries, key=lambda entry: (-ranks[entry.dtype], entry.key))
-
-
-def safetensors_header(ordered: list[OutputTensor]) -> bytes:
-    """The first bytes of a safetensors file holding ``ordered`` (in :func:`safetensors_order`): the header's
-    length (8 bytes, little endian) and the header, JSON padded with spaces to a multiple of 8, byte for
-    byte what ``safetensors.torch.save_file(..., metadata={"format": "pt"})`` writes."""
-    header: dict = {"__metadata__": SAFETENSORS_METADATA}
-    offset = 0
-    for entry in ordered:
-        header[entry.key] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
-                             "data_offsets": [offset, offset + entry.nbytes]}
-        offset += entry.nbytes
-    text = json.dumps(header, separators=(",", ":"), ensure_ascii=False).encode()
-    text += b" " * (-len(text) % 8)
-    return struct.pack("<Q", len(text)) + text
-
-
-def write_rows(handle, entry: OutputTensor, rows: list[torch.Tensor]) -> None:
-    """Append ``entry``'s data: ``rows``, consecutive blocks of its first dimension (or the whole tensor)."""
-    written = 0
-    for block in rows:
-        block = block.detach().to("cpu", entry.dtype).contiguous().reshape(-1)
-        handle.write(block.view(torch.uint8).numpy())
-        written += block.numel() * block.element_size()
-    if written != entry.nbytes:
-        raise RuntimeError(f"tensor {entry.key!r} produced {written} bytes, its header says {entry.nbytes}")
-
-
 def stream_pretrained(directory: str | os.PathLike, config_dict: dict, outputs: list[OutputTensor],
                       produce: Callable[[OutputTensor], list[torch.Tensor] | None], tokenizer_files: Iterable[Path],
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool = True) -> Exception | None:
-    """Write a transformers directory tensor by tensor: ``produce(entry)`` returns the entry's data (as row
-    blocks, see :func:`write_rows`) on the writer and is called in the same order on every rank (it may be
-    a collective that returns None off the writer). Only the writer writes, atomically (temp dir, then
-    rename, with the umask's permissions); an existing ``directory`` is replaced only if it is itself a
-    Hugging Face export (:func:`is_hf_export`).
+    """Write a transformers directory tensor by tensor (:func:`zoo.safetensors_io.stream_directory`):
+    ``produce(entry)`` returns the entry's data on the writer and is called in the same order on every rank
+    (it may be a collective that returns None off the writer). An existing ``directory`` is replaced only if
+    it is itself a Hugging Face export (:func:`is_hf_export`).
 
     Files follow :func:`plan_files` (model.safetensors, or transformers' shards
-    ``model-0000k-of-0000n.safetensors`` plus model.safetensors.index.json); each is written header first,
-    then each tensor as it is produced, so the writer holds one produced tensor at a time whatever the
-    shard size. Returns the writer's error (None on success) after every entry was produced, so that
-    collective producers on the other ranks never wait for a writer that gave up.
+    ``model-0000k-of-0000n.safetensors`` plus model.safetensors.index.json), with config.json and the
+    tokenizer files. Returns the writer's error (None on success) once every entry was produced.
     """
     split = plan_files(outputs, max_shard_size)
     by_key = {entry.key: entry for entry in outputs}
     files = [(name, safetensors_order([by_key[key] for key in keys])) for name, keys in
              split.filename_to_tensors.items()]
-    sequence = [entry for _, ordered in files for entry in ordered]
-    if not is_writer:
-        for entry in sequence:
-            produce(entry)
-        return None
-    produced = 0
-    try:
-        with staged_directory(directory, is_hf_export, EXPORT_KIND) as staging:
-            (staging / "config.json").write_text(json.dumps(config_dict, indent=2, sort_keys=True) + "\n")
-            for name, ordered in files:
-                with open(staging / name, "wb") as handle:
-                    handle.write(safetensors_header(ordered))
-                    for entry in ordered:
-                        rows = produce(entry)
-                        produced += 1
-                        write_rows(handle, entry, rows)
-                        del rows
-            if split.is_sharded:
-                index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
-                (staging / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
-            for path in tokenizer_files:
-                shutil.copyfile(path, staging / Path(path).name)   # copyfile, not copy2: the umask sets the mode
-    except Exception as err:  # noqa: BLE001 - the other ranks still produce the rest: stay in step, then report
-        for entry in sequence[produced:]:
-            produce(entry)
-        return err
-    return None
+    text_files = {"config.json": json.dumps(config_dict, indent=2, sort_keys=True) + "\n"}
+    if split.is_sharded:
+        index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
+        text_files[INDEX_FILE] = json.dumps(index, indent=2, sort_keys=True) + "\n"
+    return stream_directory(directory, files, produce, text_files, tokenizer_files, is_hf_export, EXPORT_KIND,
+                            is_writer)
 
 
-def hf_rows(pieces: list[torch.Tensor], param: torch.Tensor, spec: HFParam, entry: OutputTensor) -> list[torch.Tensor]:
+def hf_rows(pieces: list[torch.Tensor], param: torch.Tensor, hf: HFParam, entry: OutputTensor) -> list[torch.Tensor]:
     """One output tensor in transformers' layout and ``entry.dtype``, from every TP rank's piece of it (zoo's
     layout, rank order; one piece for a replicated parameter), as consecutive row blocks.
 
@@ -480,24 +377,21 @@ def hf_rows(pieces: list[torch.Tensor], param: torch.Tensor, spec: HFParam, entr
     the vocabulary rows, GPT-2's row-parallel Conv1D weights) they are written as they are, vocab padding
     cut as a view, one cast at a time: the merged tensor is never built, and at tp = 1 the padded embedding
     is not copied. Otherwise they are merged first."""
-    key_spec = HFParam(entry.key, spec.transpose, spec.vocab_rows if entry.block is None else None)
-    if not is_tensor_parallel(param):
-        return [to_hf_layout(pieces[0], key_spec)]
-    dim = param.partition_dim
-    stride = 1 if entry.block is not None else getattr(param, "partition_stride", 1)
-    file_dim = (param.dim() - 1 - dim) if spec.transpose else dim
-    if file_dim == 0 and stride == 1:            # also at tp = 1: the padding is cut as a view, not a copy
+    spec = hf.spec if entry.block is None else hf.spec.block()
+    if not spec.is_sharded:
+        return [spec.to_file_layout(pieces[0])]
+    if spec.file_dim(param.dim()) == 0 and spec.stride == 1:   # also at tp = 1: the padding is cut as a view
         rows, left = [], entry.shape[0]
         for piece in pieces:
-            piece = piece.t() if spec.transpose else piece
+            piece = piece.t() if spec.transposed else piece
             rows.append(piece[:max(min(left, piece.shape[0]), 0)])
             left -= piece.shape[0]
         return rows
     if len(pieces) == 1:
-        return [to_hf_layout(pieces[0], key_spec)]
-    merged = merge_shards(pieces, dim, stride)
+        return [spec.to_file_layout(pieces[0])]
+    merged = spec.merge(pieces)
     pieces.clear()
-    return [to_hf_layout(merged, key_spec)]
+    return [spec.to_file_layout(merged)]
 
 
 def model_producer(model: torch.nn.Module, param_map: dict[str, HFParam], parallel: ParallelState | None,
@@ -509,24 +403,23 @@ def model_producer(model: torch.nn.Module, param_map: dict[str, HFParam], parall
     params = dict(model.named_parameters())
 
     def produce(entry: OutputTensor) -> list[torch.Tensor] | None:
-        param, spec = params[entry.name], param_map[entry.name]
-        local = local_block(param.detach(), param, spec, entry)
-        if is_tensor_parallel(param) and parallel.tp_size > 1:
+        param, hf = params[entry.name], param_map[entry.name]
+        local = local_block(param.detach(), hf, entry)
+        if hf.spec.is_sharded and parallel.tp_size > 1:
             pieces = gather_to_first(local, parallel.tp_group)
         else:
             pieces = [local.cpu()] if is_writer else None
-        return None if pieces is None else hf_rows(pieces, param, spec, entry)
+        return None if pieces is None else hf_rows(pieces, param, hf, entry)
 
     return produce
 
 
-def local_block(local: torch.Tensor, param: torch.Tensor, spec: HFParam, entry: OutputTensor) -> torch.Tensor:
+def local_block(local: torch.Tensor, hf: HFParam, entry: OutputTensor) -> torch.Tensor:
     """This rank's part of ``entry``: the whole local tensor, or one block of a fused parameter's shard
-    (each rank's shard stacks its piece of every block along the partition dim)."""
+    (each rank's shard stacks its piece of every block along the split dimension)."""
     if entry.block is None:
         return local
-    dim = param.partition_dim if is_tensor_parallel(param) else 0
-    return local.chunk(len(spec.fused), dim=dim)[entry.block]
+    return local.chunk(len(hf.keys), dim=hf.spec.block_dim)[entry.block]
 
 
 def read_config_json(directory: str | os.PathLike, check_values: bool = True) -> dict:

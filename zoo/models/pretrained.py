@@ -1,7 +1,8 @@
 """``from_pretrained`` / ``save_pretrained`` in transformers' own layouts, shared by zoo's models.
 
-A model class provides ``config_from_hf(values)``, ``hf_param_map()`` and the class attributes
-below. Loading builds the model on torch's meta device (``with torch.device("meta")``: no memory, no
+A model class provides ``config_from_hf(values)``, ``hf_names()`` (each parameter's transformers key or
+keys; how it is split and stored comes from its layer's partition spec, see :func:`zoo.models.hf_io.hf_params`)
+and the class attributes below. Loading builds the model on torch's meta device (``with torch.device("meta")``: no memory, no
 init; accelerate's ``init_empty_weights`` does the same but accelerate is not a dependency), then
 ``to_empty`` allocates this rank's shards only and each is filled from its slices of the file, one
 tensor at a time: a rank's peak is its own shard plus one tensor. zoo's models hold no buffers
@@ -21,11 +22,11 @@ import torch
 from zoo.assets import ASSETS_DIR
 from zoo.models.config import check_hf_config_values
 from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, CheckpointFiles, HFParam, check_max_shard_size,
-                              check_pretrained_target, load_hf_weights, model_producer, output_tensors,
+                              check_pretrained_target, hf_params, load_hf_weights, model_producer, output_tensors,
                               read_config_json, stream_pretrained)
 from zoo.parallel.gather import first_error_everywhere, same_error_everywhere
 from zoo.parallel.layers import materialize_meta_module
-from zoo.parallel.state import as_state
+from zoo.parallel.state import ParallelState, as_state
 
 logger = logging.getLogger(__name__)
 TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
@@ -89,7 +90,7 @@ class HFPretrainedMixin:
         raise NotImplementedError
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, parallel=None, dtype: torch.dtype | None = None,
+    def from_pretrained(cls, directory: str | os.PathLike, parallel: ParallelState | None = None, dtype: torch.dtype | None = None,
                         **config_overrides):
         """Build from a transformers directory (config.json + safetensors), reading only this rank's
         slices. ``config_overrides`` set config fields, e.g. ``activation_checkpointing=True``."""
@@ -105,7 +106,7 @@ class HFPretrainedMixin:
         """Refuse overrides that contradict what the checkpoint holds (a model family hook)."""
 
     @classmethod
-    def load_into(cls, directory: str | os.PathLike, config, parallel=None, dtype: torch.dtype | None = None,
+    def load_into(cls, directory: str | os.PathLike, config, parallel: ParallelState | None = None, dtype: torch.dtype | None = None,
                   new_params_seed: int | None = None):
         """Build ``cls(config, parallel)`` on the meta device and fill it from ``directory``.
 
@@ -116,7 +117,7 @@ class HFPretrainedMixin:
         materialize_meta_module(model, "cpu")
         file_keys = set(CheckpointFiles(directory).keys())
         cls.check_checkpoint_keys(directory, file_keys, config)
-        table, ignorable = _match_key_prefix(model.hf_param_map(), file_keys, cls.base_prefix)
+        table, ignorable = _match_key_prefix(hf_params(model), file_keys, cls.base_prefix)
         missing = load_hf_weights(model, directory, table, parallel, ignorable=cls.ignorable_keys + ignorable,
                                   ignorable_prefixes=cls.ignorable_prefixes,
                                   may_be_missing=cls.new_param_prefixes)
@@ -152,7 +153,7 @@ class HFPretrainedMixin:
         takes_part = is_writer or (parallel.dp_rank == 0 and parallel.tp_size > 1)
         error = None
         if takes_part:
-            param_map = self.hf_param_map()
+            param_map = hf_params(self)
             outputs = output_tensors(self.named_parameters(), param_map, parallel, dtype)
             config = with_dtype(self.hf_config_dict(), dtype or next(self.parameters()).dtype) if is_writer else {}
             error = stream_pretrained(directory, config, outputs, model_producer(self, param_map, parallel, is_writer),
@@ -174,13 +175,12 @@ def _match_key_prefix(table: dict[str, HFParam], file_keys: set[str],
     """Adapt the table to a file whose keys carry (or lack) the bare model's prefix, as happens when a
     bare model is loaded from a heads checkpoint or when a checkpoint was converted without it.
     Returns the table and the file keys to ignore (the heads a bare model does not use)."""
-    wanted = {k for spec in table.values() for k in spec.keys}
+    wanted = {k for hf in table.values() for k in hf.keys}
     if not prefix or wanted & file_keys:
         return table, ()
 
-    def rekey(spec: HFParam, change) -> HFParam:
-        return HFParam(change(spec.key) if spec.key else None, spec.transpose, spec.vocab_rows,
-                       tuple(change(k) for k in spec.fused))
+    def rekey(hf: HFParam, change) -> HFParam:
+        return HFParam(tuple(change(k) for k in hf.keys), hf.spec)
 
     if any(k.startswith(prefix) for k in file_keys) and not any(k.startswith(prefix) for k in wanted):
         added = {n: rekey(s, lambda k: prefix + k) for n, s in table.items()}

@@ -21,23 +21,78 @@ Selective recomputation (ibid., section 5): with ``recompute_attention`` the att
 activations are not kept but recomputed in backward, with the RNG states (default and TP tracker)
 restored so the recomputed dropout mask is the same.
 
-Incremental decoding: a layer's key/value cache is the tuple ``(k, v)`` of this rank's heads,
-each (b, heads_local, s_past, d) -- the cache is sharded exactly like the heads, so it needs no
-communication. With ``layer_past`` the new keys/values are appended and the queries attend to
-past + new keys; without it (training, BERT) the code path is unchanged.
+Incremental decoding: a layer's key/value cache is the pair ``(k, v)`` of this rank's heads, each
+(b, heads_local, s_past, d) -- the cache is sharded exactly like the heads, so it needs no
+communication. One forward path serves training, scoring and decoding: a :class:`KVCache` passed down
+(one :class:`LayerCache` per layer) makes each attention append its new keys/values to the past and
+attend to past + new keys; without one (training, BERT) nothing is cached.
 """
 
 from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zoo.parallel import ColumnParallelLinear, RowParallelLinear, tp_rng_fork
+from zoo.parallel import ColumnParallelLinear, RowParallelLinear, tp_rng_fork, vocab_parallel_cross_entropy
 from zoo.parallel.layers import SequenceParallelLayerNorm
 from zoo.parallel.random import region_rng
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide
+
+
+@dataclass
+class LayerCache:
+    """One layer's key/value cache: ``past`` (k, v) of this rank's heads, each (b, heads_local, P, d), or None
+    (nothing cached yet), and ``present``, the (k, v) the layer's forward extended it to."""
+
+    past: tuple[torch.Tensor, torch.Tensor] | None = None
+    present: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(past + new keys, past + new values), each (b, heads_local, P + s, d), kept as ``present``."""
+        if self.past is not None:
+            k = torch.cat((self.past[0], k), dim=2)
+            v = torch.cat((self.past[1], v), dim=2)
+        self.present = (k, v)
+        return k, v
+
+
+class KVCache:
+    """The key/value cache of one decoding forward over every layer, built from transformers' tuple form
+    (``past_key_values``: one (k, v) per layer, or None for a first call); :meth:`presents` gives the
+    updated tuple back. An empty past (length 0) counts as none."""
+
+    def __init__(self, past_key_values, num_layers: int):
+        if past_key_values is not None and len(past_key_values) != num_layers:
+            raise ValueError(f"past_key_values holds {len(past_key_values)} layers but the model has {num_layers}; "
+                             "pass the cache this model returned.")
+        self.past_length = past_key_values[0][0].shape[2] if past_key_values is not None else 0
+        pasts = past_key_values if self.past_length > 0 else [None] * num_layers
+        self.layers = [LayerCache(past) for past in pasts]
+
+    def presents(self) -> tuple:
+        return tuple(layer.present for layer in self.layers)
+
+
+def recomputed(function, *tensors, **options):
+    """``function(*tensors, **options)`` with its activations recomputed in backward by DeepSpeed's activation
+    checkpointing, which restores the RNG states (default and TP tracker) so recomputed dropout masks match.
+    The tensors go positionally (the checkpoint saves and detaches them), everything else by keyword."""
+    import deepspeed  # local: importing DeepSpeed costs seconds, and only recomputation needs it
+
+    return deepspeed.checkpointing.checkpoint(functools.partial(function, **options), *tensors)
+
+
+def lm_loss(local_logits: torch.Tensor, targets: torch.Tensor, parallel: ParallelState | None,
+            vocab_size: int) -> torch.Tensor:
+    """Mean token cross-entropy of vocab-parallel logits (b, s, V_padded / p) against ``targets`` (b, s), -100
+    ignored, without gathering the logits (the fused vocab-parallel cross-entropy); 0 when nothing counts."""
+    token_loss = vocab_parallel_cross_entropy(local_logits, targets, parallel, vocab_size=vocab_size)   # (b, s)
+    return token_loss.sum() / (targets != -100).sum().clamp(min=1)
 
 
 class ParallelSelfAttention(nn.Module):
@@ -51,7 +106,7 @@ class ParallelSelfAttention(nn.Module):
 
     def __init__(self, hidden_size: int, num_heads: int, attn_dropout: float, *,
                  parallel: ParallelState | None, init_std: float, output_init_std: float,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, checkpoint_transposed: bool = False):
         super().__init__()
         self.parallel = parallel = as_state(parallel)
         tp = parallel.tp_size
@@ -60,41 +115,39 @@ class ParallelSelfAttention(nn.Module):
         self.local_hidden = self.local_heads * self.head_dim
         self.attn_dropout = attn_dropout
         self.c_attn = ColumnParallelLinear(hidden_size, 3 * hidden_size, stride=3, parallel=parallel,
-                                           init_std=init_std, sequence_parallel=sequence_parallel)
+                                           init_std=init_std, sequence_parallel=sequence_parallel,
+                                           checkpoint_transposed=checkpoint_transposed)
         self.c_proj = RowParallelLinear(hidden_size, hidden_size, parallel=parallel, init_std=output_init_std,
-                                        sequence_parallel=sequence_parallel)
+                                        sequence_parallel=sequence_parallel, checkpoint_transposed=checkpoint_transposed)
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool,
-                layer_past: tuple[torch.Tensor, torch.Tensor] | None = None, use_cache: bool = False,
-                sequence_parallel: bool = False, recompute_attention: bool = False):
-        """Attention output (b, s, h) (or (b, s/p, h) with ``sequence_parallel``); with ``use_cache`` the
-        pair (output, (k, v)) where k and v are (b, heads_local, s_past + s, d). With ``layer_past`` and a
-        causal query of more than one token, ``attn_bias`` must carry the offset causal mask (SDPA's
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool, *,
+                cache: LayerCache | None = None, sequence_parallel: bool = False,
+                recompute_attention: bool = False) -> torch.Tensor:
+        """Attention output (b, s, h) (or (b, s/p, h) with ``sequence_parallel``). With a ``cache`` the new keys
+        and values are appended to its past (its ``present`` becomes (b, heads_local, s_past + s, d) each); after
+        a past, a causal query of more than one token needs ``attn_bias`` carrying the offset causal mask (SDPA's
         ``is_causal`` aligns the top-left corner, which is only right without a past)."""
         qkv = self.c_attn(x, sequence_parallel=sequence_parallel)          # (b, s, 3 * h/p), s all tokens
         b, s, _ = qkv.shape
         q, k, v = qkv.split(self.local_hidden, dim=-1)                      # 3 x (b, s, h/p)
         q, k, v = (t.view(b, s, self.local_heads, self.head_dim).transpose(1, 2) for t in (q, k, v))
         # q, k, v: (b, heads_local, s, d)
-        if layer_past is not None:
-            if causal and attn_bias is None and s > 1:
-                raise ValueError(f"a causal query of {s} tokens after a key/value cache needs the offset causal "
-                                 "mask; pass attn_bias from attention_bias(..., past_length=...).")
-            k = torch.cat((layer_past[0], k), dim=2)                        # (b, heads_local, s_past + s, d)
-            v = torch.cat((layer_past[1], v), dim=2)                        # (b, heads_local, s_past + s, d)
+        has_past = cache is not None and cache.past is not None
+        if has_past and causal and attn_bias is None and s > 1:
+            raise ValueError(f"a causal query of {s} tokens after a key/value cache needs the offset causal "
+                             "mask; pass attn_bias from attention_bias(..., past_length=...).")
+        if cache is not None:
+            k, v = cache.extend(k, v)                                       # (b, heads_local, s_past + s, d)
         dropout_p = self.attn_dropout if self.training else 0.0
-        use_causal_flag = causal and attn_bias is None and layer_past is None
+        is_causal = causal and attn_bias is None and not has_past
         if recompute_attention and torch.is_grad_enabled():
-            import deepspeed
-
-            y = deepspeed.checkpointing.checkpoint(self._core, q, k, v, attn_bias, use_causal_flag, dropout_p)
+            y = recomputed(self._core, q, k, v, attn_bias, is_causal=is_causal, dropout_p=dropout_p)
         else:
-            y = self._core(q, k, v, attn_bias, use_causal_flag, dropout_p)  # (b, heads_local, s, d)
+            y = self._core(q, k, v, attn_bias, is_causal=is_causal, dropout_p=dropout_p)  # (b, heads_local, s, d)
         y = y.transpose(1, 2).reshape(b, s, self.local_hidden)              # (b, s, h/p)
-        y = self.c_proj(y, sequence_parallel=sequence_parallel)             # (b, s, h) or (b, s/p, h)
-        return (y, (k, v)) if use_cache else y
+        return self.c_proj(y, sequence_parallel=sequence_parallel)          # (b, s, h) or (b, s/p, h)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None,
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None, *,
               is_causal: bool, dropout_p: float) -> torch.Tensor:
         """softmax(QK^T / sqrt(d) + bias) with dropout, times V: (b, heads_local, s, d). The part selective
         recomputation recomputes (its activations grow with s^2, its FLOPs are a small share)."""
@@ -110,13 +163,14 @@ class ParallelMLP(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_hidden_size: int, gelu_approximate: str, *,
                  parallel: ParallelState | None, init_std: float, output_init_std: float,
-                 sequence_parallel: bool = False):
+                 sequence_parallel: bool = False, checkpoint_transposed: bool = False):
         super().__init__()
         self.gelu_approximate = gelu_approximate
         self.c_fc = ColumnParallelLinear(hidden_size, ffn_hidden_size, parallel=parallel, init_std=init_std,
-                                         sequence_parallel=sequence_parallel)
+                                         sequence_parallel=sequence_parallel, checkpoint_transposed=checkpoint_transposed)
         self.c_proj = RowParallelLinear(ffn_hidden_size, hidden_size, parallel=parallel,
-                                        init_std=output_init_std, sequence_parallel=sequence_parallel)
+                                        init_std=output_init_std, sequence_parallel=sequence_parallel,
+                                        checkpoint_transposed=checkpoint_transposed)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """(b, s, h) -> (b, s, h); with ``sequence_parallel`` (b, s/p, h) -> (b, s/p, h) (AG -> A -> B -> RS)."""
@@ -131,12 +185,15 @@ class TransformerLayer(nn.Module):
 
         pre-norm:   x = x + drop(attn(ln_1(x)));   x = x + drop(mlp(ln_2(x)))
         post-norm:  x = ln_1(x + drop(attn(x)));   x = ln_2(x + drop(mlp(x)))
+
+    ``checkpoint_transposed``: merged checkpoints store the GEMM weights as (in, out) (GPT-2's Conv1D); it
+    only sets the layers' partition specs.
     """
 
     def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, layer_norm_eps: float,
                  attn_dropout: float, hidden_dropout: float, gelu_approximate: str,
                  parallel: ParallelState | None, init_std: float, output_init_std: float,
-                 pre_norm: bool = True, sequence_parallel: bool = False):
+                 pre_norm: bool = True, sequence_parallel: bool = False, checkpoint_transposed: bool = False):
         super().__init__()
         self.pre_norm = pre_norm
         self.parallel = parallel = as_state(parallel)
@@ -144,26 +201,25 @@ class TransformerLayer(nn.Module):
                                               sequence_parallel=sequence_parallel)
         self.attn = ParallelSelfAttention(hidden_size, num_heads, attn_dropout, parallel=parallel,
                                           init_std=init_std, output_init_std=output_init_std,
-                                          sequence_parallel=sequence_parallel)
+                                          sequence_parallel=sequence_parallel,
+                                          checkpoint_transposed=checkpoint_transposed)
         self.ln_2 = SequenceParallelLayerNorm(hidden_size, eps=layer_norm_eps, parallel=parallel,
                                               sequence_parallel=sequence_parallel)
         self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, gelu_approximate, parallel=parallel,
                                init_std=init_std, output_init_std=output_init_std,
-                               sequence_parallel=sequence_parallel)
+                               sequence_parallel=sequence_parallel, checkpoint_transposed=checkpoint_transposed)
         self.dropout = nn.Dropout(hidden_dropout)  # default stream, or the TP-rank stream under SP
 
-    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, causal: bool = False,
-                layer_past: tuple[torch.Tensor, torch.Tensor] | None = None, use_cache: bool = False,
-                sequence_parallel: bool = False, recompute_attention: bool = False):
-        """The layer output (b, s, h), or (b, s/p, h) for a (b, s/p, h) input with ``sequence_parallel``;
-        with ``use_cache`` the pair (output, (k, v)) of this layer's updated key/value cache (see
-        :class:`ParallelSelfAttention`; no sequence parallelism there)."""
-        if layer_past is not None or use_cache:
-            return self._forward_cached(x, attn_bias, causal, layer_past, use_cache)
+    def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, *, causal: bool = False,
+                cache: LayerCache | None = None, sequence_parallel: bool = False,
+                recompute_attention: bool = False) -> torch.Tensor:
+        """The layer output (b, s, h), or (b, s/p, h) for a (b, s/p, h) input with ``sequence_parallel``; a
+        ``cache`` gets this layer's updated keys and values (see :class:`ParallelSelfAttention`)."""
         sp = sequence_parallel
 
         def attn(h):
-            return self.attn(h, attn_bias, causal, sequence_parallel=sp, recompute_attention=recompute_attention)
+            return self.attn(h, attn_bias, causal, cache=cache, sequence_parallel=sp,
+                             recompute_attention=recompute_attention)
 
         def drop(h):
             return region_dropout(self.dropout, h, self.parallel, sp)
@@ -175,19 +231,6 @@ class TransformerLayer(nn.Module):
             x = self.ln_1(x + drop(attn(x)), sequence_parallel=sp)
             x = self.ln_2(x + drop(self.mlp(x, sequence_parallel=sp)), sequence_parallel=sp)
         return x                                                            # (b, s, h) or (b, s/p, h)
-
-    def _forward_cached(self, x, attn_bias, causal, layer_past, use_cache):
-        """The same maths as :meth:`forward`, threading the key/value cache through the attention."""
-        no_sp = {"sequence_parallel": False}
-        attn_in = self.ln_1(x, **no_sp) if self.pre_norm else x
-        a, present = self.attn(attn_in, attn_bias, causal, layer_past=layer_past, use_cache=True, **no_sp)
-        if self.pre_norm:
-            x = x + self.dropout(a)
-            x = x + self.dropout(self.mlp(self.ln_2(x, **no_sp), **no_sp))
-        else:
-            x = self.ln_1(x + self.dropout(a), **no_sp)
-            x = self.ln_2(x + self.dropout(self.mlp(x, **no_sp)), **no_sp)
-        return (x, present) if use_cache else x                             # (b, s, h)
 
 
 def region_dropout(dropout: nn.Dropout, x: torch.Tensor, parallel: ParallelState | None,
@@ -233,48 +276,17 @@ def attention_bias(attention_mask: torch.Tensor | None, seq_len: int, causal: bo
     return bias.masked_fill(~keep, torch.finfo(dtype).min)
 
 
-def run_layers(layers, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool,
-               checkpoint: bool | str | None, past_key_values=None, use_cache: bool = False,
-               sequence_parallel: bool = False):
-    """Apply the layers in order. ``checkpoint`` is the recompute granularity: "full" (or True), with
-    grad enabled, recomputes each layer's activations in backward by DeepSpeed's activation
-    checkpointing, which also restores the RNG states (default and TP tracker) so recomputed dropout
-    masks match; "selective" recomputes only each layer's attention core the same way; None/False
-    keeps every activation. With ``sequence_parallel`` ``x`` is (b, s/p, h), this rank's tokens.
-
-    ``past_key_values`` (one (k, v) per layer) and ``use_cache`` are for incremental decoding (no
-    checkpointing there): with ``use_cache`` the result is (x, presents), presents holding each
-    layer's updated (k, v), (b, heads_local, s_past + s, d).
-    """
-    if past_key_values is not None or use_cache:
-        pasts = past_key_values if past_key_values is not None else [None] * len(layers)
-        if len(pasts) != len(layers):
-            raise ValueError(f"past_key_values holds {len(pasts)} layers but the model has {len(layers)}; "
-                             "pass the cache this model returned.")
-        presents = []
-        for layer, layer_past in zip(layers, pasts):
-            out = layer(x, attn_bias, causal, layer_past=layer_past, use_cache=use_cache)
-            x, present = out if use_cache else (out, None)                  # (b, s, h)
-            presents.append(present)
-        return (x, tuple(presents)) if use_cache else x
-    full = checkpoint in (True, "full") and torch.is_grad_enabled()
-    options = {"sequence_parallel": sequence_parallel, "recompute_attention": checkpoint == "selective"}
-    for layer in layers:
-        if full:
-            import deepspeed
-
-            x = deepspeed.checkpointing.checkpoint(layer, x, attn_bias, causal, None, False, sequence_parallel)
-        else:
-            x = layer(x, attn_bias, causal, **options)                               # (b, s, h) or (b, s/p, h)
-    return x
-
-
-def sequence_parallel_for(config, parallel: ParallelState | None, seq_len: int) -> bool:
-    """Whether a full-sequence forward of ``seq_len`` tokens runs sequence-parallel: the config asks for it
-    and tp > 1 (at tp = 1 it is a no-op). The length must then divide by tp (one-sentence ValueError)."""
-    from zoo.parallel.mappings import check_sequence_divisible
-
-    if not getattr(config, "sequence_parallel", False) or as_state(parallel).tp_size == 1:
-        return False
-    check_sequence_divisible(seq_len, parallel)
-    return True
+def run_layers(layers, x: torch.Tensor, attn_bias: torch.Tensor | None, *, causal: bool,
+               recompute: str | None = None, cache: KVCache | None = None,
+               sequence_parallel: bool = False) -> torch.Tensor:
+    """Apply the layers in order. ``recompute`` is the granularity (:func:`zoo.models.config.recompute_mode`):
+    "full", with grad enabled, recomputes each layer's activations in backward (:func:`recomputed`);
+    "selective" recomputes only each layer's attention core the same way; None keeps every activation.
+    With ``sequence_parallel`` ``x`` is (b, s/p, h), this rank's tokens. A ``cache`` (decoding) gives each
+    layer its :class:`LayerCache`; nothing is recomputed there."""
+    full = recompute == "full" and torch.is_grad_enabled()
+    for index, layer in enumerate(layers):
+        options = {"causal": causal, "cache": None if cache is None else cache.layers[index],
+                   "sequence_parallel": sequence_parallel, "recompute_attention": recompute == "selective"}
+        x = recomputed(layer, x, attn_bias, **options) if full else layer(x, attn_bias, **options)
+    return x                                                                # (b, s, h) or (b, s/p, h)

@@ -3,8 +3,10 @@
 Every layer initialises the *master* weight from the global torch RNG (identical on every rank
 for one seed) and keeps only this rank's slice, so a model built at tp = 1, 2 or 4 starts from
 the same merged weights. Sharded parameters carry ``tensor_model_parallel = True``,
-``partition_dim`` and ``partition_stride`` (read by DeepSpeed's gradient norm and by zoo's
-checkpoint code); replicated parameters carry none of them.
+``partition_dim`` and ``partition_stride`` (read by DeepSpeed's gradient norm); replicated parameters
+carry none of them. Each layer also declares its parameters' :class:`~zoo.parallel.partition.PartitionSpec`
+(``own_partition_specs()``: split dimension, stride, vocabulary rows, and whether merged checkpoints store
+the weight transposed), which is all zoo's checkpoint code knows about how shards merge and split.
 
 Sequence parallelism (Korthikanti et al. 2022; see ``zoo.parallel.mappings``): with
 ``sequence_parallel=True`` a column-parallel layer all-gathers its (b, s/p, h) input along the
@@ -26,8 +28,10 @@ from torch import nn
 
 from zoo.parallel.host_all_reduce import start_tp_all_reduce_
 from zoo.parallel.mappings import (_gather_sequence, _start_gather_sequence, _start_reduce_scatter_sequence,
-                                   all_reduce_grads_of_replicated, gather_from_tp_region, reduce_from_tp_region_,
-                                   reduce_scatter_to_sequence_parallel_region, scatter_to_tp_region)
+                                   all_reduce_grads_of_replicated, check_sequence_divisible, gather_from_tp_region,
+                                   reduce_from_tp_region_, reduce_scatter_to_sequence_parallel_region,
+                                   scatter_to_tp_region)
+from zoo.parallel.partition import PartitionSpec
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide, pad_vocab_size, shard_tensor, vocab_range
 
@@ -55,9 +59,15 @@ def is_sequence_parallel(param: torch.Tensor) -> bool:
     return bool(getattr(param, "sequence_parallel", False))
 
 
-def sequence_parallel_in_use(parallel: ParallelState | None, sequence_parallel: bool) -> bool:
-    """Sequence parallelism takes effect only with more than one TP rank."""
-    return bool(sequence_parallel) and as_state(parallel).tp_size > 1
+def uses_sequence_parallel(parallel: ParallelState | None, requested: bool, seq_len: int | None = None) -> bool:
+    """Whether sequence parallelism takes effect: it is ``requested`` and there is more than one TP rank (at
+    tp = 1 it is a no-op). Given the ``seq_len`` of a full-sequence forward that will use it, that length must
+    divide by tp, else the one-sentence ValueError of :func:`zoo.parallel.mappings.check_sequence_divisible`."""
+    if not requested or as_state(parallel).tp_size == 1:
+        return False
+    if seq_len is not None:
+        check_sequence_divisible(seq_len, parallel)
+    return True
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
@@ -156,7 +166,7 @@ class SequenceParallelLayerNorm(nn.LayerNorm):
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool | None = None) -> torch.Tensor:
         use = self.sequence_parallel if sequence_parallel is None else sequence_parallel
-        if not sequence_parallel_in_use(self.parallel, use):
+        if not uses_sequence_parallel(self.parallel, use):
             return super().forward(x)
         weight, bias = all_reduce_grads_of_replicated(self.parallel, self.weight, self.bias)
         return F.layer_norm(x, self.normalized_shape, weight, bias, self.eps)   # (b, s/p, h)
@@ -191,13 +201,17 @@ class ColumnParallelLinear(nn.Module):
     all-gather along the sequence (backward: reduce-scatter of the input gradient), Y_i = AG(X) A_i + b_i.
     Only the s/p local tokens are kept for backward, which all-gathers them again for the weight
     gradient (the paper's section 4.2.2), so the GEMM's saved input shrinks with tp too.
+
+    Partition spec: weight and bias split along dim 0 with ``stride``; ``checkpoint_transposed``: merged
+    checkpoints store the weight as (in, out) (GPT-2's Conv1D).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  *, parallel: ParallelState | None = None, init_std: float = 0.02, stride: int = 1,
-                 sequence_parallel: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, checkpoint_transposed: bool = False, device=None, dtype=None):
         super().__init__()
         self.parallel = as_state(parallel)
+        self.checkpoint_transposed = checkpoint_transposed
         self.sequence_parallel = sequence_parallel
         self.in_features = in_features
         self.out_features = out_features
@@ -220,6 +234,12 @@ class ColumnParallelLinear(nn.Module):
             self.register_parameter("bias", None)
         self.reset_parameters()
 
+    def own_partition_specs(self) -> dict[str, PartitionSpec]:
+        specs = {"weight": PartitionSpec(0, self.stride, transposed=self.checkpoint_transposed)}
+        if self.bias is not None:
+            specs["bias"] = PartitionSpec(0, self.stride)
+        return specs
+
     def reset_parameters(self) -> None:
         init_sharded_(self.weight, (self.out_features, self.in_features), self.init_std, 0, self.parallel,
                       self.stride)
@@ -229,7 +249,7 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool | None = None) -> torch.Tensor:
         use = self.sequence_parallel if sequence_parallel is None else sequence_parallel
-        sp = sequence_parallel_in_use(self.parallel, use)           # (b, s/p, in) -> (b, s, out / p)
+        sp = uses_sequence_parallel(self.parallel, use)             # (b, s/p, in) -> (b, s, out / p)
         y = column_parallel_linear(x, self.weight, self.bias, self.parallel, sp)   # f(X) A_i^T + b_i: (..., out / p)
         if self.gather_output:
             y = gather_from_tp_region(y, self.parallel)         # (..., out)
@@ -252,11 +272,14 @@ class RowParallelLinear(nn.Module):
     ``sequence_parallel``: g is replaced by a reduce-scatter along the sequence (backward: all-gather),
     Y = RS(sum_i X_i A_i) + b on this rank's s/p tokens; the bias then sees s/p tokens, so it is tagged
     ``sequence_parallel`` and its gradient summed over the TP group.
+
+    Partition spec: the weight split along dim 1, the bias replicated; ``checkpoint_transposed``: merged
+    checkpoints store the weight as (in, out) (GPT-2's Conv1D), so there the split is along the rows.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  *, parallel: ParallelState | None = None, init_std: float = 0.02, sequence_parallel: bool = False,
-                 device=None, dtype=None):
+                 checkpoint_transposed: bool = False, device=None, dtype=None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise ValueError("a row-parallel layer with sequence_parallel=True needs input_is_parallel=True; its input "
@@ -266,6 +289,7 @@ class RowParallelLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
+        self.checkpoint_transposed = checkpoint_transposed
         self.init_std = init_std
         self.in_features_per_partition = divide(in_features, self.parallel.tp_size, "input features")
         factory = {"device": device, "dtype": dtype}
@@ -278,6 +302,9 @@ class RowParallelLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self.reset_parameters()
+
+    def own_partition_specs(self) -> dict[str, PartitionSpec]:
+        return {"weight": PartitionSpec(1, transposed=self.checkpoint_transposed)}
 
     def reset_parameters(self) -> None:
         init_sharded_(self.weight, (self.out_features, self.in_features), self.init_std, 1, self.parallel)
@@ -318,7 +345,8 @@ class VocabParallelEmbedding(nn.Module):
     the loss excludes them and no id selects them, stay zero.
 
     ``weight`` is the local shard (padded_vocab_size / p, embedding_dim) and doubles as the tied
-    LM-head matrix (see :meth:`lm_logits`).
+    LM-head matrix (see :meth:`lm_logits`). Partition spec: split along dim 0, the padded vocabulary, of
+    which merged checkpoints hold the ``vocab_size`` real rows.
     """
 
     def __init__(self, vocab_size: int, embedding_dim: int, *, parallel: ParallelState | None = None,
@@ -334,6 +362,9 @@ class VocabParallelEmbedding(nn.Module):
         self.weight = mark_tensor_parallel(nn.Parameter(
             torch.empty(self.vocab_end - self.vocab_start, embedding_dim, device=device, dtype=dtype)), 0)
         self.reset_parameters()
+
+    def own_partition_specs(self) -> dict[str, PartitionSpec]:
+        return {"weight": PartitionSpec(0, vocab_rows=self.vocab_size)}
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
@@ -363,7 +394,7 @@ class VocabParallelEmbedding(nn.Module):
         layer: the vocab-parallel cross-entropy needs every position's logits of its vocab shard. Only
         the local tokens are kept for backward (see :class:`ColumnParallelLinear`).
         """
-        sp = sequence_parallel_in_use(self.parallel, sequence_parallel)   # (b, s/p, h) -> (b, s, V_padded / p)
+        sp = uses_sequence_parallel(self.parallel, sequence_parallel)     # (b, s/p, h) -> (b, s, V_padded / p)
         logits = column_parallel_linear(hidden, self.weight, None, self.parallel, sp)   # f(H) E_i^T: (..., V_padded / p)
         if gather_output:
             logits = gather_from_tp_region(logits, self.parallel)[..., :self.vocab_size]  # (..., V)
