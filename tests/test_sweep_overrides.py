@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.finetune.sweep import main
+from zoo.cli.sweep import main
 
 REPO = Path(__file__).resolve().parent.parent
 RACE = REPO / "finetune" / "sweeps" / "race-336m.yaml"

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from zoo.finetune.sweep import load_sweep, main
+from zoo.cli.sweep import main
+from zoo.finetune.sweep import load_sweep
 
 SWEEPS = Path(__file__).resolve().parent.parent / "finetune" / "sweeps"
 SIZES = ("336m", "1.3b", "3.9b")

@@ -313,24 +313,31 @@ def task_of_program(program: str) -> str:
 
 
 def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> int:
-    """Run a finetune script's ``main`` in this process (one world-of-one process group for the whole
-    sweep, no per-run interpreter and DeepSpeed start-up); returns its exit code."""
+    """Run a finetune script's parse-and-finetune in this process (one world-of-one process group for the
+    whole sweep, no per-run interpreter and DeepSpeed start-up); returns its exit code: 2 with the one
+    sentence in the run's log for a user error, as the script would."""
     import contextlib
+    import traceback
 
-    from zoo.finetune.runner import main as finetune_main
+    from zoo.distributed import single_process_env  # local: torch import cost, for in-process sweeps only
+    from zoo.finetune.config import parse_args
+    from zoo.finetune.runner import finetune  # local: torch import cost, for in-process sweeps only
 
     saved = dict(os.environ)
     os.environ.clear()
     os.environ.update(env)
     try:
         with log_path.open("w") as log, contextlib.redirect_stdout(log), contextlib.redirect_stderr(log):
-            finetune_main(task_of_program(command[0]), command[1:], leave_process_group=False)
+            try:
+                single_process_env()
+                finetune(parse_args(task_of_program(command[0]), command[1:]))
+            except (ValueError, FileNotFoundError) as err:
+                report_error(err)
+                return 2
         return 0
-    except SystemExit as exit_:
+    except SystemExit as exit_:   # argparse's own exit for a malformed flag
         return int(exit_.code or 0)
     except Exception:  # noqa: BLE001 - one failed point must not end the sweep
-        import traceback
-
         with log_path.open("a") as log:
             log.write(traceback.format_exc())
         return 1
@@ -421,45 +428,3 @@ def tracking_note(env: dict[str, str], spec: SweepSpec, track_wandb: bool) -> st
     if env.get("WANDB_MODE") == "offline":
         return f"W&B offline runs under each run's wandb/ directory ({where}; wandb sync uploads them)"
     return f"W&B runs in {where}"
-
-
-def build_parser():
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="finetune/sweep.py", description=__doc__.splitlines()[0])
-    parser.add_argument("sweep", help="a W&B sweep YAML, e.g. finetune/sweeps/race-336m.yaml")
-    parser.add_argument("--pretrained", default=None,
-                        help="the BERT directory every run starts from (replaces the file's pretrained)")
-    parser.add_argument("--data-dir", default=None,
-                        help="the task's data: a directory or hub:NAME[/CONFIG] (replaces the file's data-dir)")
-    parser.add_argument("--deepspeed-config", "--deepspeed_config", dest="deepspeed_config", default=None,
-                        help="the ds_config of every run (replaces the file's deepspeed_config)")
-    parser.add_argument("--project", default=None,
-                        help=f"W&B project (default: the file's project, $WANDB_PROJECT, else {DEFAULT_PROJECT})")
-    parser.add_argument("--entity", default=None,
-                        help="W&B entity, a user or team (default: the file's entity, $WANDB_ENTITY, else W&B's)")
-    parser.add_argument("--count", type=int, default=None, help="run only the first N grid points")
-    parser.add_argument("--dry-run", action="store_true", help="check everything, print the resolved runs, run nothing")
-    parser.add_argument("--out", default=None, help="output directory (default runs/sweeps/<name>)")
-    parser.add_argument("--overwrite", action="store_true",
-                        help="replace an earlier sweep's tables and runs in --out (each run gets --overwrite)")
-    parser.add_argument("--no-wandb", action="store_true",
-                        help="run the grid untracked (every run gets WANDB_MODE=disabled)")
-    parser.add_argument("--launcher", default=None,
-                        help="command prefix, e.g. 'deepspeed --num_gpus 8' (default: this python)")
-    parser.add_argument("--in-process", action="store_true",
-                        help="run every point in this process (tp = 1; saves the start-up of each run)")
-    return parser
-
-
-def main(argv=None) -> None:
-    args = build_parser().parse_args(argv)
-    overrides = SweepOverrides(pretrained=args.pretrained, data_dir=args.data_dir,
-                               deepspeed_config=args.deepspeed_config)
-    try:
-        run_sweep(args.sweep, args.out, args.count, args.dry_run, args.launcher, args.project,
-                  in_process=args.in_process, overrides=overrides, entity=args.entity, overwrite=args.overwrite,
-                  track_wandb=not args.no_wandb)
-    except (ValueError, FileNotFoundError) as err:
-        report_error(err)
-        sys.exit(2)
