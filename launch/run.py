@@ -1,13 +1,9 @@
-"""zoo's launcher: ``deepspeed``'s arguments, exactly; returns only after every rank has exited.
+"""zoo's launcher: ``deepspeed``'s arguments, exactly; returns only after every rank has exited (see zoo.cli.run).
 
     python launch/run.py --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json
-
-Exit code 75 means the run stopped early (SIGTERM, a first Ctrl-C, --exit-interval, ...) and ``latest``
-names its checkpoint: run the same command with --load to go on. Any other code is DeepSpeed's runner's.
-See zoo/launcher.py.
 """
 
-from zoo.launcher import main
+from zoo.cli.run import main
 
 if __name__ == "__main__":
     main()

@@ -2,7 +2,7 @@
 
     python launch/run.py --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json
 
-(or ``python -m zoo.launcher`` with the same arguments) takes exactly ``deepspeed``'s arguments and runs
+(the command is :mod:`zoo.cli.run`, also ``python -m zoo.cli.run`` with the same arguments) takes exactly ``deepspeed``'s arguments and runs
 DeepSpeed's runner as its child. What it adds is what a scheduler that waits on the job's first process
 needs:
 
@@ -219,12 +219,3 @@ def stopped_cleanly(runner_code: int) -> bool:
     SIGINT, of which Python re-raises an unhandled KeyboardInterrupt). A positive code is a rank that
     failed after the report was written (the final barrier, teardown)."""
     return runner_code <= 0
-
-
-def main(argv: list[str] | None = None) -> None:
-    code = run(sys.argv[1:] if argv is None else argv)
-    sys.exit(code if code >= 0 else 128 - code)
-
-
-if __name__ == "__main__":
-    main()
