@@ -210,9 +210,7 @@ def _pretrain_on_a_blend(rank, world_size, data_path, save):
     from tests.test_pretrain import run_config as pretrain_config  # local: a test module, imported only here
     from zoo.training.pretrain import pretrain  # local: imports DeepSpeed (~1.5 s), needed only by this test
 
-    config = pretrain_config(data_path[1], save, 1, 2, 4, train_iters=2)
-    config.data_path = data_path  # what --data-path 0.5 A 0.5 B parses to
-    pretrain(config)
+    pretrain(pretrain_config(data_path, save, 1, 2, 4, train_iters=2))  # what --data-path 0.5 A 0.5 B parses to
 
 
 def test_pretraining_trains_on_a_blend(corpora, tmp_path):
