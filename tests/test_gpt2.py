@@ -253,3 +253,27 @@ def test_training_step_collectives(n_layer, collectives_by_depth):
     # one MAX of b*s and one SUM of 2*b*s (sum-exp and target logit).
     assert sorted(c[1] for c in loss_stats) == [b * s, 2 * b * s], calls
     assert max(c[1] for c in calls) < b * s * vocab // 2, "a collective moved logits"
+
+
+def test_one_forward_path_decodes_through_the_cache_object():
+    """The full-sequence forward and the cached one are one path: a prefix run into a fresh KVCache, then the
+    rest run against its presents, gives the full forward's hidden states of the rest (float64, <= 1e-9
+    relative); every layer's present holds past + new keys; a cache of the wrong depth is one sentence."""
+    from tests.checks import FP64_TOL
+    from zoo.models import GPT2Config, GPT2LMHeadModel
+    from zoo.models.transformer import KVCache
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=4, n_positions=8, vocab_size=50)).double().eval()
+    ids = torch.randint(0, 50, (2, 6), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        full, sp = model.transformer.hidden_states(ids)                             # (2, 6, 16)
+        prefix = KVCache(None, 2)
+        model.transformer.hidden_states(ids[:, :4], cache=prefix)
+        rest = KVCache(prefix.presents(), 2)
+        tail, tail_sp = model.transformer.hidden_states(ids[:, 4:], cache=rest)   # (2, 2, 16)
+    assert not sp and not tail_sp and rest.past_length == 4
+    assert [tuple(k.shape) for k, _ in rest.presents()] == [(2, 4, 6, 4)] * 2
+    assert rel_err(tail, full[:, 4:]) <= FP64_TOL
+    with pytest.raises(ValueError, match=r"^past_key_values holds 1 layers but the model has 2; pass the cache "):
+        KVCache(prefix.presents()[:1], 2)

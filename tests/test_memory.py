@@ -170,6 +170,56 @@ def test_header_is_byte_for_byte_safetensors_save_file(tmp_path):
     assert length % 8 == 0
 
 
+def test_stream_directory_writes_save_file_bytes_and_leaves_nothing_on_failure(tmp_path):
+    """zoo.safetensors_io.stream_directory: a file produced row block by row block equals save_file's bytes,
+    beside its text files; a producer's failure is returned after the failed entry and every later one were
+    asked for again (collective producers stay in step), and no directory (nor temporary one) remains."""
+    from dataclasses import dataclass
+
+    from safetensors.torch import save_file
+
+    from zoo.safetensors_io import safetensors_order, stream_directory
+
+    @dataclass(frozen=True)
+    class Entry:
+        key: str
+        shape: tuple[int, ...]
+        dtype: torch.dtype
+
+        @property
+        def nbytes(self) -> int:
+            return tensors[self.key].numel() * tensors[self.key].element_size()
+
+    tensors = {"b.weight": torch.randn(6, 3, dtype=torch.float64), "a.bias": torch.arange(5, dtype=torch.int32),
+               "c": torch.randn(4).to(torch.bfloat16)}
+    save_file(tensors, str(tmp_path / "reference.safetensors"), metadata={"format": "pt"})
+    ordered = safetensors_order(Entry(k, tuple(t.shape), t.dtype) for k, t in tensors.items())
+    asked = []
+
+    def produce(entry):
+        asked.append(entry.key)
+        return list(tensors[entry.key].split(2))
+
+    out = tmp_path / "out"
+    assert stream_directory(out, [("w.safetensors", ordered)], produce, {"note.txt": "hi\n"}, [],
+                            lambda d: False, "test output") is None
+    assert (out / "w.safetensors").read_bytes() == (tmp_path / "reference.safetensors").read_bytes()
+    assert (out / "note.txt").read_text() == "hi\n" and asked == [e.key for e in ordered]
+
+    def failing(entry):
+        asked.append(entry.key)
+        if len(asked) == 2:
+            raise OSError(28, "No space left on device")
+        return list(tensors[entry.key].split(2))
+
+    asked.clear()
+    error = stream_directory(tmp_path / "failed", [("w.safetensors", ordered)], failing, {}, [], lambda d: False,
+                             "test output")
+    keys = [e.key for e in ordered]
+    assert isinstance(error, OSError) and asked[2:] == keys[1:]   # the failed entry and all later ones still asked
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "reference.safetensors"]
+
+
 def test_export_streams_byte_identical_bf16_with_shards(tmp_path):
     """Export of a tp = 2 checkpoint, cast to bf16 and sharded: the same bytes as the in-memory writer's,
     built here from the merged masters."""

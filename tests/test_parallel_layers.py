@@ -291,3 +291,68 @@ def test_indivisible_partition_is_refused():
         ColumnParallelLinear(4, 8, parallel=fake)
     with pytest.raises(ValueError, match=r"input features 8 is not divisible by 3"):
         RowParallelLinear(8, 4, parallel=fake)
+
+
+# --------------------------------------------------------------------------- partition specs
+def _grid(tp: int, rank: int = 0):
+    """A grid position without process groups: enough to build layers and read their specs."""
+    from zoo.parallel import ParallelState
+
+    return ParallelState(tp_size=tp, tp_rank=rank, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
+                         world_size=tp, rank=rank)
+
+
+def test_layers_declare_their_partition_specs():
+    """Each layer states how its parameters split and how merged checkpoints store them; the model-wide
+    collection names every parameter, agrees with the tags DeepSpeed reads, and marks the rest replicated."""
+    from zoo.models import GPT2Config, GPT2LMHeadModel
+    from zoo.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+    from zoo.parallel.partition import PartitionSpec, partition_specs
+
+    with torch.device("meta"):
+        column = ColumnParallelLinear(IN, OUT, stride=3, checkpoint_transposed=True, parallel=_grid(2))
+        row = RowParallelLinear(OUT, IN, parallel=_grid(2))
+        embedding = VocabParallelEmbedding(VOCAB, DIM, pad_multiple=PAD_MULTIPLE, parallel=_grid(2))
+        model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=4, n_positions=8, vocab_size=VOCAB),
+                                parallel=_grid(2))
+    assert partition_specs(column) == {"weight": PartitionSpec(0, 3, transposed=True), "bias": PartitionSpec(0, 3)}
+    assert partition_specs(row) == {"weight": PartitionSpec(1), "bias": PartitionSpec()}
+    assert partition_specs(embedding) == {"weight": PartitionSpec(0, vocab_rows=VOCAB)}
+    specs = partition_specs(model)
+    assert list(specs) == [name for name, _ in model.named_parameters()]
+    assert specs["transformer.h.1.attn.c_attn.weight"] == PartitionSpec(0, 3, transposed=True)   # Conv1D, fused QKV
+    assert specs["transformer.h.1.mlp.c_proj.weight"] == PartitionSpec(1, transposed=True)
+    assert specs["transformer.wte.weight"] == PartitionSpec(0, vocab_rows=VOCAB)
+    for name, param in model.named_parameters():
+        tags = (param.partition_dim, param.partition_stride) if getattr(param, "tensor_model_parallel", False) else None
+        assert tags == ((specs[name].dim, specs[name].stride) if specs[name].is_sharded else None), name
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4])
+def test_partition_spec_merges_shards_and_moves_vocab_padding(tp):
+    """shard and merge are inverse at every rank; repad cuts one tp's vocab padding and adds another's (zeros);
+    the file layout drops the padding and transposes where declared. Compared with torch.equal."""
+    from zoo.parallel.partition import PartitionSpec
+
+    spec = PartitionSpec(0, 3, transposed=True)
+    master = torch.randn(OUT, IN, generator=torch.Generator().manual_seed(tp))
+    shards = [spec.shard(master, rank, tp) for rank in range(tp)]
+    assert all(torch.equal(shard, _shard(master, 0, rank, tp, 3)) for rank, shard in enumerate(shards))
+    assert torch.equal(spec.merge(shards), master)
+    assert torch.equal(spec.to_file_layout(master), master.t())
+    vocab = PartitionSpec(0, vocab_rows=5)
+    padded = torch.cat([torch.ones(5, 2), torch.zeros(3, 2)])                       # 5 real rows, padded to 8
+    assert torch.equal(vocab.repad(padded, 12), torch.cat([torch.ones(5, 2), torch.zeros(7, 2)]))
+    assert torch.equal(vocab.to_file_layout(padded), torch.ones(5, 2))
+    assert vocab.file_shape((8 // tp, 2), tp) == (5, 2) and spec.file_shape((OUT // tp, IN), tp) == (IN, OUT)
+
+
+def test_one_sequence_parallel_predicate():
+    """uses_sequence_parallel: off when not requested or at tp = 1 (whatever the length), on at tp > 1, and a
+    length that does not divide by tp is the one-sentence error."""
+    from zoo.parallel.layers import uses_sequence_parallel
+
+    assert not uses_sequence_parallel(_grid(1), True, 7) and not uses_sequence_parallel(_grid(2), False, 7)
+    assert uses_sequence_parallel(_grid(2), True) and uses_sequence_parallel(_grid(2), True, 8)
+    with pytest.raises(ValueError, match=r"^sequence length 7 is not divisible by tensor-parallel size 2, "):
+        uses_sequence_parallel(_grid(2), True, 7)

@@ -42,6 +42,7 @@ from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, OutputTensor, che
                               hf_rows, local_block, output_tensors, stream_pretrained)
 from zoo.models.pretrained import tokenizer_files, with_dtype
 from zoo.parallel.partition import partition_specs
+from zoo.parallel.state import ParallelState
 from zoo.errors import report_error
 
 __all__ = ["ExportResult", "export_checkpoint", "main", "merged_hf_state", "merged_master"]
@@ -106,7 +107,7 @@ def checkpoint_producer(layout: torch.nn.Module, modules: list[dict[str, torch.T
     return produce
 
 
-def layout_parallel(layout: torch.nn.Module):
+def layout_parallel(layout: torch.nn.Module) -> ParallelState | None:
     return getattr(layout, "parallel", None)
 
 

@@ -82,7 +82,8 @@ class _BertTaskModel(_BertCheckpoints, nn.Module):
         init_head_params(self, names, seed, self.config.initializer_range)
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, parallel: ParallelState | None = None, dtype: torch.dtype | None = None,
+    def from_pretrained(cls, directory: str | os.PathLike, parallel: ParallelState | None = None,
+                        dtype: torch.dtype | None = None,
                         num_labels: int | None = None, labels: list[str] | None = None, head_seed: int = 0,
                         **config_overrides):
         """Any pre- or post-norm BERT directory: a bare encoder, pretraining heads (dropped) or this

@@ -17,6 +17,7 @@ import torch
 from zoo.models.bert import BertForPreTraining
 from zoo.models.config import BertConfig, GPT2Config
 from zoo.models.gpt2 import GPT2LMHeadModel
+from zoo.parallel.state import ParallelState
 
 ModelConfig = GPT2Config | BertConfig
 
@@ -64,7 +65,7 @@ def family_of_model_type(model_type: str | None) -> ModelFamily | None:
     return next((family for family in FAMILIES if model_type in family.model_types), None)
 
 
-def build_model(config: ModelConfig, parallel) -> torch.nn.Module:
+def build_model(config: ModelConfig, parallel: ParallelState | None) -> torch.nn.Module:
     """The family's pretraining model (random init, TP-invariant) on the grid position ``parallel``."""
     return family_of(config).pretraining_model(config, parallel=parallel)
 

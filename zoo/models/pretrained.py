@@ -90,8 +90,8 @@ class HFPretrainedMixin:
         raise NotImplementedError
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, parallel: ParallelState | None = None, dtype: torch.dtype | None = None,
-                        **config_overrides):
+    def from_pretrained(cls, directory: str | os.PathLike, parallel: ParallelState | None = None,
+                        dtype: torch.dtype | None = None, **config_overrides):
         """Build from a transformers directory (config.json + safetensors), reading only this rank's
         slices. ``config_overrides`` set config fields, e.g. ``activation_checkpointing=True``."""
         values = read_config_json(directory, check_values=False)
@@ -106,8 +106,8 @@ class HFPretrainedMixin:
         """Refuse overrides that contradict what the checkpoint holds (a model family hook)."""
 
     @classmethod
-    def load_into(cls, directory: str | os.PathLike, config, parallel: ParallelState | None = None, dtype: torch.dtype | None = None,
-                  new_params_seed: int | None = None):
+    def load_into(cls, directory: str | os.PathLike, config, parallel: ParallelState | None = None,
+                  dtype: torch.dtype | None = None, new_params_seed: int | None = None):
         """Build ``cls(config, parallel)`` on the meta device and fill it from ``directory``.
 
         Parameters named in ``cls.new_param_prefixes`` (a task head the checkpoint may not have)

@@ -84,7 +84,8 @@ class _ColumnParallelLinear(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias, parallel, sequence_parallel):
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parallel: ParallelState,
+                sequence_parallel: bool) -> torch.Tensor:
         ctx.parallel = parallel
         ctx.sequence_parallel = sequence_parallel
         ctx.has_bias = bias is not None
