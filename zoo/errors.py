@@ -1,9 +1,13 @@
-"""How a CLI reports the error that ends it: ``error: <sentence>`` on one line of stderr, exit code 2.
+"""User errors: which exception types they are, how one rank's error is raised on the others, and how a
+CLI reports the error that ends it (``error: <sentence>`` on one line of stderr, exit code 2).
 
-zoo raises ValueError / FileNotFoundError with one sentence naming the value and the fix. A library can
-raise the same types for reasons that are not the user's (DeepSpeed's op builder failing on
-``TORCH_CUDA_ARCH_LIST=9.0a`` printed ``error: invalid literal for int() with base 10: '0a'``, with no
-hint of where). Such a line names where it was raised, and ``ZOO_TRACEBACK=1`` prints the traceback.
+zoo raises ValueError / FileNotFoundError with one sentence naming the value and the fix
+(:data:`USER_ERRORS`). A library can raise the same types for reasons that are not the user's (DeepSpeed's
+op builder failing on ``TORCH_CUDA_ARCH_LIST=9.0a`` raises ``invalid literal for int() with base 10: '0a'``,
+which names neither the variable nor the fix). Such a line names where it was raised, and
+``ZOO_TRACEBACK=1`` prints the traceback.
+
+This module imports no torch, so a CLI reports an error of its argument parsing without paying for it.
 """
 
 from __future__ import annotations
@@ -12,11 +16,29 @@ import os
 import sys
 import sysconfig
 import traceback
+from typing import NoReturn
 
 _OWN_DIRECTORIES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name) + os.sep
                          for name in ("zoo", "launch", "finetune", "benchmarks"))
 _STANDARD_LIBRARY = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 TRACEBACK_VARIABLE = "ZOO_TRACEBACK"
+
+# The exception types of a user error, by name: the name is what crosses between ranks.
+USER_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+
+
+def raise_failure_of_rank(rank: int, kind: str, message: str, own_error: BaseException | None,
+                          this_rank: int) -> NoReturn:
+    """Raise, on every rank, the failure the ranks agreed on: ``rank`` failed with ``kind: message``.
+
+    A user error (:data:`USER_ERRORS`) is raised as the same type with the same sentence on every rank, so
+    each CLI prints the same line. Anything else is ``own_error`` itself on the rank that raised it (its
+    traceback intact) and a RuntimeError naming that rank and its error on the others."""
+    if kind in USER_ERRORS:
+        raise USER_ERRORS[kind](message) from None
+    if own_error is not None and rank == this_rank:
+        raise own_error
+    raise RuntimeError(f"rank {rank} failed with {kind}: {message}")
 
 
 def _in_standard_library(path: str) -> bool:

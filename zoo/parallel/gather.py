@@ -12,9 +12,9 @@ accelerator into buffers on the first rank's accelerator, which are then moved t
 time (each freed from the accelerator as it is copied), so the writer's accelerator never holds more
 than one gathered tensor either.
 
-:func:`same_error_everywhere` is the matching agreement: after a writer finished (or failed), every
-rank learns its outcome, so a failure on the writer reaches every rank as the same sentence instead
-of leaving them waiting in the next collective.
+:func:`zoo.parallel.agreement.same_error_everywhere` is the matching agreement: after a writer finished
+(or failed), every rank learns its outcome, so a failure on the writer reaches every rank as the same
+sentence instead of leaving them waiting in the next collective.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-USER_ERRORS = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
-
+# Re-exported for zoo.models.pretrained, which imports them from this module.
+from zoo.parallel.agreement import first_error_everywhere, same_error_everywhere  # noqa: F401
 
 CHUNK_BYTES = 16 * 2 ** 20   # one collective moves at most this much per rank: the backends' own buffers stay small
 
@@ -57,48 +57,3 @@ def gather_to_first(tensor: torch.Tensor, group=None, chunk_bytes: int = CHUNK_B
     while buffers:                       # one piece at a time off the accelerator (a no-op copy on the CPU)
         pieces.append(buffers.pop(0).cpu())
     return pieces
-
-
-def same_error_everywhere(error: BaseException | None, src: int = 0, group=None) -> None:
-    """Collective: raise on every rank of ``group`` the error rank ``src`` (a global rank) had, if it had
-    one. A ``ValueError``/``FileNotFoundError`` is raised as itself with the same sentence; any other error
-    is re-raised as itself on ``src`` and as a ``RuntimeError`` naming it on the others. Without a process
-    group it just raises ``error``."""
-    if not dist.is_available() or not dist.is_initialized():
-        if error is not None:
-            raise error
-        return
-    outcome = [None if error is None else (type(error).__name__, str(error))]
-    device = None
-    if dist.get_backend(group) == "nccl":
-        device = torch.device("cuda", torch.cuda.current_device())
-    dist.broadcast_object_list(outcome, src=src, group=group, device=device)
-    if outcome[0] is None:
-        return
-    kind, message = outcome[0]
-    if kind in USER_ERRORS:
-        raise USER_ERRORS[kind](message) from None
-    if error is not None and dist.get_rank() == src:
-        raise error
-    raise RuntimeError(f"rank {src} failed with {kind}: {message}")
-
-
-def first_error_everywhere(error: BaseException | None, group=None) -> None:
-    """Collective: if any rank of ``group`` had an error, raise the lowest such rank's error on every rank
-    (user errors as themselves with the same sentence). Use it for checks every rank makes on its own."""
-    if not dist.is_available() or not dist.is_initialized():
-        if error is not None:
-            raise error
-        return
-    mine = None if error is None else (dist.get_rank(), type(error).__name__, str(error))
-    everyone: list = [None] * dist.get_world_size(group)
-    dist.all_gather_object(everyone, mine, group=group)
-    failed = [entry for entry in everyone if entry is not None]
-    if not failed:
-        return
-    rank, kind, message = min(failed)
-    if kind in USER_ERRORS:
-        raise USER_ERRORS[kind](message) from None
-    if error is not None and rank == dist.get_rank():
-        raise error
-    raise RuntimeError(f"rank {rank} failed with {kind}: {message}")
