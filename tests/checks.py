@@ -46,22 +46,28 @@ def record_collectives():
         dist.all_reduce, dist.all_gather = real_all_reduce, real_all_gather
 
 
+def failed_checks(results: dict[str, bool | float], tol: float, prefix: str = "") -> list[tuple[str, object, float]]:
+    """The entries of one rank's {check name: bool or relative error} (those whose name starts with
+    ``prefix``) that fail: False, or an error above ``tol`` (NaN included), as (name, value, tol)."""
+    return [(name, value, tol) for name, value in results.items() if name.startswith(prefix)
+            and not (value if isinstance(value, bool) else value <= tol)]
+
+
 def assert_named_checks(results_by_tp: dict, tp: int, prefix: str, tol: float) -> None:
     """``results_by_tp[tp]`` is a list (one per rank) of {check name: bool or relative error}; every check
-    whose name starts with ``prefix`` must be True or have an error <= ``tol``."""
-    checks = [(rank, name, value) for rank, results in enumerate(results_by_tp[tp])
-              for name, value in results.items() if name.startswith(prefix)]
-    assert checks, f"no check named {prefix}*"
-    for rank, name, value in checks:
-        if isinstance(value, bool):
-            assert value, f"{name} failed at tp={tp} rank {rank}"
-        else:
-            assert value <= tol, f"{name}: relative error {value:.3e} > {tol} at tp={tp} rank {rank}"
+    whose name starts with ``prefix`` must be True or have an error <= ``tol``. A failure arrives as
+    pytest's diff of the failing (tp, rank, name, value, tol) against []."""
+    ranks = results_by_tp[tp]
+    assert any(name.startswith(prefix) for results in ranks for name in results), f"no check named {prefix}*"
+    failing = [(tp, rank, *failure) for rank, results in enumerate(ranks)
+               for failure in failed_checks(results, tol, prefix)]
+    assert failing == [], f"failing (tp, rank, name, value, tol): {failing}"
 
 
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    """max|actual - expected| / max|expected|, computed in float64."""
-    actual, expected = actual.detach().double(), expected.detach().double()
+def rel_err(actual: torch.Tensor | float, expected: torch.Tensor | float) -> float:
+    """max|actual - expected| / max|expected|, computed in float64 (tensors or plain numbers)."""
+    actual = torch.as_tensor(actual, dtype=torch.float64).detach()
+    expected = torch.as_tensor(expected, dtype=torch.float64).detach()
     return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-300)).item()
 
 
@@ -121,14 +127,16 @@ def decision_margin(logits: torch.Tensor, index: torch.Tensor | None = None) -> 
 FP64_TOL = 1e-9   # float64 runs: rounding is ~1e-16 relative, so anything above 1e-9 is a real difference
 
 
-def tolerance_failures(errors: dict[str, float], fp32_tol: float, fp64_tol: float = FP64_TOL) -> list[str]:
-    """The entries of {name: error} above their tolerance: ``fp64_tol`` for float64 entries (a name whose
-    tag before ':' ends in "64", e.g. "grad64:..." or "logits64:"), ``fp32_tol`` for the rest."""
+def tolerance_failures(errors: dict[str, float], fp32_tol: float,
+                       fp64_tol: float = FP64_TOL) -> list[tuple[str, float, float]]:
+    """The entries of {name: error} above their tolerance, as (name, error, tolerance): ``fp64_tol`` for
+    float64 entries (a name whose tag before ':' ends in "64", e.g. "grad64:..." or "logits64:"),
+    ``fp32_tol`` for the rest. A NaN error fails."""
     failures = []
     for name, error in errors.items():
         tol = fp64_tol if name.split(":", 1)[0].endswith("64") else fp32_tol
         if not error <= tol:
-            failures.append(f"{name}: {error:.3e} > {tol:g}")
+            failures.append((name, error, tol))
     return failures
 
 

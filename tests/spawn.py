@@ -5,7 +5,8 @@ interpreter per rank would pay those imports every time: about 4x the suite's ti
 
 Each rank uses one torch thread. The group is always destroyed and every process reaped, also on
 failure or timeout. Returns the list of per-rank return values (they must be picklable); raises
-AssertionError carrying the traceback of every failed rank.
+AssertionError that opens with the last line of each failed rank's error, then carries every failed
+rank's whole traceback (an assertion in ``fn``, rewritten by pytest, shows its values there).
 """
 
 from __future__ import annotations
@@ -96,7 +97,9 @@ def spawn(fn, world_size: int, *args, timeout: float = DEFAULT_TIMEOUT_S) -> lis
         remove_shared_memory_buffers(port)
     failures = {r: v for r, (ok, v) in outcomes.items() if not ok}
     if failures:
-        raise AssertionError("\n".join(f"rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())))
+        messages = [f"rank {r}: {tb.strip().splitlines()[-1]}" for r, tb in sorted(failures.items())]
+        tracebacks = [f"rank {r} failed:\n{tb}" for r, tb in sorted(failures.items())]
+        raise AssertionError("\n".join(messages + tracebacks))
     missing = sorted(set(range(world_size)) - set(outcomes))
     if missing:
         raise AssertionError(f"ranks {missing} did not finish within {timeout:.0f}s")

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tests.checks import assert_named_checks, record_collectives
+from tests.checks import assert_named_checks, record_collectives, rel_err
 from tests.spawn import spawn
 
 REL_TOL = 1e-5
@@ -26,10 +26,6 @@ LOCAL = 16                 # logits columns per rank at tp 4; the full width is 
 WIDTH = 64
 N = 10                     # tokens, as (2, 5)
 PADDED_VOCAB = 40          # < WIDTH: at tp 4 rank 2 holds 8 real + 8 padded columns, rank 3 only padding
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp(min=1e-30)).item()
 
 
 def _case(name: str):

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from tests.checks import rel_err
 from tests.spawn import spawn
 
 META = torch.device("meta")
@@ -35,10 +36,6 @@ REL_TOL = 1e-5
 VOCAB = 1000            # not a multiple of 128: the padded vocab columns are in play
 NO_DROPOUT_GPT2 = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, vocab_size=VOCAB)
 NO_DROPOUT_BERT = dict(hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0, vocab_size=VOCAB)
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
 def on_meta(*shape, high: int = VOCAB) -> torch.Tensor:

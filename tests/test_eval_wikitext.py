@@ -14,6 +14,8 @@ import math
 import pytest
 import torch
 
+from tests.checks import rel_err
+
 REL_TOL = 1e-5
 
 # The layout of wiki.test.tokens: blank lines are " ", headings " = Title = ", and every
@@ -110,10 +112,6 @@ def brute_force_loss_sum(hf_model, ids: list[int], seq_length: int, overlap: int
             total += target_loss(hf_model, ids[start:t], ids[t])
         covered, start = last, start + overlap
     return total
-
-
-def rel_err(actual: float, expected: float) -> float:
-    return abs(actual - expected) / abs(expected)
 
 
 # --------------------------------------------------------------------------- detokenizer and T_o

@@ -21,15 +21,12 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.checks import rel_err
 from tests.spawn import spawn
 
 REPO = Path(__file__).resolve().parent.parent
 REL_TOL = 1e-5
 TINY_MODEL = dict(n_layer=2, n_embd=64, n_head=4)
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
 def input_ids() -> torch.Tensor:

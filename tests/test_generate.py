@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.checks import decision_margin
+from tests.checks import decision_margin, rel_err
 from tests.spawn import spawn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -32,10 +32,6 @@ EOD = VOCAB - 1
 N_POSITIONS = 48
 NEW = 12
 PROMPTS = [[5, 17, 300, 42, 7, 11, 600], [9, 8, 123]]      # different lengths: left padding
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
 @pytest.fixture(scope="module")

@@ -13,15 +13,12 @@ import json
 import pytest
 import torch
 
+from tests.checks import rel_err
 from tests.spawn import spawn
 
 REL_TOL = 1e-5
 VOCAB = 1000            # not a multiple of 128: every tp pads it differently
 SMALL_SHARD = 60_000    # bytes: forces several shards for the ~0.4 MB tiny model
-
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual - expected).abs().max() / expected.abs().max().clamp(min=1e-30)).item()
 
 
 def tiny_config():
