@@ -1,16 +1,17 @@
-"""Host time per micro-step before and after the DataLoader change (issue 17, item 4's closing note).
+"""Host time per micro-step: batches read by DataLoader workers (this tree) against batches read in the
+training process (a baseline checkout of commit 18ce9da).
 
 For GPT-2 and BERT pretraining data, on CPU: the time from the start of a micro-step to the model's
 first forward op (a forward pre-hook on the model), i.e. everything the host does before the device
 could start: read the samples (BERT: sentence pairs and whole-word masking), stack them, copy them.
 
-* after (this tree): batches come from ``zoo.data.gpt_dataset.build_pretraining_dataloader`` and are
+* this tree ("after" in the table): batches come from ``zoo.data.gpt_dataset.build_pretraining_dataloader`` and are
   copied with ``zoo.training.loop.to_device``, as ``zoo.training.loop`` reads them. With ``--workers 0``
   the reading and masking happen on the critical path; with workers (``data_workers``, default 2) they
   run in other processes while the model computes, so the host time is taking a ready batch.
-* before (commit 18ce9da, checked out with ``git worktree add /tmp/before 18ce9da``): the training
-  process read each micro-batch itself, ``PretrainingData.micro_batch_at`` then ``model_forward_kwargs``,
-  so masking was always on the critical path.
+* the baseline ("before" in the table; commit 18ce9da, checked out with ``git worktree add /tmp/before
+  18ce9da``): the training process reads each micro-batch itself, ``PretrainingData.micro_batch_at`` then
+  ``model_forward_kwargs``, so masking is always on the critical path.
 
 Each micro-step runs the model's forward and backward (so the workers have compute to overlap with),
 in one torch thread; DeepSpeed's engine and the per-iteration agreement collective are left out (the

@@ -1,12 +1,12 @@
 """Outputs are written atomically through zoo.atomic, never over what the command did not write, and
-with the permissions the umask gives (issue 12, items 3.1, 3.9 and 4).
+with the permissions the umask gives.
 
 * ``launch/export.py --out`` naming the run directory, another non-export directory, a file or a path
   under a file is refused with one sentence and exit 2 before any checkpoint is read; the run is intact.
   A previous export is replaced. The resharder replaces only its own copies (``resharded_from.json``).
 * ``launch/evaluate.py --out`` that cannot be written is refused before the evaluation starts.
 * Exports, ``save_pretrained`` directories, resharded copies, loss.png and evaluation results get
-  0755/0644 under umask 022 and 0750/0640 under umask 027 (tempfile's 0700/0600 used to leak).
+  0755/0644 under umask 022 and 0750/0640 under umask 027, never tempfile's 0700/0600.
 
 Everything runs in the pytest process on a tp=2 GPT-2 checkpoint of a few kB written without DeepSpeed.
 """

@@ -1,6 +1,6 @@
 """A CLI's error line names where an error was raised when a library, not zoo's own checks, raised it
-(zoo.errors). Found on an H100: DeepSpeed's op builder failing on ``TORCH_CUDA_ARCH_LIST=9.0a`` reached
-the user as ``error: invalid literal for int() with base 10: '0a'``, exit 2, with nothing to go on."""
+(zoo.errors): DeepSpeed's op builder failing on ``TORCH_CUDA_ARCH_LIST=9.0a`` raises ``invalid literal
+for int() with base 10: '0a'``, which alone gives the user nothing to go on."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
-"""The scorer equals the official evaluate-v1.1.py / evaluate-v2.0.py on the inputs where zoo used to
-differ. Each expected number is worked out by hand from the official definitions in the comment next
-to it; the scripts themselves are not run.
+"""The scorer equals the official evaluate-v1.1.py / evaluate-v2.0.py on the inputs where a scorer easily
+departs from them. Each expected number is worked out by hand from the official definitions in the
+comment next to it; the scripts themselves are not run.
 
 The definitions used: normalize_answer (lower, strip punctuation, drop a/an/the, collapse spaces);
 v1.1: every gold text counts, f1 = 0 when no token is shared, total counts every question of the
@@ -48,7 +48,7 @@ def test_answer_start_not_pointing_at_the_text_is_still_scored(tmp_path):
     bad_start = {"id": "q1", "answers": [{"text": "moon", "answer_start": 99}]}
     qas = [bad_start, {"id": "q2", "answers": ["sun"]}]
     predictions = {"q1": "moon", "q2": "star"}
-    # q1 right (1, 1), q2 wrong (0, 0), over 2 questions (zoo used to drop q1: 0 over 1)
+    # q1 right (1, 1), q2 wrong (0, 0), over 2 questions (not 0 over 1: q1 counts)
     assert squad_scores(squad_file(tmp_path, qas, "1.1"), predictions) == {"exact_match": 50.0, "f1": 50.0}
     assert squad_scores(squad_file(tmp_path, qas, "v2.0"), predictions) == has_ans_only(50.0, 50.0, 2)
 
@@ -69,7 +69,7 @@ def test_empty_gold_text_is_still_scored(tmp_path):
 def test_answers_empty_without_is_impossible_is_a_no_answer_question(tmp_path):
     qas = [{"id": "q1", "answers": []}, {"id": "q2", "answers": ["moon"]}]
     # No "version" field: the empty answers list makes it v2.0. q1 NoAns, gold [""] vs "" -> 1, 1;
-    # q2 HasAns, right -> 1, 1 (zoo used to drop q1: total 1, no NoAns keys)
+    # q2 HasAns, right -> 1, 1 (q1 counts: total 2, with the NoAns keys)
     path = squad_file(tmp_path, qas, None)
     assert squad_scores(path, {"q1": "", "q2": "moon"}) == {
         "exact": 100.0, "f1": 100.0, "total": 2, "HasAns_exact": 100.0, "HasAns_f1": 100.0, "HasAns_total": 1,

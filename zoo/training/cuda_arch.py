@@ -4,7 +4,7 @@ DeepSpeed 0.19 JIT-builds FusedAdam (the ``AdamW`` of every GPU config) on the f
 builder parses each entry of ``TORCH_CUDA_ARCH_LIST`` as ``major.minor[+PTX]`` with ``int()``. PyTorch
 also accepts architecture variants such as ``9.0a`` (Hopper's wgmma) or ``10.0f``, and CUDA images for
 Hopper set them; DeepSpeed then dies with ``invalid literal for int() with base 10: '0a'`` before it
-compiles anything (seen on an H100 with torch 2.11; deepspeedai/DeepSpeed#8619 is the open fix). The
+compiles anything (torch 2.11 CUDA images for H100; deepspeedai/DeepSpeed#8619 is the open fix). The
 plain architecture runs the same kernels: FusedAdam uses no variant-only instruction. So the variant
 letters are dropped for this process, with one warning, before DeepSpeed reads the variable.
 """

@@ -6,7 +6,7 @@ ZeRO stage 0 (FP16_Optimizer / FP16_UnfusedOptimizer: every ``ds_configs/tp*.jso
 the loss reaches ``backward()`` unscaled while ``step()`` still divides by S. The update is then S times
 too small (65,536 at ``initial_scale_power`` 16, where Adam's epsilon dominates), gradient clipping never
 fires, fp16 gradients underflow, and ``get_global_grad_norm()`` reports the norm divided by S
-(deepspeedai/DeepSpeed#8393, open). Found on an H100: a gpt2-medium run logged grad norms of 3e-4.
+(deepspeedai/DeepSpeed#8393, open): a gpt2-medium fp16 run on a GPU logs grad norms of about 3e-4.
 
 :func:`backward` hooks the loss zoo hands to ``engine.backward``. The hook sees d(backward root)/d(loss):
 S/g when DeepSpeed scaled the loss (g = gradient accumulation steps), 1/g when it did not; only in the
