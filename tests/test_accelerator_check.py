@@ -1,19 +1,38 @@
-"""On a GPU machine, a run never falls back to the CPU silently (issue 17 item 9)."""
+"""On a GPU machine, a run never falls back to the CPU silently: the CPU runs there only when the user
+chose it (DS_ACCELERATOR=cpu)."""
 
+import deepspeed.accelerator
 import pytest
 
-
-def test_gpus_with_a_cpu_accelerator_are_refused(monkeypatch):
-    from zoo.distributed import check_accelerator_matches_machine
-
-    monkeypatch.delenv("DS_ACCELERATOR", raising=False)
-    with pytest.raises(ValueError, match="has 2 NVIDIA GPU.* set DS_ACCELERATOR=cpu"):
-        check_accelerator_matches_machine(gpus=2)
+from zoo.distributed import check_accelerator_matches_machine
 
 
-def test_the_cpu_chosen_on_purpose_or_no_gpus_passes(monkeypatch):
-    from zoo.distributed import check_accelerator_matches_machine
+class _Accelerator:
+    def __init__(self, name: str):
+        self.name = name
 
-    check_accelerator_matches_machine(gpus=0)
-    monkeypatch.setenv("DS_ACCELERATOR", "cpu")
-    check_accelerator_matches_machine(gpus=2)
+    def device_name(self) -> str:
+        return self.name
+
+
+@pytest.mark.parametrize("gpus, ds_accelerator, chosen, refused", [
+    (0, None, "cpu", False),       # no GPU: the CPU is the only choice
+    (2, None, "cpu", True),        # GPUs torch cannot use: refused
+    (2, "cpu", "cpu", False),      # the CPU chosen on purpose
+    (2, "cuda", "cpu", True),      # another accelerator asked for, the CPU chosen anyway: refused
+    (2, None, "cuda", False),      # the GPUs in use
+])
+def test_the_cpu_runs_on_a_gpu_machine_only_when_chosen(monkeypatch, gpus, ds_accelerator, chosen, refused):
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: _Accelerator(chosen))
+    if ds_accelerator is None:
+        monkeypatch.delenv("DS_ACCELERATOR", raising=False)
+    else:
+        monkeypatch.setenv("DS_ACCELERATOR", ds_accelerator)
+    try:
+        check_accelerator_matches_machine(gpus=gpus)
+        outcome = None
+    except ValueError as err:
+        outcome = str(err)
+    assert (outcome is not None) == refused, outcome
+    if refused:
+        assert f"has {gpus} NVIDIA GPU(s)" in outcome and "set DS_ACCELERATOR=cpu" in outcome, outcome

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
 from tests.checks import record_collectives
@@ -68,13 +69,16 @@ def _kernel_worker(rank, world_size):
 
 
 def test_the_shared_memory_kernel_gives_gloos_sums_and_takes_the_activation_all_reduces():
-    for out in spawn(_kernel_worker, 2):
+    outs = spawn(_kernel_worker, 2)
+    for out in outs:
         assert not out["applies fp64"] and not out["applies strided"] and not out["applies 2 GiB"], out
         assert not out["applies rank-1 group"] and not out["applies after joining again"], out
-        assert out["logits equal"] and out["loss equal"] and out["grads equal"], out
-        activation = out["activation numel"]
-        assert out["gloo sums without"].count(activation) >= 4, out     # g forward, f backward, per layer
-        if out["kernel level"] >= 1:      # DeepSpeed built its kernel and the CPU has AVX2 (every x86-64 since 2013)
-            assert out["applies fp32"] and activation not in out["gloo sums with the kernel"], out
-        else:                             # otherwise the guard keeps every sum on gloo
+        assert out["gloo sums without"].count(out["activation numel"]) >= 4, out   # g forward, f backward, per layer
+    if any(out["kernel level"] < 1 for out in outs):
+        for out in outs:              # the guard keeps every sum on gloo
             assert not out["applies fp32"] and out["gloo sums with the kernel"] == out["gloo sums without"], out
+        pytest.skip("DeepSpeed's shared-memory kernel is not built here (or the CPU lacks AVX2): both runs sum "
+                    "on gloo, so comparing their values could not fail")
+    for out in outs:
+        assert out["applies fp32"] and out["activation numel"] not in out["gloo sums with the kernel"], out
+        assert out["logits equal"] and out["loss equal"] and out["grads equal"], out
