@@ -16,7 +16,7 @@ CHECK_CUDA := import sys, torch; sys.exit(0 if torch.cuda.is_available() else "e
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-test demo finetune-demo test bench clean
+.PHONY: setup setup-test demo finetune-demo test lint bench clean
 
 setup: $(VENV)/.zoo-installed
 
@@ -59,6 +59,10 @@ finetune-demo: $(VENV)/.zoo-demo-installed
 
 test: setup-test
 	$(PY) -m pytest -q
+
+# ruff (from the test extra) with the rules of pyproject.toml; `ruff format --check` is left to the formatter's own run.
+lint: setup-test
+	$(PY) -m ruff check .
 
 bench: setup
 	$(PY) benchmarks/bench_gpt2_step.py

@@ -86,9 +86,9 @@ def measure(family: str, workers: int | None, steps: int, warmup: int, micro: in
     from zoo.parallel import ParallelState
     from zoo.training.families import build_dataset
     try:
-        from zoo.models.families import build_model       # this tree
+        from zoo.models.families import build_model  # this tree
     except ImportError:
-        from zoo.training.families import build_model     # 18ce9da
+        from zoo.training.families import build_model  # 18ce9da
 
     torch.manual_seed(0)
     config = model_config(PRESET[family])

@@ -267,7 +267,7 @@ def test_evaluate_out_that_cannot_be_written_is_refused_before_evaluating(tmp_pa
     a_file = tmp_path / "results"
     a_file.write_text("earlier results")
     assert f"--out's directory {a_file} is a file" in evaluate_cli(capsys, monkeypatch, a_file / "ppl.json")
-    assert f"lies under a file" in evaluate_cli(capsys, monkeypatch, a_file / "sub" / "ppl.json")
+    assert "lies under a file" in evaluate_cli(capsys, monkeypatch, a_file / "sub" / "ppl.json")
     assert f"--out {tmp_path} is a directory" in evaluate_cli(capsys, monkeypatch, tmp_path)
     assert a_file.read_text() == "earlier results"
 

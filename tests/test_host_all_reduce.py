@@ -31,7 +31,6 @@ def _kernel_worker(rank, world_size):
     import torch.distributed as dist
 
     from zoo.distributed import join_deepspeed
-
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.parallel.host_all_reduce import _deepspeed_kernel_level, shared_memory_all_reduce_applies

@@ -11,14 +11,37 @@
 """
 
 from zoo.distributed.data_parallel import dp_block, dp_sum, means_over_dp
-from zoo.distributed.host_agreement import (SLOWEST_BYTES_PER_S, WAIT_MARGIN, agree_max, directory_bytes,
-                                            first_rank_timeout, host_group, run_on_first_rank)
-from zoo.distributed.joining import (check_accelerator_matches_machine, check_launched, join_deepspeed,
-                                     join_process_group, launched_distributed, master_port_in_use,
-                                     master_port_named, process_group_left_on_success, share_cpu_threads,
-                                     single_device, single_process_env, visible_nvidia_gpus)
-from zoo.distributed.roll_call import (COLLECTIVE_FAILURE_WORDS, default_store, describe_duration,
-                                       is_collective_failure, loop_run_number, ranks_that_did_not_arrive)
+from zoo.distributed.host_agreement import (
+                                            SLOWEST_BYTES_PER_S,
+                                            WAIT_MARGIN,
+                                            agree_max,
+                                            directory_bytes,
+                                            first_rank_timeout,
+                                            host_group,
+                                            run_on_first_rank,
+)
+from zoo.distributed.joining import (
+                                            check_accelerator_matches_machine,
+                                            check_launched,
+                                            join_deepspeed,
+                                            join_process_group,
+                                            launched_distributed,
+                                            master_port_in_use,
+                                            master_port_named,
+                                            process_group_left_on_success,
+                                            share_cpu_threads,
+                                            single_device,
+                                            single_process_env,
+                                            visible_nvidia_gpus,
+)
+from zoo.distributed.roll_call import (
+                                            COLLECTIVE_FAILURE_WORDS,
+                                            default_store,
+                                            describe_duration,
+                                            is_collective_failure,
+                                            loop_run_number,
+                                            ranks_that_did_not_arrive,
+)
 from zoo.distributed.shared_memory import SHM_BUFFER_DIR, shared_memory_buffer_path, unlink_shared_memory_buffer
 from zoo.errors import USER_ERRORS
 from zoo.parallel.agreement import agreed_failure, collective_device, raise_on_any_rank

@@ -10,7 +10,6 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
-
 # What gloo and NCCL say when a collective's peer never came (timeout) or went away (closed connection).
 COLLECTIVE_FAILURE_WORDS = ("timed out", "timeout", "connection closed", "connection reset", "closed by peer")
 
