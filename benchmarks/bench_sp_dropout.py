@@ -1,5 +1,5 @@
 """Sequence parallelism with dropout on: do 20 training steps with and without SP follow each other
-within the noise of two seeds? (issue 16)
+within the noise of two seeds?
 
 With dropout on, SP changes which masks are drawn (the embedding and residual dropouts act on each
 rank's own s/p tokens and draw from the TP-rank stream, not the shared default stream), so the loss

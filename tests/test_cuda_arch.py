@@ -1,5 +1,5 @@
 """TORCH_CUDA_ARCH_LIST with architecture variants (``9.0a``) reaches DeepSpeed's op builder in a form it
-parses (found on an H100, where the image sets ``9.0a`` and FusedAdam's build died on ``int('0a')``)."""
+parses (CUDA images for H100 set ``9.0a``, on which FusedAdam's build dies at ``int('0a')``)."""
 
 from __future__ import annotations
 

@@ -75,7 +75,7 @@ def _save_tp2_zero_checkpoint(rank, world_size, directory):
         assert guard_deepspeed_tools(directory, ps.tp_size) == [Path(directory) / "zero_to_fp32.py",
                                                                  Path(directory) / "zero_to_torch.py"]
     dist.barrier()
-    engine.load_checkpoint(directory, tag="iter_0000001")             # DeepSpeed's resume reads it as before
+    engine.load_checkpoint(directory, tag="iter_0000001")             # DeepSpeed's resume still reads it
     import torch
 
     from zoo.checkpoint.safe_load import safe_torch_load  # the loader zoo itself reads states with

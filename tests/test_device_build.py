@@ -1,4 +1,4 @@
-"""Pretraining models are built on the engine's device (issue 17 item 6): under ``with torch.device(d)``
+"""Pretraining models are built on the engine's device: under ``with torch.device(d)``
 every parameter is allocated on ``d`` and every master weight is drawn there, so no rank draws the full
 model on the host. Built on ``meta`` here (what a host-side allocation would break), and on CPU at a
 hand-made tp = 2 to show the init is still the tp = 1 init, sliced (single process: building issues no
@@ -72,7 +72,7 @@ def test_init_on_the_device_is_identical_across_tp(model):
         assert torch.equal(got, want.detach()), f"init of {name} differs between tp=1 and tp=2"
 
 
-# ------------------------------------------------------------- --tf32 on evaluate and generate (issue 17 item 8)
+# ------------------------------------------------------------- --tf32 on evaluate and generate
 @pytest.fixture
 def tf32_flags_restored():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32

@@ -1,4 +1,4 @@
-"""Hostile inputs to preprocessing and generation (issue 12, section 3, items 7, 8 and part of 10).
+"""Hostile inputs to preprocessing and generation.
 
 Each bad input ends in one sentence naming the file (and line) or the value and the fix; the CLIs
 print it as ``error: ...`` and exit 2, leaving nothing behind. Documents without a string text are

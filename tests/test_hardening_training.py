@@ -1,4 +1,4 @@
-"""Hostile inputs to pretraining (issue 12 §3 items 2-6 and 10, §5): each ends in one sentence on every
+"""Hostile inputs to pretraining: each ends in one sentence on every
 rank, never a traceback, a transport error on another rank, or a silent run on garbage.
 
 The unit checks run in the pytest process. The ones that need ranks share one 2-process spawn

@@ -1,4 +1,4 @@
-"""Memory that scales with 1/tp (issue 14): saving streams to one writer, loading reads only this
+"""Memory that scales with 1/tp: saving streams to one writer, loading reads only this
 rank's slices, and what is written is byte for byte what the in-memory writer wrote.
 
 Peak RSS growth is measured per rank (VmHWM reset through /proc/self/clear_refs, minus the RSS just

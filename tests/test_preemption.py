@@ -1,4 +1,4 @@
-"""Preemption-safe exits through the real `deepspeed` launcher (issue 15 §2), sharing launches:
+"""Preemption-safe exits through the real `deepspeed` launcher, sharing launches:
 
 1. ``--save X --load X --exit-interval 2`` on a run with no checkpoint yet: one line says it starts
    fresh; the ranks stop after iteration 2 with a checkpoint and the launcher exits 0;

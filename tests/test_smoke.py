@@ -54,8 +54,8 @@ def test_a_bad_flag_is_one_sentence_and_exit_2(capsys):
 
 
 def test_the_bert_step_caps_a_long_gpt2_sequence_at_the_bert_positions():
-    """Found on an H100: `--seq-length 1024 --bert-model bert-336m` passed 1024 to a BERT with 512
-    positions and the BERT step died with a traceback after all the GPT-2 checks had run."""
+    """`--seq-length 1024 --bert-model bert-336m` gives the BERT step at most its 512 positions, so it does not
+    die with a traceback after all the GPT-2 checks have run."""
     from zoo.cli.smoke import parse_args
     from zoo.smoke import validate
 

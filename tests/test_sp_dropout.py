@@ -1,4 +1,4 @@
-"""Sequence parallelism with dropout on (issue 16): 20 training steps with and without SP at tp = 2 follow
+"""Sequence parallelism with dropout on: 20 training steps with and without SP at tp = 2 follow
 each other within the noise of two dropout seeds, and SP-region dropout draws a different mask on every
 TP rank.
 

@@ -4,7 +4,7 @@ local runner refuses a grid that would make no runs.
 TABLE6 is the paper's appendix A table (Shoeybi et al. 2019, arXiv 1909.08053): per task and
 BERT size, the global batch, the learning rate and the epochs. QQP 3.9B (batch 256) and the
 SQuAD 2.0 block (336M 48, 1.3B 64) follow two text renderings of the arXiv PDF that agree with each
-other, where the copy of the table in issue 18 was damaged (see the comments in those files).
+other, where another copy of the table is damaged (see the comments in those files).
 """
 
 from __future__ import annotations
