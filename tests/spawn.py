@@ -19,6 +19,8 @@ import queue
 import socket
 import traceback
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
 DEFAULT_TIMEOUT_S = 240
@@ -31,9 +33,6 @@ def free_port() -> int:
 
 
 def _worker(fn, rank, world_size, port, args, results):
-    import torch
-    import torch.distributed as dist
-
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world_size))

@@ -16,10 +16,24 @@ from __future__ import annotations
 import json
 import os
 import stat
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
+
+import zoo.checkpoint.deepspeed_export as export
+import zoo.eval.runner as runner
+from zoo.atomic import staged_directory
+from zoo.checkpoint import export_checkpoint
+from zoo.checkpoint.layout import layout_only_state
+from zoo.checkpoint.reshard import SOURCE_RECORD, is_resharded_copy, reshard_checkpoint
+from zoo.cli.evaluate import main as evaluate_main
+from zoo.cli.export import main as export_main
+from zoo.eval.runner import export_cache_path, make_private_directory, transformers_directory
+from zoo.models import GPT2LMHeadModel, gpt2_config
+from zoo.models.hf_io import is_hf_export
+from zoo.training.metrics import plot_loss
 
 TINY = dict(vocab_size=300, n_layer=1, n_embd=32, n_head=2, n_positions=16)
 
@@ -32,9 +46,6 @@ def one_sentence(message: str) -> str:
 def write_run(root: Path, tp: int = 2) -> Path:
     """A run directory as pretraining leaves it: checkpoints/<tag>/mp_rank_XX_model_states.pt (module and
     client state, no optimizer), checkpoints/latest, metrics.jsonl and loss.png."""
-    from zoo.checkpoint.layout import layout_only_state
-    from zoo.models import GPT2LMHeadModel, gpt2_config
-
     tag_dir = root / "checkpoints" / "iter_0000002"
     tag_dir.mkdir(parents=True)
     for rank in range(tp):
@@ -82,10 +93,8 @@ def assert_tree_modes(directory: Path, mask: int) -> None:
 
 def export_cli(capsys, load, out) -> str:
     """launch/export.py in process; returns the error sentence after checking exit code 2."""
-    from zoo.cli.export import main
-
     with pytest.raises(SystemExit) as exit_info:
-        main(["--load", str(load), "--out", str(out)])
+        export_main(["--load", str(load), "--out", str(out)])
     assert exit_info.value.code == 2
     line = capsys.readouterr().err.strip().splitlines()[-1]
     assert line.startswith("error: "), line
@@ -95,8 +104,6 @@ def export_cli(capsys, load, out) -> str:
 @pytest.fixture
 def no_checkpoint_reads(monkeypatch):
     """Refusals must come before any work: reading a checkpoint file fails the test."""
-    import zoo.checkpoint.deepspeed_export as export
-
     def forbidden(path):
         raise AssertionError(f"{path} was read before the output path was checked")
 
@@ -141,9 +148,6 @@ def test_export_over_other_directories_and_files_is_refused(run_dir, tmp_path, c
 
 
 def test_a_previous_export_and_an_empty_directory_are_replaced(run_dir, tmp_path):
-    from zoo.checkpoint import export_checkpoint
-    from zoo.models.hf_io import is_hf_export
-
     out = tmp_path / "hf"
     out.mkdir()   # empty: nothing to lose
     export_checkpoint(run_dir, out, max_shard_size=20_000)   # sharded: shards + index
@@ -154,8 +158,6 @@ def test_a_previous_export_and_an_empty_directory_are_replaced(run_dir, tmp_path
 
 
 def test_is_hf_export_accepts_only_config_weights_and_tokenizer_files(tmp_path):
-    from zoo.models.hf_io import is_hf_export
-
     def directory(*names: str) -> Path:
         path = tmp_path / str(len(list(tmp_path.iterdir())))
         path.mkdir()
@@ -176,8 +178,6 @@ def test_is_hf_export_accepts_only_config_weights_and_tokenizer_files(tmp_path):
 
 
 def test_save_pretrained_refuses_a_directory_it_did_not_write(tmp_path):
-    from zoo.models import GPT2LMHeadModel, gpt2_config
-
     model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **TINY))
     (tmp_path / "metrics.jsonl").write_text("{}\n")
     with pytest.raises(ValueError, match=r"is not a Hugging Face export this command wrote") as err:
@@ -188,8 +188,6 @@ def test_save_pretrained_refuses_a_directory_it_did_not_write(tmp_path):
 
 # ----------------------------------------------------------------------------- 3.1: resharded copies
 def test_resharder_replaces_only_its_own_copy(run_dir, tmp_path):
-    from zoo.checkpoint.reshard import SOURCE_RECORD, is_resharded_copy, reshard_checkpoint
-
     tag_dir = run_dir / "checkpoints" / "iter_0000002"
     foreign = tmp_path / "foreign"
     foreign.mkdir()
@@ -213,10 +211,6 @@ def test_resharder_replaces_only_its_own_copy(run_dir, tmp_path):
 # ----------------------------------------------------------------------------- 4: permissions follow the umask
 @pytest.mark.parametrize("umask", [0o022, 0o027], indirect=True)
 def test_exports_and_resharded_copies_honour_the_umask(run_dir, tmp_path, umask):
-    from zoo.checkpoint import export_checkpoint
-    from zoo.checkpoint.reshard import reshard_checkpoint
-    from zoo.models import GPT2LMHeadModel
-
     export_checkpoint(run_dir, tmp_path / "hf", max_shard_size=20_000)
     assert_tree_modes(tmp_path / "hf", umask)
     GPT2LMHeadModel.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "saved")
@@ -227,10 +221,6 @@ def test_exports_and_resharded_copies_honour_the_umask(run_dir, tmp_path, umask)
 
 @pytest.mark.parametrize("umask", [0o022, 0o027], indirect=True)
 def test_loss_plot_and_evaluation_results_honour_the_umask(tmp_path, umask, monkeypatch, capsys):
-    import zoo.eval.runner as runner
-    from zoo.cli.evaluate import main as evaluate_main
-    from zoo.training.metrics import plot_loss
-
     (tmp_path / "metrics.jsonl").write_text(json.dumps({"iteration": 1, "loss": 5.0}) + "\n")
     plot = plot_loss(tmp_path)
     assert plot.read_bytes().startswith(b"\x89PNG") and mode(plot) == 0o666 & ~umask
@@ -248,9 +238,6 @@ def test_loss_plot_and_evaluation_results_honour_the_umask(tmp_path, umask, monk
 # ----------------------------------------------------------------------------- 3.9: evaluate --out
 def evaluate_cli(capsys, monkeypatch, out) -> str:
     """launch/evaluate.py in process with an evaluation that must never start; returns the sentence."""
-    import zoo.eval.runner as runner
-    from zoo.cli.evaluate import main as evaluate_main
-
     def forbidden(args):
         raise AssertionError("the evaluation started before --out was checked")
 
@@ -284,11 +271,6 @@ def test_evaluate_out_in_a_read_only_directory_is_refused_before_evaluating(tmp_
 
 # ----------------------------------------------------------------------------- the evaluation's export cache
 def test_evaluation_exports_into_a_private_cache(run_dir, tmp_path, monkeypatch):
-    import tempfile
-
-    from zoo.eval.runner import export_cache_path, make_private_directory, transformers_directory
-    from zoo.models.hf_io import is_hf_export
-
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     cache = export_cache_path()
     cache.mkdir(mode=0o755)   # e.g. left by an older zoo: taken back to 0700
@@ -309,8 +291,6 @@ def test_evaluation_exports_into_a_private_cache(run_dir, tmp_path, monkeypatch)
 
 # ----------------------------------------------------------------------------- zoo.atomic itself
 def test_staged_directory_under_a_file_is_one_sentence(tmp_path):
-    from zoo.atomic import staged_directory
-
     a_file = tmp_path / "file"
     a_file.write_text("x")
     with pytest.raises(ValueError, match=r"lies under the file") as err:

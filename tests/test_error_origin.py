@@ -5,13 +5,14 @@ for int() with base 10: '0a'``, which alone gives the user nothing to go on."""
 from __future__ import annotations
 
 import pytest
+from packaging.version import Version
 
-from zoo.errors import error_line, report_error
+from zoo.cli import pretrain as pretraining
+from zoo.errors import error_line, raised_at, report_error
+from zoo.models.presets import gpt2_config
 
 
 def _raised_by_a_library() -> ValueError:
-    from packaging.version import Version
-
     try:
         Version("not a version")
     except ValueError as err:
@@ -20,8 +21,6 @@ def _raised_by_a_library() -> ValueError:
 
 
 def _raised_by_zoo() -> ValueError:
-    from zoo.models.presets import gpt2_config
-
     try:
         gpt2_config("gpt2-huge")
     except ValueError as err:
@@ -43,8 +42,6 @@ def test_zoos_own_sentence_is_left_as_it_is():
 
 def test_a_standard_library_frame_is_skipped_for_the_code_that_called_it(tmp_path):
     """A missing file raised inside pathlib for zoo's call is zoo's (its check), not a library's."""
-    from zoo.errors import raised_at
-
     try:
         (tmp_path / "missing.json").read_text()
     except FileNotFoundError as err:
@@ -69,10 +66,8 @@ def test_without_zoo_traceback_it_is_one_line(value, monkeypatch, capsys):
 
 def test_the_pretraining_cli_reports_a_library_error_with_its_origin(monkeypatch, capsys):
     """Through pretraining's main(): a ValueError raised inside a library while the run is set up
-    (packaging's here, standing in for DeepSpeed's op builder) is still one line and exit 2, and now says
+    (packaging's here, standing in for DeepSpeed's op builder) is still one line and exit 2, and says
     where."""
-    from zoo.cli import pretrain as pretraining
-
     def deepspeed_like_failure(args):
         raise _raised_by_a_library()
 

@@ -12,6 +12,11 @@ import shutil
 
 import pytest
 import torch
+import transformers
+from safetensors.torch import load_file, save_file
+
+from zoo.models import GPT2_PRESETS, GPT2Config, GPT2LMHeadModel, gpt2_config
+from zoo.parallel import ParallelState
 
 
 def _one_sentence(err: pytest.ExceptionInfo) -> str:
@@ -23,24 +28,18 @@ def _one_sentence(err: pytest.ExceptionInfo) -> str:
 
 def _fake_tp(tp: int):
     """A tp-degree grid built by hand: valid as long as nothing issues a collective on it."""
-    from zoo.parallel import ParallelState
-
     return ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
                          world_size=tp, rank=0)
 
 
 # ---------------------------------------------------------------- configs and presets
 def test_hidden_size_not_divisible_by_heads():
-    from zoo.models import GPT2Config
-
     with pytest.raises(ValueError, match=r"n_embd=64 is not divisible by n_head=5") as err:
         GPT2Config(n_embd=64, n_head=5).validate()
     _one_sentence(err)
 
 
 def test_heads_not_divisible_by_tp():
-    from zoo.models import GPT2Config, GPT2LMHeadModel
-
     config = GPT2Config(vocab_size=100, n_positions=16, n_embd=64, n_layer=1, n_head=4)
     with pytest.raises(ValueError, match=r"n_head=4 is not divisible by tensor-parallel size 3") as err:
         config.validate(tp_size=3)
@@ -51,15 +50,11 @@ def test_heads_not_divisible_by_tp():
 
 
 def test_mlp_size_not_divisible_by_tp():
-    from zoo.models import GPT2Config
-
     with pytest.raises(ValueError, match=r"MLP size 102 is not divisible by tensor-parallel size 4"):
         GPT2Config(n_embd=64, n_head=4, n_inner=102).validate(tp_size=4)
 
 
 def test_unsupported_activation_and_hf_fields():
-    from zoo.models import GPT2Config
-
     with pytest.raises(ValueError, match=r"activation_function 'relu' is not supported"):
         GPT2Config(activation_function="relu").validate()
     with pytest.raises(ValueError, match=r"scale_attn_by_inverse_layer_idx=True is not supported"):
@@ -67,8 +62,6 @@ def test_unsupported_activation_and_hf_fields():
 
 
 def test_unknown_preset():
-    from zoo.models import GPT2_PRESETS, gpt2_config
-
     with pytest.raises(ValueError, match=r"unknown model preset 'nope'; choose one of .*'gpt2-tiny'") as err:
         gpt2_config("nope")
     _one_sentence(err)
@@ -76,8 +69,6 @@ def test_unknown_preset():
 
 
 def test_sequence_longer_than_n_positions():
-    from zoo.models import GPT2Config, GPT2LMHeadModel
-
     model = GPT2LMHeadModel(GPT2Config(vocab_size=100, n_positions=8, n_embd=32, n_layer=1, n_head=4))
     with pytest.raises(ValueError, match=r"sequence length 9 exceeds n_positions=8"):
         model(torch.zeros(1, 9, dtype=torch.long))
@@ -86,8 +77,6 @@ def test_sequence_longer_than_n_positions():
 # ---------------------------------------------------------------- checkpoint directories
 @pytest.fixture(scope="module")
 def hf_dir(tmp_path_factory):
-    import transformers
-
     torch.manual_seed(0)
     config = transformers.GPT2Config(vocab_size=100, n_positions=16, n_embd=32, n_layer=1, n_head=4)
     path = tmp_path_factory.mktemp("hf_tiny_gpt2")
@@ -105,15 +94,12 @@ def damaged(hf_dir, tmp_path):
 
 def test_good_checkpoint_loads(hf_dir):
     # The baseline the damaged copies start from: any error below is the damage's.
-    from zoo.models import GPT2LMHeadModel
 
     model = GPT2LMHeadModel.from_pretrained(hf_dir)
     assert model.config.n_embd == 32
 
 
 def test_missing_directory(tmp_path):
-    from zoo.models import GPT2LMHeadModel
-
     missing = tmp_path / "nowhere"
     with pytest.raises(FileNotFoundError, match=re.escape(str(missing)) + r" does not exist") as err:
         GPT2LMHeadModel.from_pretrained(missing)
@@ -121,8 +107,6 @@ def test_missing_directory(tmp_path):
 
 
 def test_directory_without_config_json(damaged):
-    from zoo.models import GPT2LMHeadModel
-
     (damaged / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match=r"has no config\.json") as err:
         GPT2LMHeadModel.from_pretrained(damaged)
@@ -130,16 +114,12 @@ def test_directory_without_config_json(damaged):
 
 
 def test_config_json_not_json(damaged):
-    from zoo.models import GPT2LMHeadModel
-
     (damaged / "config.json").write_text("{not json")
     with pytest.raises(ValueError, match=r"config\.json is not valid JSON"):
         GPT2LMHeadModel.from_pretrained(damaged)
 
 
 def test_config_of_another_model_type(damaged):
-    from zoo.models import GPT2LMHeadModel
-
     config = json.loads((damaged / "config.json").read_text())
     config["model_type"] = "bert"
     (damaged / "config.json").write_text(json.dumps(config))
@@ -149,8 +129,6 @@ def test_config_of_another_model_type(damaged):
 
 
 def test_no_safetensors_file(damaged):
-    from zoo.models import GPT2LMHeadModel
-
     (damaged / "model.safetensors").unlink()
     with pytest.raises(FileNotFoundError, match=r"no model\.safetensors or model\.safetensors\.index\.json"):
         GPT2LMHeadModel.from_pretrained(damaged)
@@ -158,8 +136,6 @@ def test_no_safetensors_file(damaged):
 
 @pytest.mark.parametrize("keep", [0.5, 0.001], ids=["truncated-data", "truncated-header"])
 def test_truncated_safetensors(damaged, keep):
-    from zoo.models import GPT2LMHeadModel
-
     path = damaged / "model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[:max(int(len(data) * keep), 4)])
@@ -169,8 +145,6 @@ def test_truncated_safetensors(damaged, keep):
 
 
 def test_config_disagrees_with_weights(damaged):
-    from zoo.models import GPT2LMHeadModel
-
     config = json.loads((damaged / "config.json").read_text())
     config["n_embd"] = 16                     # the weights are 32 wide
     (damaged / "config.json").write_text(json.dumps(config))
@@ -181,10 +155,6 @@ def test_config_disagrees_with_weights(damaged):
 
 
 def test_checkpoint_missing_a_tensor(damaged):
-    from safetensors.torch import load_file, save_file
-
-    from zoo.models import GPT2LMHeadModel
-
     path = damaged / "model.safetensors"
     tensors = load_file(str(path))
     del tensors["transformer.h.0.mlp.c_fc.bias"]
@@ -194,10 +164,6 @@ def test_checkpoint_missing_a_tensor(damaged):
 
 
 def test_checkpoint_with_unknown_tensor(damaged):
-    from safetensors.torch import load_file, save_file
-
-    from zoo.models import GPT2LMHeadModel
-
     path = damaged / "model.safetensors"
     tensors = load_file(str(path))
     tensors["transformer.h.7.mlp.c_fc.bias"] = torch.zeros(4)

@@ -10,9 +10,14 @@ import os
 
 import pytest
 import torch
+import torch.distributed as dist
 
 from tests.checks import record_collectives
 from tests.spawn import free_port, spawn
+from zoo.distributed import join_deepspeed
+from zoo.models import GPT2LMHeadModel, gpt2_config
+from zoo.parallel import ParallelState, model_parallel_seed
+from zoo.parallel.host_all_reduce import _deepspeed_kernel_level, shared_memory_all_reduce_applies
 
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
@@ -28,13 +33,6 @@ def _step(model, ids):
 
 
 def _kernel_worker(rank, world_size):
-    import torch.distributed as dist
-
-    from zoo.distributed import join_deepspeed
-    from zoo.models import GPT2LMHeadModel, gpt2_config
-    from zoo.parallel import ParallelState, model_parallel_seed
-    from zoo.parallel.host_all_reduce import _deepspeed_kernel_level, shared_memory_all_reduce_applies
-
     os.environ["LOCAL_SIZE"] = str(world_size)         # as the deepspeed launcher sets it
     join_deepspeed(dist_backend="gloo")                 # adopts the harness's group, builds the kernel
     ps = ParallelState.initialize(world_size)

@@ -75,7 +75,7 @@ def note_once(engine, applied: list[torch.Tensor]) -> None:
         return
     setattr(engine, _NOTED, True)
     if bool(applied[0].item()) and engine.global_rank == 0:
-        import deepspeed
+        import deepspeed  # local: deepspeed is loaded by the engine here; importing this module does not load it
 
         print(f"note: DeepSpeed {deepspeed.__version__} does not apply the fp16 loss scale in engine.backward at "
               f"ZeRO stage 0 (deepspeedai/DeepSpeed#8393); zoo applies it.", file=sys.stderr, flush=True)
