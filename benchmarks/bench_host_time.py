@@ -25,6 +25,7 @@ first articles of the bundled Wikipedia sample with its own code.
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import os
 import statistics
@@ -42,10 +43,8 @@ ARTICLES = 60
 # ------------------------------------------------------------------------- inside one tree's interpreter
 def small_corpus(family: str, directory: Path) -> str:
     """The first ARTICLES articles of the bundled sample, preprocessed by this tree's code."""
-    import gzip
-
-    import zoo
-    from zoo.data import preprocess, preprocess_bert
+    import zoo  # local: the measured tree's zoo, on the child's PYTHONPATH
+    from zoo.data import preprocess, preprocess_bert  # local: the measured tree's zoo, on the child's PYTHONPATH
 
     bundled = Path(zoo.__file__).parent / "assets" / "corpora" / "wiki-sample.jsonl.gz"
     with gzip.open(bundled, "rt") as src:
@@ -59,8 +58,8 @@ def small_corpus(family: str, directory: Path) -> str:
 
 def after_reader(dataset, micro: int, workers: int):
     """This tree's training read: the pretraining DataLoader, then the device copy."""
-    from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader
-    from zoo.training.loop import to_device
+    from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader  # local: absent from 18ce9da
+    from zoo.training.loop import to_device  # local: absent from 18ce9da
 
     batches = iter(build_pretraining_dataloader(dataset, micro, 0, None, num_workers=workers, pin_memory=False))
     return lambda step: to_device(batch_or_raise(next(batches)), "cpu")
@@ -68,9 +67,9 @@ def after_reader(dataset, micro: int, workers: int):
 
 def before_reader(dataset, micro: int):
     """18ce9da's training read: ``micro_batch_at`` in the training process, then ``model_forward_kwargs``."""
-    from zoo.parallel import ParallelState
-    from zoo.training.families import model_forward_kwargs
-    from zoo.training.pretraining_data import PretrainingData
+    from zoo.parallel import ParallelState  # local: the measured tree's zoo, on the child's PYTHONPATH
+    from zoo.training.families import model_forward_kwargs  # local: 18ce9da's API
+    from zoo.training.pretraining_data import PretrainingData  # local: 18ce9da's API
 
     data = object.__new__(PretrainingData)   # only the two fields micro_batch_at reads
     data.ps, data.micro_batch = ParallelState.single(), micro
@@ -79,16 +78,16 @@ def before_reader(dataset, micro: int):
 
 def measure(family: str, workers: int | None, steps: int, warmup: int, micro: int, directory: Path) -> dict:
     """Host milliseconds from micro-step start to the model's first forward op, per measured step."""
-    import torch
+    import torch  # local: only the child interpreters load torch
 
-    from zoo.data import IndexedDataset
-    from zoo.models import model_config
-    from zoo.parallel import ParallelState
-    from zoo.training.families import build_dataset
+    from zoo.data import IndexedDataset  # local: the measured tree's zoo, on the child's PYTHONPATH
+    from zoo.models import model_config  # local: the measured tree's zoo, on the child's PYTHONPATH
+    from zoo.parallel import ParallelState  # local: the measured tree's zoo, on the child's PYTHONPATH
+    from zoo.training.families import build_dataset  # local: the measured tree's zoo, on the child's PYTHONPATH
     try:
-        from zoo.models.families import build_model  # this tree
+        from zoo.models.families import build_model  # local: this tree's place for it
     except ImportError:
-        from zoo.training.families import build_model  # 18ce9da
+        from zoo.training.families import build_model  # local: 18ce9da's place for it
 
     torch.manual_seed(0)
     config = model_config(PRESET[family])
@@ -122,7 +121,7 @@ def sample_read_ms(dataset, count: int) -> float:
 
 
 def measure_tree(args: argparse.Namespace) -> None:
-    import torch
+    import torch  # local: only the child interpreters load torch
 
     torch.set_num_threads(1)
     is_after = os.path.exists(os.path.join(os.environ["PYTHONPATH"], "zoo", "training", "loop.py"))
