@@ -38,6 +38,9 @@ from zoo.data.preprocess_pipeline import SkippedDocumentsWarning
 
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 _LOADERS = ((".txt", "text"), (".jsonl", "json"), (".json", "json"), (".parquet", "parquet"))
+# Rows per record batch of the Arrow copies: the tokenizing step reads them one batch at a time, so this
+# bounds its memory whatever the size of the file.
+ARROW_BATCH_ROWS = 256
 
 
 def loader_for(path: str) -> str:
@@ -101,7 +104,8 @@ def _load_file(path: str, loader: str, key: str, cache: str):
         raise ValueError(_empty_file_sentence(path))
     try:
         with _without_datasets_read_errors():
-            return datasets.load_dataset(loader, data_files=path, split="train", cache_dir=cache)
+            return datasets.load_dataset(loader, data_files=path, split="train", cache_dir=cache,
+                                        writer_batch_size=ARROW_BATCH_ROWS)
     except (datasets.exceptions.DatasetGenerationError, StopIteration, ValueError, EOFError, OSError) as err:
         problem = _describe_unreadable(path, loader)
         if problem is None and loader == "json" and isinstance(_root_cause(err), pa.ArrowInvalid):
@@ -137,7 +141,7 @@ def _json_field_values(path: str, key: str, cache: str):
     """Field ``key`` of every record of ``path`` as a JSON-valued column (missing: null)."""
     features = datasets.Features({key: datasets.features.Json()})
     return datasets.Dataset.from_generator(_field_rows, features=features, cache_dir=cache,
-                                           gen_kwargs={"path": path, "key": key})
+                                           gen_kwargs={"path": path, "key": key}, writer_batch_size=ARROW_BATCH_ROWS)
 
 
 @contextmanager
@@ -293,6 +297,7 @@ def _string_texts(ds, path: str, key: str, loader: str):
         return {"text": [text if isinstance(text, str) else None for text in batch["text"]]}
 
     ds = ds.map(keep_strings, batched=True, with_indices=True, load_from_cache_file=False,
+                writer_batch_size=ARROW_BATCH_ROWS,
                 features=datasets.Features({"text": datasets.Value("string")}), desc="Checking texts")
     _warn_skipped(path, loader, reasons, first[0] if first else None)
     return ds
