@@ -14,13 +14,14 @@ import argparse
 from zoo.cli.runner import run_command
 from zoo.finetune.sweep import DEFAULT_PROJECT, run_sweep
 from zoo.finetune.sweep_overrides import SweepOverrides
-from zoo.options import group_of
+from zoo.options import add_groups, group_of
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="finetune/sweep.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", help="a W&B sweep YAML, e.g. finetune/sweeps/race-336m.yaml")
+    add_groups(parser)
     model, data, training = group_of(parser, "model"), group_of(parser, "data"), group_of(parser, "training")
     model.add_argument("--pretrained", default=None,
                        help="the BERT directory every run starts from (replaces the file's pretrained)")
@@ -31,10 +32,11 @@ def build_parser() -> argparse.ArgumentParser:
     training.add_argument("--count", type=int, default=None, help="run only the first N grid points")
     training.add_argument("--dry-run", action="store_true",
                           help="check everything, print the resolved runs, run nothing")
-    training.add_argument("--launcher", default=None,
-                          help="command prefix, e.g. 'deepspeed --num_gpus 8' (default: this python)")
-    training.add_argument("--in-process", action="store_true",
-                          help="run every point in this process (tp = 1; saves the start-up of each run)")
+    parallelism = group_of(parser, "parallelism")
+    parallelism.add_argument("--launcher", default=None,
+                             help="command prefix, e.g. 'deepspeed --num_gpus 8' (default: this python)")
+    parallelism.add_argument("--in-process", action="store_true",
+                             help="run every point in this process (tp = 1; saves the start-up of each run)")
     checkpointing = group_of(parser, "checkpointing")
     checkpointing.add_argument("--out", default=None, help="output directory (default runs/sweeps/<name>)")
     checkpointing.add_argument("--overwrite", action="store_true",
