@@ -84,7 +84,9 @@ def recomputed(function, *tensors, **options):
     The tensors go positionally (the checkpoint saves and detaches them), everything else by keyword."""
     import deepspeed  # local: importing DeepSpeed costs ~1.5 s; only recomputation needs it
 
-    return deepspeed.checkpointing.checkpoint(functools.partial(function, **options), *tensors)
+    bound = functools.partial(function, **options)
+    bound.__name__ = getattr(function, "__name__", type(function).__name__)   # what the checkpoint runs, by name
+    return deepspeed.checkpointing.checkpoint(bound, *tensors)
 
 
 def lm_loss(local_logits: torch.Tensor, targets: torch.Tensor, parallel: ParallelState | None,
