@@ -17,6 +17,7 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+from zoo.atomic import write_text_atomic
 from zoo.cli.runner import command_parser, run_command
 from zoo.dtypes import add_dtype_argument
 from zoo.options import add_options, group_of, option
@@ -64,7 +65,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         import torch.distributed as dist  # local: torch import cost, after parsing
 
-        from zoo.atomic import write_text_atomic
         from zoo.eval import runner  # local: torch import cost, after parsing
         from zoo.eval.wikitext import DEFAULT_OVERLAP  # local: torch import cost, after parsing
 

@@ -16,6 +16,7 @@ from typing import Any
 
 from zoo.options import (add_deepspeed_config_argument, add_options, block_keys, check_block_keys, check_types,
                          merged_settings, option)
+from zoo.training.run_config import check_ds_config, read_ds_config
 
 # The paper's Table 6 grid uses these defaults' neighbourhood; a single run gets sensible ones.
 DEFAULT_MAX_SEQ_LENGTH = {"mnli": 128, "qqp": 128, "race": 512, "squad": 384, "same-article": 64}
@@ -92,8 +93,6 @@ def parse_args(task: str, argv=None) -> FinetuneConfig:
 def config_from_args(task: str, args: argparse.Namespace) -> FinetuneConfig:
     """The ds_config (checked), its zoo block and the flags, merged: flags win, then the block, then the
     defaults; the global batch defaults to the ds_config's train_batch_size, ``save`` to runs/finetune-<task>."""
-    from zoo.training.run_config import check_ds_config, read_ds_config
-
     ds_config = read_ds_config(args.deepspeed_config)
     check_ds_config(ds_config, args.deepspeed_config, needs_optimizer=False)   # deepspeed_dict fills the optimizer
     block = check_block_keys(ds_config.get("zoo", {}), FinetuneConfig, args.deepspeed_config,

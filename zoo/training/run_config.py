@@ -293,7 +293,7 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
                          "from the zoo block.")
     if config.pretrained is not None:   # the directory's n_positions: generation checks the lengths itself
         return
-    from zoo.data.tokenizers import load_gpt2_tokenizer
+    from zoo.data.tokenizers import load_gpt2_tokenizer  # local: torch import cost (the parser is built without torch)
 
     n_positions = family_config.n_positions
     tokenizer = load_gpt2_tokenizer()
