@@ -13,10 +13,9 @@ import contextlib
 import sys
 from typing import Callable, Iterator, TypeVar
 
-from zoo.errors import report_error
+from zoo.errors import USER_ERRORS, report_error
 from zoo.options import add_local_rank_argument
 
-USER_ERRORS = (ValueError, FileNotFoundError)
 USER_ERROR_EXIT_CODE = 2
 T = TypeVar("T")
 
@@ -44,7 +43,7 @@ def run_command(work: Callable[[], T], *, teardown: bool = True, return_code: bo
     try:
         with process_group_left_on_success() if teardown else contextlib.nullcontext():
             return work()
-    except USER_ERRORS as err:
+    except tuple(USER_ERRORS.values()) as err:
         report_error(err)
         if return_code:
             return USER_ERROR_EXIT_CODE
