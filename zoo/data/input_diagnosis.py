@@ -59,22 +59,6 @@ def loader_for(path: str) -> str:
     )
 
 
-def validated_inputs(inputs, workers: int) -> tuple[list[str], list[str]]:
-    """The input paths and their ``datasets`` loader names, with one-sentence errors."""
-    if isinstance(inputs, (str, os.PathLike)):
-        inputs = [inputs]
-    paths = [os.fspath(p) for p in inputs]
-    if not paths:
-        raise ValueError("no input files given; pass at least one --input FILE.")
-    for p in paths:
-        if not os.path.isfile(p):
-            raise FileNotFoundError(f"input file '{p}' does not exist; check the --input path.")
-    loaders = [loader_for(p) for p in paths]
-    if int(workers) < 1:
-        raise ValueError(f"workers={workers} is invalid; use at least 1.")
-    return paths, loaders
-
-
 def load_file_texts(path: str, loader: str, json_key: str, cache: str):
     """``path`` as a ``datasets.Dataset`` (Arrow files under ``cache``) with one string column "text".
 

@@ -13,7 +13,7 @@ GPT2_EOD_TOKEN_ID = 50256  # "<|endoftext|>", appended after every document
 def _load_fast_tokenizer(class_name: str, path, default: Path, needs: tuple[str, ...]):
     """``transformers.<class_name>.from_pretrained(path)``; a directory that cannot give one is refused
     with one sentence naming it (missing, a file, without the vocabulary files, or unreadable files)."""
-    import transformers
+    import transformers  # local: slow to import, and only loading a tokenizer needs it
 
     directory = Path(path) if path is not None else default
     files = " and ".join(needs)
