@@ -51,7 +51,7 @@ def _token_file(prefix, tokens, dtype=np.uint16):
     ("tensor_parallel_size", True, "'tensor_parallel_size' .* is true \\(a boolean\\) but must be an integer"),
     ("checkpoint_activations", "yes", "'checkpoint_activations' .* must be true or false"),
     ("model_overrides", [], "'model_overrides' .* is \\[\\] \\(a list\\) but must be a JSON object"),
-    ("data_path", 5, "'data_path' .* is 5 \\(an integer\\) but must be a string or null"),
+    ("data_path", 5, "'data_path' .* is 5 \\(an integer\\) but must be a string or a list of strings or null"),
     ("save_interval", -1, "save_interval = -1 must be 0 \\(never\\) or positive"),
     ("save", None, "save is None in the zoo block of .*; pass --save with the run directory"),
 ])

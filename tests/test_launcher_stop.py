@@ -298,14 +298,21 @@ def test_a_first_sigint_stops_the_loop_cleanly_and_a_second_interrupts():
 
 
 def test_a_stop_report_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, capsys):
-    from zoo.training.loop import LoopPlugins, LoopState, StopConditions, TrainingLoop
+    from zoo.training.loop import LoopState, StopConditions, TrainingLoop
 
     saved = []
-    plugins = LoopPlugins(total_iterations=10, samples_per_iteration=1, log_interval=1, micro_batches=None,
-                          forward=None, log=None, save=saved.append)
+
+    class RecordingCheckpointer:
+        def is_save_step(self, iteration: int) -> bool:
+            return False
+
+        def save(self, state: LoopState) -> None:
+            saved.append(state)
+
     monkeypatch.setenv("ZOO_STOP_REPORT", str(tmp_path / "missing" / "stop.json"))
     state = LoopState(iteration=5, stopped_by="signal SIGTERM")
-    TrainingLoop(None, None, plugins, StopConditions(), is_writer=True).maybe_save(state)
+    TrainingLoop(None, None, None, checkpointer=RecordingCheckpointer(), stop=StopConditions(),
+                 is_writer=True).maybe_save(state)
     assert saved == [state]
     assert ("warning: the checkpoint of iteration 5 is saved, but the stop report for zoo's launcher could not "
             "be written") in capsys.readouterr().err

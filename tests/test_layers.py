@@ -4,13 +4,15 @@ Every import counts, function-local ones included: a function-local upward impor
 only waits for the function to be called. The layers, lowest first (a package may import its own
 layer's package and any package of a lower layer; packages of one layer are independent):
 
-    zoo.atomic | zoo.dtypes | zoo.assets | zoo.errors | zoo.launcher_watch   (import nothing from zoo)
-    zoo.parallel | zoo.stop_report
+    zoo.atomic | zoo.dtypes | zoo.assets | zoo.errors | zoo.launcher_watch | zoo.options
+                                                                    (import nothing from zoo)
+    zoo.parallel | zoo.stop_report | zoo.safetensors_io
     zoo.distributed
     zoo.models | zoo.data
     zoo.checkpoint
     zoo.training | zoo.eval | zoo.inference
     zoo.finetune | zoo.smoke | zoo.launcher
+    zoo.cli                                      (every entry point's parse-and-run)
     scripts: launch/, finetune/, benchmarks/     (nothing in zoo imports them)
 
 The scripts in launch/ and finetune/ are shims: a docstring, imports of zoo, and one call under
@@ -27,13 +29,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[set[str]] = [
-    {"zoo.atomic", "zoo.dtypes", "zoo.assets", "zoo.errors", "zoo.launcher_watch"},
-    {"zoo.parallel", "zoo.stop_report"},
+    {"zoo.atomic", "zoo.dtypes", "zoo.assets", "zoo.errors", "zoo.launcher_watch", "zoo.options"},
+    {"zoo.parallel", "zoo.stop_report", "zoo.safetensors_io"},
     {"zoo.distributed"},
     {"zoo.models", "zoo.data"},
     {"zoo.checkpoint"},
     {"zoo.training", "zoo.eval", "zoo.inference"},
     {"zoo.finetune", "zoo.smoke", "zoo.launcher"},
+    {"zoo.cli"},
 ]
 
 

@@ -252,7 +252,7 @@ def test_the_cpu_formula_is_what_a_zoo_layer_saves_for_backward():
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        layer(x, None, True)
+        layer(x, None, causal=True)
     params = {p.untyped_storage().data_ptr() for p in layer.parameters()}
     measured = sum(n for ptr, n in saved.items() if ptr not in params)
     layer_norm_stats = 2 * 2 * s * b * 4

@@ -115,7 +115,12 @@ def encoded_in_order(encode: Callable, batches: Iterable, workers: int) -> Itera
 
     At most ``2 * workers + 1`` batches are read ahead. The processes are forked where the platform
     allows (the tokenizer is inherited, never pickled per batch) and always ended on return or error.
+    One worker, or a caller that is itself a daemonic process (which may not start children), encodes
+    in this process: the same batches in the same order, without the queues' copies.
     """
+    if int(workers) <= 1 or multiprocessing.current_process().daemon:
+        yield from (encode(batch) for batch in batches)
+        return
     context = multiprocessing.get_context("fork" if "fork" in multiprocessing.get_all_start_methods() else "spawn")
     tasks, results = context.Queue(), context.Queue()
     processes = [context.Process(target=_worker_loop, args=(encode, tasks, results), daemon=True)
