@@ -100,10 +100,10 @@ def rank_worker(workdir: Path, tp: int, rank: int, port: int, seq_length: int) -
     import torch
     import torch.distributed as dist
 
-    from zoo.models import GPT2LMHeadModel
-    from zoo.parallel import ParallelState
-    from zoo.models.families import param_groups
     from zoo.checkpoint.save import save_checkpoint
+    from zoo.models import GPT2LMHeadModel
+    from zoo.models.families import param_groups
+    from zoo.parallel import ParallelState
 
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(tp),
@@ -165,7 +165,7 @@ def run_ranks(workdir: Path, tp: int, seq_length: int) -> list[dict]:
                                str(port), str(seq_length)], cwd=REPO, env=child_env(), stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for rank in range(tp)]
     outputs = [proc.communicate() for proc in procs]
-    for proc, (out, err) in zip(procs, outputs):
+    for proc, (_, err) in zip(procs, outputs):
         if proc.returncode != 0:
             raise RuntimeError(f"a tp={tp} rank failed:\n{err[-4000:]}")
     return [json.loads(out.strip().splitlines()[-1]) for out, _ in outputs]

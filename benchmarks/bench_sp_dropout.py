@@ -31,6 +31,10 @@ import gzip
 import statistics
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 REPO = Path(__file__).resolve().parent.parent
 if str(REPO) not in sys.path:
@@ -41,7 +45,7 @@ FAULTS = ("none", "same-mask", "no-sp-dropout")
 
 
 # ---------------------------------------------------------------- data
-def corpus_batches(steps: int, batch: int, seq: int) -> "torch.Tensor":
+def corpus_batches(steps: int, batch: int, seq: int) -> torch.Tensor:
     """(steps, batch, seq) token ids: the bundled Wikipedia sample, GPT-2 tokenized, documents joined
     by <|endoftext|>, cut into consecutive sequences."""
     import json

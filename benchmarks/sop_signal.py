@@ -25,7 +25,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
 from bench_pretrain import print_table  # benchmarks/ is on sys.path when run as a script
 
 FEATURE_BUCKETS = 2 ** 18

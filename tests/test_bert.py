@@ -198,10 +198,9 @@ def _minilm_dir():
 def _minilm_worker(rank, world_size, directory):
     import transformers
 
+    from zoo.assets import BERT_TOKENIZER_DIR
     from zoo.models import BertModel
     from zoo.parallel import ParallelState
-
-    from zoo.assets import BERT_TOKENIZER_DIR
 
     tokenizer = transformers.BertTokenizerFast.from_pretrained(BERT_TOKENIZER_DIR)  # bundled vocab
     batch = tokenizer(["Megatron-LM splits every layer across GPUs.", "A short one."], padding=True,

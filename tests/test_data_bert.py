@@ -14,7 +14,14 @@ import numpy as np
 import pytest
 import torch
 
-from zoo.data import IndexedDataset, IndexedDatasetBuilder
+from zoo.data import (
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    default_bert_corpus_prefix,
+    load_bert_tokenizer,
+    preprocess_bert,
+    split_sentences,
+)
 from zoo.data.bert_dataset import (
     IGNORE_INDEX,
     BertDataset,
@@ -24,7 +31,6 @@ from zoo.data.bert_dataset import (
     truncate_pair,
     whole_words,
 )
-from zoo.data import default_bert_corpus_prefix, load_bert_tokenizer, preprocess_bert, split_sentences
 
 PAD, UNK, CLS, SEP, MASK = 0, 100, 101, 102, 103
 SEQ = 128

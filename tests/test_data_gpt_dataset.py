@@ -4,8 +4,13 @@ import numpy as np
 import pytest
 import torch
 
-from zoo.data import (DistributedPretrainingSampler, GPTDataset, IndexedDataset, IndexedDatasetBuilder,
-                      build_pretraining_dataloader)
+from zoo.data import (
+    DistributedPretrainingSampler,
+    GPTDataset,
+    IndexedDataset,
+    IndexedDatasetBuilder,
+    build_pretraining_dataloader,
+)
 from zoo.data.gpt_dataset import shut_down_workers, split_document_ranges
 
 SEQ = 8

@@ -76,7 +76,6 @@ def _save_tp2_zero_checkpoint(rank, world_size, directory):
                                                                  Path(directory) / "zero_to_torch.py"]
     dist.barrier()
     engine.load_checkpoint(directory, tag="iter_0000001")             # DeepSpeed's resume still reads it
-    import torch
 
     from zoo.checkpoint.safe_load import safe_torch_load  # the loader zoo itself reads states with
     states = safe_torch_load(model_states_path(tag, ps.tp_rank), mmap=False)

@@ -35,9 +35,9 @@ def evaluate_all(model, raw_text, texts, tokenizer, ps) -> dict:
 def _grid_worker(rank, world_size, hf_dir, wiki_path, lambada_path):
     from zoo.data import load_gpt2_tokenizer
     from zoo.eval import read_lambada, read_wikitext
-    from zoo.parallel.argmax import vocab_parallel_argmax
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState, pad_vocab_size
+    from zoo.parallel.argmax import vocab_parallel_argmax
 
     tokenizer = load_gpt2_tokenizer()
     raw_text, texts = read_wikitext(wiki_path), read_lambada(lambada_path)

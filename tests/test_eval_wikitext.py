@@ -58,7 +58,7 @@ def tiny_hf_gpt2(seed: int = 0, n_positions: int = 64):
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3)
     model = transformers.GPT2LMHeadModel(config).eval()
     with torch.no_grad():   # biases and LayerNorms start at 0/1: randomise them so every parameter matters
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
     return model

@@ -58,7 +58,7 @@ def hf_gpt2_dir(tmp_path_factory):
     model = transformers.GPT2LMHeadModel(tiny_hf_config())
     # Biases and LayerNorms are 0/1 at init; randomise them so the test sees every parameter.
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        for param in model.parameters():
             if param.dim() == 1:
                 param.add_(torch.randn_like(param) * 0.1)
     path = tmp_path_factory.mktemp("hf_gpt2")

@@ -15,9 +15,9 @@ import stat
 from pathlib import Path
 
 import pytest
+import torch
 
 from tests.checks import launch_script, one_error_line
-import torch
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -23,7 +23,6 @@ from tests.test_pretrain import TINY_MODEL, run_config
 from tests.test_pretrain import ds_config as _ds_config
 
 
-
 def _one_sentence(message: str) -> str:
     assert "\n" not in message, f"not one sentence: {message!r}"
     assert message.rstrip().endswith("."), f"not a sentence: {message!r}"

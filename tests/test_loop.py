@@ -26,8 +26,13 @@ import torch.distributed as dist
 import zoo.training.resume as resume
 from tests.spawn import spawn
 from tests.test_pretrain import corpus_prefix, run_config  # noqa: F401 - the module-scoped corpus fixture
-from zoo.distributed import (WAIT_MARGIN, directory_bytes, first_rank_timeout, ranks_that_did_not_arrive,
-                             run_on_first_rank)
+from zoo.distributed import (
+    WAIT_MARGIN,
+    directory_bytes,
+    first_rank_timeout,
+    ranks_that_did_not_arrive,
+    run_on_first_rank,
+)
 from zoo.parallel import ParallelState
 from zoo.training.loop import StopConditions, TrainingLoop
 from zoo.training.pretrain import pretrain

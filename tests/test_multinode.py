@@ -16,8 +16,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_zero import (ITERS, MODEL, PARITY, REPO, assert_matches, deepspeed_cmd, launcher_env,
-                             one_node_launch, train_events)
+from tests.test_zero import (
+    ITERS,
+    MODEL,
+    PARITY,
+    REPO,
+    assert_matches,
+    deepspeed_cmd,
+    launcher_env,
+    one_node_launch,
+    train_events,
+)
 
 
 def two_node_config(path: Path) -> None:

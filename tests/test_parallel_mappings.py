@@ -62,8 +62,13 @@ class _Counter:
 
 
 def _mapping_worker(rank, world_size):
-    from zoo.parallel import (ParallelState, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
-                              scatter_to_tp_region)
+    from zoo.parallel import (
+        ParallelState,
+        copy_to_tp_region,
+        gather_from_tp_region,
+        reduce_from_tp_region,
+        scatter_to_tp_region,
+    )
 
     results = {}
     for tp in (2, 4):
@@ -151,8 +156,13 @@ def test_mapping_collectives(mapping_results, tp):
 def test_mappings_are_identity_without_tp(monkeypatch, single):
     import torch.distributed as dist
 
-    from zoo.parallel import (ParallelState, copy_to_tp_region, gather_from_tp_region, reduce_from_tp_region,
-                              scatter_to_tp_region)
+    from zoo.parallel import (
+        ParallelState,
+        copy_to_tp_region,
+        gather_from_tp_region,
+        reduce_from_tp_region,
+        scatter_to_tp_region,
+    )
 
     def no_collective(*args, **kwargs):
         raise AssertionError("a collective was issued at tp = 1")

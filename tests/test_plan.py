@@ -10,8 +10,17 @@ import pytest
 
 from tests.spawn import spawn
 from zoo.cli.plan import main
-from zoo.training.planner import (activation_bytes, attention_scores_bytes, deepspeed_estimate, layer_activation_bytes,
-                                  output_activation_bytes, parse_memory, peak_tflops_of, plan, state_bytes)
+from zoo.training.planner import (
+    activation_bytes,
+    attention_scores_bytes,
+    deepspeed_estimate,
+    layer_activation_bytes,
+    output_activation_bytes,
+    parse_memory,
+    peak_tflops_of,
+    plan,
+    state_bytes,
+)
 
 REPO = Path(__file__).resolve().parent.parent
 # Shoeybi et al. 2019, Table 1: tp degree -> parameters (billions), all trained on 32 GB V100s.
@@ -58,7 +67,7 @@ def test_json_fields_add_up(capsys):
     assert fields["activations"] == pytest.approx(fields["activations_layers"] + fields["activations_output"], abs=1)
     assert fields["fits"] is True and fields["margin"] == fields["memory"] - fields["total"]
     # Megatron's formula with recomputation: 96 B s l h^2 (1 + s/(6h) + V/(16 l h)), over 8 V100s at 40 % MFU.
-    B, s, l, h, V = 512, 1024, 72, 3072, 51200
+    B, s, l, h, V = 512, 1024, 72, 3072, 51200  # noqa: E741 (the formula's own symbols)
     flops = 96 * B * s * l * h ** 2 * (1 + s / (6 * h) + V / (16 * l * h))
     assert fields["flops_per_iteration"] == pytest.approx(flops, rel=1e-12)
     assert fields["seconds_per_iteration"] == pytest.approx(flops / (8 * 125e12 * 0.4), rel=1e-12)
@@ -305,4 +314,4 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, capsys, case, extra, mes
         main(["--deepspeed_config", _config(tmp_path, **block), *extra])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert err.startswith(f"error: ") and message in err and err.count("\n") == 1, err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err

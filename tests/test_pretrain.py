@@ -122,9 +122,9 @@ def _fp16_worker(rank, world_size):
     from deepspeed.accelerator import get_accelerator
 
     from zoo.models import GPT2LMHeadModel, gpt2_config
+    from zoo.models.families import param_groups
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.training.grad_norm import current_loss_scale
-    from zoo.models.families import param_groups
 
     # DeepSpeed refuses fp16 on this CPU by a capability check (no native fp16 units), although torch
     # computes fp16 on CPU. Overriding the check runs DeepSpeed's real FP16_Optimizer with dynamic loss
@@ -379,8 +379,8 @@ def _pretrained_worker(rank, world_size, data_path, hf_dir, save):
     from deepspeed.accelerator import get_accelerator
 
     from zoo.models import GPT2LMHeadModel, gpt2_config
-    from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.models.families import param_groups
+    from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.training.engine import fp32_master_weight_error, refresh_fp32_master_weights
     from zoo.training.pretrain import pretrain
 
@@ -435,8 +435,8 @@ def test_pretraining_starts_from_a_transformers_directory_at_tp2(corpus_prefix, 
 
 def test_pretrained_of_another_family_is_one_sentence(tmp_path):
     from zoo.models import BertConfig
-    from zoo.training.families import pretrained_model
     from zoo.models.presets import gpt2_config
+    from zoo.training.families import pretrained_model
 
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps(BertConfig(hidden_size=64).to_hf_dict("ForPreTraining")))

@@ -118,8 +118,7 @@ def synthetic_checkpoint(tag_dir: Path, tp: int, kind: str) -> dict[str, dict[st
     """A tp-sharded checkpoint in DeepSpeed's file layout with random weights, Adam moments and fp32 masters
     (zero in the vocab padding, as training leaves them) in the optimizer layout ``kind``; returns the
     masters (zoo layout, padded at tp) of each of them, by parameter name."""
-    from zoo.checkpoint.layout import layout_model
-    from zoo.checkpoint.layout import optimizer_groups
+    from zoo.checkpoint.layout import layout_model, optimizer_groups
     from zoo.checkpoint.reshard import flatten
     from zoo.models import GPT2Config
     from zoo.parallel import is_tensor_parallel

@@ -29,8 +29,7 @@ from pathlib import Path
 import pytest
 
 from tests.spawn import free_port, spawn
-from tests.test_pretrain import (TINY_MODEL, _single_process_env, corpus_prefix, ds_config, run_config,  # noqa: F401
-                                 train_events)
+from tests.test_pretrain import TINY_MODEL, _single_process_env, corpus_prefix, ds_config, run_config, train_events  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -23,9 +23,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from tests import test_bert
 from tests.checks import float64_grad_errors, layer_scaled_grad_errors, record_collectives, rel_err, tolerance_failures
 from tests.spawn import spawn
-from tests import test_bert
 from tests.test_bert import bert_parity_errors, hf_grads, make_hf_bert, zoo_grads
 from tests.test_gpt2 import causal_lm_loss, tiny_hf_config, tiny_zoo_config
 

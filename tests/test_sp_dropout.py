@@ -27,8 +27,6 @@ SP masks are equal and that test fails.
 
 from __future__ import annotations
 
-import statistics
-
 import pytest
 import torch
 

@@ -85,13 +85,13 @@ def test_an_override_replaces_a_grid_and_a_literal_command_flag(bert_dir, tmp_pa
     """However the file sets a value (a values: grid under the underscore spelling, a flag of its command:),
     the override is the one value every run gets."""
     sweep = tmp_path / "sweep.yaml"
-    sweep.write_text(f"""name: pairs
+    sweep.write_text("""name: pairs
 program: finetune/qqp.py
-metric: {{name: best/dev/accuracy, goal: maximize}}
-command: ["${{env}}", deepspeed, "${{program}}", --pretrained, elsewhere, --max-seq-length=32, "${{args}}"]
+metric: {name: best/dev/accuracy, goal: maximize}
+command: ["${env}", deepspeed, "${program}", --pretrained, elsewhere, --max-seq-length=32, "${args}"]
 parameters:
-  data_dir: {{values: [a, b]}}
-  seed: {{values: [1, 2]}}
+  data_dir: {values: [a, b]}
+  seed: {values: [1, 2]}
 """)
     data = tmp_path / "corpus.jsonl.gz"   # a task may read one file (the demo's corpus)
     data.write_bytes(b"")

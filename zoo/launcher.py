@@ -59,7 +59,7 @@ from pathlib import Path
 from zoo.launcher_watch import LAUNCHER_PID_VARIABLE, command_line, parent_of
 from zoo.stop_report import STOP_REPORT_VARIABLE, read_stop_report
 
-__all__ = ["main", "run", "wait_for_job", "stopped_cleanly", "STOPPED_AND_CHECKPOINTED", "ORPHAN_GRACE_S"]
+__all__ = ["run", "wait_for_job", "stopped_cleanly", "STOPPED_AND_CHECKPOINTED", "ORPHAN_GRACE_S"]
 
 STOPPED_AND_CHECKPOINTED = 75          # EX_TEMPFAIL: stopped early, checkpointed; run it again to go on
 PR_SET_CHILD_SUBREAPER = 36

@@ -23,7 +23,8 @@ import json
 import os
 import types
 import typing
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 # The --help groups, in Megatron's order, each with its one-line description.
 GROUPS: dict[str, str] = {

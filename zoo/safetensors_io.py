@@ -15,8 +15,9 @@ from __future__ import annotations
 import json
 import shutil
 import struct
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
-from typing import Callable, Iterable, Protocol, Sequence
+from typing import Protocol
 
 import torch
 

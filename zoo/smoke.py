@@ -42,8 +42,7 @@ import transformers
 from zoo.assets import GPT2_TOKENIZER_DIR
 from zoo.data import preprocess_bert
 from zoo.data.preprocess import BUNDLED_CORPUS
-from zoo.distributed import join_process_group, process_group_left_on_success
-from zoo.errors import report_error
+from zoo.distributed import join_process_group
 from zoo.inference import GenerationConfig, generate
 from zoo.models import GPT2LMHeadModel
 from zoo.models import gpt2_config as preset_config
@@ -53,7 +52,7 @@ from zoo.training.families import forward_with_metrics
 from zoo.training.grad_norm import current_loss_scale
 from zoo.training.loop import LoopState, TrainingLoop, setup_engine
 from zoo.training.metrics import megatron_flops_per_iteration
-from zoo.training.planner import peak_tflops_of   # the one table of GPU peaks (zoo.training.planner.GPUS)
+from zoo.training.planner import peak_tflops_of  # the one table of GPU peaks (zoo.training.planner.GPUS)
 from zoo.training.pretrain import pretrain
 from zoo.training.run_config import RunConfig, validate_static
 
@@ -89,23 +88,6 @@ class Smoke:
         return ok
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description="zoo's acceptance run on the launched devices.")
-    parser.add_argument("--model", default="gpt2-tiny", help="GPT-2 preset (default gpt2-tiny)")
-    parser.add_argument("--bert-model", default="bert-tiny", help="BERT preset of the BERT step (default bert-tiny)")
-    parser.add_argument("--tensor-parallel-size", type=int, default=None, help="default: every launched rank")
-    parser.add_argument("--seq-length", type=int, default=32)
-    parser.add_argument("--bert-seq-length", type=int, default=None,
-                        help="sequence length of the BERT step (default: --seq-length, capped at the BERT preset's "
-                             "positions, 512 for the paper's sizes)")
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=10, help="training steps per precision")
-    parser.add_argument("--lr", type=float, default=3e-4)
-    parser.add_argument("--seed", type=int, default=1234)
-    parser.add_argument("--local_rank", type=int, default=None, help="set by the deepspeed launcher")
-    return parser.parse_args(argv)
-
-
 def validate(args: argparse.Namespace) -> None:
     """The same ValueError on every rank, before any collective."""
     if args.model not in GPT2_PRESETS:
@@ -131,7 +113,7 @@ def validate(args: argparse.Namespace) -> None:
 
 def setup(args: argparse.Namespace) -> Smoke:
     """Join the launcher's group as every zoo job does (on this rank's device), then the TP x DP grid."""
-    from deepspeed.accelerator import get_accelerator   # local: DeepSpeed costs seconds to import
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
 
 
     local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
@@ -218,7 +200,7 @@ def train_batch(smoke: Smoke, vocab_size: int) -> torch.Tensor:
 
 @contextmanager
 def timed(smoke: Smoke, seconds: list[float]):
-    from deepspeed.accelerator import get_accelerator   # local: DeepSpeed costs seconds to import
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
 
     get_accelerator().synchronize()
     start = time.perf_counter()
@@ -286,7 +268,7 @@ def dynamic_loss_scaling(optimizer) -> bool:
 
 def check_training(smoke: Smoke, precision: str, ids: torch.Tensor):
     """(passed, engine, seconds per step), or None when the accelerator lacks the precision."""
-    from deepspeed.accelerator import get_accelerator   # local: DeepSpeed costs seconds to import
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
 
 
     supported = get_accelerator().is_fp16_supported() if precision == "fp16" else get_accelerator().is_bf16_supported()
@@ -457,20 +439,3 @@ def run(smoke: Smoke) -> bool:
     results.append(check_loss_scale(smoke))
     results.append(check_bert(smoke))
     return all(results)
-
-
-def main(argv=None) -> int:
-    """Exit status: 0 when every check passed on every rank, 1 otherwise, 2 for a bad flag."""
-    args = parse_args(argv)
-    with process_group_left_on_success():
-        try:
-            validate(args)
-            smoke = setup(args)
-        except (ValueError, FileNotFoundError) as err:
-            report_error(err)
-            return 2
-        smoke.say(f"smoke: {dist.get_world_size()} ranks on {smoke.device}, tp={smoke.parallel.tp_size} "
-                  f"dp={smoke.parallel.dp_size}, {smoke.args.model} + {smoke.args.bert_model}")
-        ok = run(smoke)
-        smoke.say("smoke: all checks passed" if ok else "smoke: FAILED")
-        return 0 if ok else 1

@@ -25,28 +25,37 @@ One process does it, whatever number of processes trained the model. The exporte
 
 from __future__ import annotations
 
-import argparse
-import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 
-from zoo.checkpoint.files import (check_rank_files, model_states_path, read_model_states, tag_directory,
-                                  tp_size_of_states)
+from zoo.checkpoint.files import (
+    check_rank_files,
+    model_states_path,
+    read_model_states,
+    tag_directory,
+    tp_size_of_states,
+)
 from zoo.checkpoint.layout import check_layout, checked_layout_model, embedding_key, recover_config
 from zoo.checkpoint.mapped_pages import mapped_ranges, release_pages
-from zoo.dtypes import add_dtype_argument, torch_dtype
-from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, HFParam, OutputTensor, check_pretrained_target, hf_params,
-                              hf_rows, local_block, output_tensors, stream_pretrained)
+from zoo.models.hf_io import (
+    DEFAULT_MAX_SHARD_SIZE,
+    HFParam,
+    OutputTensor,
+    check_pretrained_target,
+    hf_params,
+    hf_rows,
+    local_block,
+    output_tensors,
+    stream_pretrained,
+)
 from zoo.models.pretrained import tokenizer_files, with_dtype
 from zoo.parallel.partition import partition_specs
 from zoo.parallel.state import ParallelState
-from zoo.errors import report_error
 
-__all__ = ["ExportResult", "export_checkpoint", "main", "merged_hf_state", "merged_master"]
-
+__all__ = ["ExportResult", "export_checkpoint", "merged_hf_state", "merged_master"]
 
 
 @dataclass(frozen=True)
@@ -154,29 +163,3 @@ def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None,
         raise error
     return ExportResult(out=Path(out), tag_dir=tag_dir, tp_size=tp_size, dtype=out_dtype, config_source=source,
                         model_type=config.model_type)
-
-
-# --------------------------------------------------------------------------- CLI
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Export a zoo DeepSpeed checkpoint (GPT-2 or BERT, any tp "
-                                                 "degree) to a transformers directory, in one process.")
-    parser.add_argument("--load", required=True, help="run directory written with --save, or its checkpoints/")
-    parser.add_argument("--tag", default=None, help="checkpoint tag (default: the one named in 'latest')")
-    parser.add_argument("--out", required=True,
-                        help="output directory: new, empty, or a previous export (replaced atomically)")
-    add_dtype_argument(parser, None, "dtype of the written weights (default: the checkpoint's)")
-    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE,
-                        help="split the weights into indexed shards above this size, e.g. 2GB")
-    return parser
-
-
-def main(argv: list[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    size = int(args.max_shard_size) if str(args.max_shard_size).isdigit() else args.max_shard_size
-    try:
-        result = export_checkpoint(args.load, args.out, args.tag, torch_dtype(args.dtype), size)
-    except (ValueError, FileNotFoundError) as err:
-        report_error(err)
-        sys.exit(2)
-    print(f"exported {result.tag_dir} (tp={result.tp_size}) to {result.out} as model_type {result.model_type!r} in "
-          f"{str(result.dtype).replace('torch.', '')}; model config from {result.config_source}")

@@ -20,8 +20,8 @@ import mmap
 import os
 import sys
 import zipfile
+from collections.abc import Iterable
 from pathlib import Path
-from typing import Iterable
 
 import torch
 

@@ -42,11 +42,21 @@ from typing import Any
 import torch
 
 from zoo.atomic import check_output_directory, staged_directory
-from zoo.checkpoint.files import (MODEL_STATES, MODEL_STATES_RE, check_rank_files,
-                                  model_states_path, read_model_states, tp_size_of_states)
+from zoo.checkpoint.files import (
+    MODEL_STATES,
+    MODEL_STATES_RE,
+    check_rank_files,
+    model_states_path,
+    read_model_states,
+    tp_size_of_states,
+)
 from zoo.checkpoint.layout import check_layout, checked_layout_model, optimizer_groups, recover_config
-from zoo.checkpoint.zero_reshard import (OPTIM_STATES_RE, check_reshardable_zero_config, partition_files,
-                                         write_zero_resharded)
+from zoo.checkpoint.zero_reshard import (
+    OPTIM_STATES_RE,
+    check_reshardable_zero_config,
+    partition_files,
+    write_zero_resharded,
+)
 from zoo.parallel.partition import partition_specs
 
 RESHARDED_SUBDIR = "resharded"

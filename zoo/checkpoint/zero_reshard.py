@@ -148,7 +148,7 @@ def merged_tp_rank(partitions: list[dict[str, Any]], groups: list[list[tuple[str
         scalars.append({})
         total = sum(shape.numel() for _, shape in group)
         flats: dict[str, list[torch.Tensor]] = {key: [] for key in by_state}
-        for partition, path in zip(partitions, paths):
+        for partition in partitions:
             optimizer = partition[OPTIMIZER]
             state = optimizer[BASE]["state"][optimizer[BASE]["param_groups"][g]["params"][0]]
             padded = state["exp_avg"].numel()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from zoo.atomic import atomic_file, check_writable_directory

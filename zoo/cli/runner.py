@@ -11,7 +11,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import sys
-from typing import Callable, Iterator, TypeVar
+from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from zoo.errors import USER_ERRORS, report_error
 from zoo.options import add_local_rank_argument

@@ -19,8 +19,13 @@ from zoo.data.indexed_dataset import (
     index_file_path,
 )
 from zoo.data.preprocess import PreprocessSummary, default_cache_dir, default_corpus_prefix, preprocess
-from zoo.data.tokenizers import (BERT_TOKENIZER_DIR, GPT2_EOD_TOKEN_ID, GPT2_TOKENIZER_DIR, load_bert_tokenizer,
-                                 load_gpt2_tokenizer)
+from zoo.data.tokenizers import (
+    BERT_TOKENIZER_DIR,
+    GPT2_EOD_TOKEN_ID,
+    GPT2_TOKENIZER_DIR,
+    load_bert_tokenizer,
+    load_gpt2_tokenizer,
+)
 
 __all__ = [
     "BERT_TOKENIZER_DIR",

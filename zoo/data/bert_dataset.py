@@ -37,8 +37,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 import torch
@@ -74,7 +74,7 @@ class WordPieceVocab:
     random_ids: np.ndarray
 
     @classmethod
-    def from_tokenizer(cls, tokenizer) -> "WordPieceVocab":
+    def from_tokenizer(cls, tokenizer) -> WordPieceVocab:
         vocab = tokenizer.get_vocab()
         size = len(tokenizer)
         is_continuation = np.zeros(size, dtype=bool)

@@ -27,15 +27,14 @@ import functools
 import itertools
 import os
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 import numpy as np
 
 from zoo.assets import BUNDLED_CORPUS
 from zoo.data.preprocess_pipeline import PreprocessSummary, cached_corpus_prefix
 from zoo.data.tokenizers import load_bert_tokenizer
-
 
 # Words that end in "." without ending the sentence (compared lower-cased, without the final ".").
 _ABBREVIATIONS = frozenset(

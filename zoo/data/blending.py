@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 import torch

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 import signal
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 import numpy as np
 import torch

@@ -377,7 +377,7 @@ class IndexedDatasetBuilder:
                 Path(tmp).unlink(missing_ok=True)
         self._done = True
 
-    def __enter__(self) -> "IndexedDatasetBuilder":
+    def __enter__(self) -> IndexedDatasetBuilder:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

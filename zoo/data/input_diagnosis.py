@@ -30,6 +30,7 @@ import warnings
 import zlib
 from collections import Counter
 from contextlib import contextmanager
+
 import datasets
 import pyarrow as pa
 import pyarrow.compute as pc

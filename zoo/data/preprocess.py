@@ -14,14 +14,18 @@ import argparse
 import functools
 import itertools
 import os
-from typing import Sequence
+from collections.abc import Sequence
 
 import numpy as np
 
 from zoo.assets import BUNDLED_CORPUS
 from zoo.data.bert_preprocess import preprocess_bert
-from zoo.data.preprocess_pipeline import (PreprocessSummary, SkippedDocumentsWarning, cached_corpus_prefix,
-                                          default_cache_dir)
+from zoo.data.preprocess_pipeline import (
+    PreprocessSummary,
+    SkippedDocumentsWarning,
+    cached_corpus_prefix,
+    default_cache_dir,
+)
 from zoo.data.tokenizers import load_bert_tokenizer, load_gpt2_tokenizer
 
 __all__ = ["BUNDLED_CORPUS", "PreprocessSummary", "SkippedDocumentsWarning", "add_preprocess_arguments",

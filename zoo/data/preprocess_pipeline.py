@@ -18,10 +18,10 @@ import multiprocessing
 import os
 import queue
 import tempfile
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
 
 from tqdm.auto import tqdm
 

@@ -14,17 +14,16 @@ import itertools
 import os
 import time
 import warnings
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import ExitStack, closing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
 
 import datasets
 import pyarrow as pa
 
 from zoo.data.input_diagnosis import ARROW_BATCH_ROWS, load_file_texts, loader_for
-from zoo.data.preprocess_pipeline import (SkippedDocumentsWarning, encoded_in_order, scratch_directory,
-                                          write_encoded)
+from zoo.data.preprocess_pipeline import SkippedDocumentsWarning, encoded_in_order, scratch_directory, write_encoded
 
 HUB_PREFIX = "hub:"
 

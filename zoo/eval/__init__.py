@@ -8,8 +8,15 @@ tokenizer; they are collective over the tp x dp grid. ``zoo.eval.runner`` is the
 
 from zoo.eval.lambada import LambadaExample, LambadaResult, build_example, evaluate_lambada, split_last_word
 from zoo.eval.sources import read_lambada, read_wikitext
-from zoo.eval.wikitext import (Window, WikitextResult, count_original_tokens, evaluate_wikitext, plan_windows,
-                               validate_window, wikitext_detokenize)
+from zoo.eval.wikitext import (
+                               WikitextResult,
+                               Window,
+                               count_original_tokens,
+                               evaluate_wikitext,
+                               plan_windows,
+                               validate_window,
+                               wikitext_detokenize,
+)
 
 __all__ = [
     "LambadaExample", "LambadaResult", "Window", "WikitextResult", "build_example", "count_original_tokens",

@@ -26,8 +26,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 from zoo.distributed import dp_block, dp_sum
-from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.eval.wikitext import model_device
+from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.parallel.state import ParallelState
 
 

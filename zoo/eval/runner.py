@@ -23,8 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import check_writable_directory
-from zoo.distributed import (directory_bytes, join_process_group, launched_distributed, run_on_first_rank,
-                             single_device)
+from zoo.distributed import directory_bytes, join_process_group, launched_distributed, run_on_first_rank, single_device
 from zoo.dtypes import torch_dtype
 
 

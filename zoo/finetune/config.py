@@ -14,8 +14,15 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from zoo.options import (add_deepspeed_config_argument, add_options, block_keys, check_block_keys, check_types,
-                         merged_settings, option)
+from zoo.options import (
+    add_deepspeed_config_argument,
+    add_options,
+    block_keys,
+    check_block_keys,
+    check_types,
+    merged_settings,
+    option,
+)
 from zoo.training.run_config import check_ds_config, read_ds_config
 
 # The paper's Table 6 grid uses these defaults' neighbourhood; a single run gets sensible ones.

@@ -33,8 +33,8 @@ import json
 import os
 import random
 import re
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from zoo.atomic import write_text_atomic
 from zoo.finetune.examples import PairExample

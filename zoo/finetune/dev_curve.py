@@ -8,8 +8,9 @@ stays on that line has learned nothing the label counts do not give.
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 from zoo.training.metrics import save_figure
 

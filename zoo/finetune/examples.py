@@ -4,8 +4,8 @@ layouts (:mod:`zoo.finetune.hub_layouts`) both import, so that neither imports t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from zoo.finetune.skips import SkippedExamples
 

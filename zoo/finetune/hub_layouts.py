@@ -34,8 +34,14 @@ from pathlib import Path
 
 import datasets
 
-from zoo.finetune.examples import (PairExample, RaceExample, SquadExample, make_race_example, make_squad_example,
-                                   over_long)
+from zoo.finetune.examples import (
+    PairExample,
+    RaceExample,
+    SquadExample,
+    make_race_example,
+    make_squad_example,
+    over_long,
+)
 from zoo.finetune.hub_names import HUB_PREFIX, TASK_EXAMPLES, is_hub_name, split_hub_name
 from zoo.finetune.skips import SkippedExamples
 

@@ -19,7 +19,6 @@ run's ``metrics.jsonl`` or ``results.json``, is refused before the model is read
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
@@ -31,9 +30,8 @@ from typing import Any
 import torch.distributed as dist
 
 from zoo.data.tokenizers import load_bert_tokenizer
-from zoo.distributed import host_group, process_group_left_on_success, raise_on_any_rank, single_process_env
-from zoo.errors import report_error
-from zoo.finetune.config import FinetuneConfig, deepspeed_dict, parse_args
+from zoo.distributed import host_group, raise_on_any_rank
+from zoo.finetune.config import FinetuneConfig, deepspeed_dict
 from zoo.finetune.dev_curve import DEV_CURVE_FILE, baseline_metric, plot_dev_curve
 from zoo.finetune.task_evaluation import BestTracker, DevValidator, write_file
 from zoo.finetune.task_training import FinetuneTask
@@ -45,7 +43,7 @@ from zoo.training.loop import LoopState, TrainingLoop, setup_engine
 from zoo.training.metrics import MetricsLogger, plot_loss
 from zoo.training.run_directory import claim_finetuning_directory
 
-__all__ = ["finetune", "main", "check_inputs_fit", "print_baseline_comparison"]
+__all__ = ["finetune", "check_inputs_fit", "print_baseline_comparison"]
 
 
 def check_inputs_fit(config: FinetuneConfig, model_config, tokenizer, tokenizer_source) -> None:
@@ -180,17 +178,3 @@ def print_wandb_location() -> None:
         run_dir = Path(run.dir).parent   # run.dir is the run's files/ folder
         print(f"W&B run directory: {run_dir}" + (f" (offline; upload with `wandb sync {run_dir}`)" if run.offline
                                                  else ""), flush=True)
-
-
-def main(task: str, argv=None, leave_process_group: bool = True) -> None:
-    """Entry point of ``finetune/<task>.py``: user errors print one sentence and exit with code 2. A
-    process group the run creates is destroyed after it succeeds, unless ``leave_process_group`` is False
-    (an in-process sweep keeps one group for all its runs)."""
-    single_process_env()
-    try:
-        config = parse_args(task, argv)
-        with process_group_left_on_success() if leave_process_group else contextlib.nullcontext():
-            finetune(config)
-    except (ValueError, FileNotFoundError) as err:
-        report_error(err)
-        sys.exit(2)

@@ -45,9 +45,10 @@ import os
 import re
 import string
 from collections import Counter
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any
 
 from zoo.finetune.skips import SkippedExamples
 

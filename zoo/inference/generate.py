@@ -32,8 +32,8 @@ import torch.distributed as dist
 
 from zoo.data.tokenizers import GPT2_EOD_TOKEN_ID
 from zoo.distributed import dp_block
-from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.inference.sampling import check_sampling_settings, filter_logits, sample
+from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.parallel.state import ParallelState, as_state
 
 FINISH_EOD = "eod"            # produced the end-of-document token
@@ -63,7 +63,7 @@ class GenerationConfig:
         """Fed to (and filling) finished sequences and left of short prompts: EOD if the model has it."""
         return self.eod_token_id if self.eod_token_id is not None and self.eod_token_id < vocab_size else 0
 
-    def validate(self) -> "GenerationConfig":
+    def validate(self) -> GenerationConfig:
         """Refuse impossible settings with one sentence naming the value and the fix."""
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, Integral) \
                 or self.max_new_tokens < 1:

@@ -15,8 +15,11 @@ from zoo.models.pretrained import HFPretrainedMixin
 from zoo.models.transformer import TransformerLayer, attention_bias, lm_loss, region_dropout, run_layers
 from zoo.parallel import VocabParallelEmbedding, gather_from_tp_region, mark_tensor_parallel, scaled_init_std
 from zoo.parallel.layers import SequenceParallelLayerNorm, mark_sequence_parallel, uses_sequence_parallel
-from zoo.parallel.mappings import (all_reduce_grads_of_replicated, gather_from_sequence_parallel_region,
-                                   scatter_to_sequence_parallel_region)
+from zoo.parallel.mappings import (
+    all_reduce_grads_of_replicated,
+    gather_from_sequence_parallel_region,
+    scatter_to_sequence_parallel_region,
+)
 from zoo.parallel.partition import PartitionSpec
 from zoo.parallel.state import ParallelState, as_state
 

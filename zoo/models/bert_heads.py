@@ -20,8 +20,11 @@ import os
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.modeling_outputs import (MultipleChoiceModelOutput, QuestionAnsweringModelOutput,
-                                           SequenceClassifierOutput)
+from transformers.modeling_outputs import (
+    MultipleChoiceModelOutput,
+    QuestionAnsweringModelOutput,
+    SequenceClassifierOutput,
+)
 
 from zoo.models.bert import BertModel, _BertCheckpoints, at_least_fp32, init_head_params
 from zoo.models.config import BertConfig

@@ -92,7 +92,7 @@ class GPT2Config:
     def padded_vocab_size(self, tp_size: int) -> int:
         return pad_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
 
-    def validate(self, tp_size: int = 1) -> "GPT2Config":
+    def validate(self, tp_size: int = 1) -> GPT2Config:
         """Refuse impossible shapes with one sentence naming the numbers and the fix."""
         check_field_values(self, GPT2_SHAPE_FIELDS, GPT2_PROBABILITY_FIELDS, "GPT-2 config")
         validate_tp_shapes(self.n_embd, self.n_head, self.ffn_hidden_size, tp_size,
@@ -109,7 +109,7 @@ class GPT2Config:
 
     # ---------------------------------------------------------------- HF config.json
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "GPT2Config":
+    def from_dict(cls, values: dict[str, Any]) -> GPT2Config:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
         known = {k: v for k, v in values.items() if k in names}
         extra = {k: v for k, v in values.items() if k not in names}
@@ -123,7 +123,7 @@ class GPT2Config:
         return {**passthrough, **values, "model_type": self.model_type,
                 "architectures": ["GPT2LMHeadModel"], "tie_word_embeddings": True}
 
-    def replace(self, **changes) -> "GPT2Config":
+    def replace(self, **changes) -> GPT2Config:
         return dataclasses.replace(self, **changes)
 
 
@@ -174,7 +174,7 @@ class BertConfig:
     def padded_vocab_size(self, tp_size: int) -> int:
         return pad_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
 
-    def validate(self, tp_size: int = 1) -> "BertConfig":
+    def validate(self, tp_size: int = 1) -> BertConfig:
         check_field_values(self, BERT_SHAPE_FIELDS, BERT_PROBABILITY_FIELDS, "BERT config")
         validate_tp_shapes(self.hidden_size, self.num_attention_heads, self.ffn_hidden_size, tp_size,
                            hidden_name="hidden_size", heads_name="num_attention_heads")
@@ -188,7 +188,7 @@ class BertConfig:
         return self
 
     @classmethod
-    def from_dict(cls, values: dict[str, Any]) -> "BertConfig":
+    def from_dict(cls, values: dict[str, Any]) -> BertConfig:
         names = {f.name for f in dataclasses.fields(cls)} - {"extra", "pre_norm"}
         known = {k: v for k, v in values.items() if k in names}
         extra = {k: v for k, v in values.items() if k not in names}
@@ -208,7 +208,7 @@ class BertConfig:
         return {**passthrough, **values, "model_type": self.model_type,
                 "architectures": [prefix + architecture], "tie_word_embeddings": True}
 
-    def replace(self, **changes) -> "BertConfig":
+    def replace(self, **changes) -> BertConfig:
         return dataclasses.replace(self, **changes)
 
 

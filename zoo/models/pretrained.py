@@ -21,9 +21,19 @@ import torch
 
 from zoo.assets import ASSETS_DIR
 from zoo.models.config import check_hf_config_values
-from zoo.models.hf_io import (DEFAULT_MAX_SHARD_SIZE, CheckpointFiles, HFParam, check_max_shard_size,
-                              check_pretrained_target, hf_params, load_hf_weights, model_producer, output_tensors,
-                              read_config_json, stream_pretrained)
+from zoo.models.hf_io import (
+    DEFAULT_MAX_SHARD_SIZE,
+    CheckpointFiles,
+    HFParam,
+    check_max_shard_size,
+    check_pretrained_target,
+    hf_params,
+    load_hf_weights,
+    model_producer,
+    output_tensors,
+    read_config_json,
+    stream_pretrained,
+)
 from zoo.parallel.gather import first_error_everywhere, same_error_everywhere
 from zoo.parallel.layers import materialize_meta_module
 from zoo.parallel.state import ParallelState, as_state

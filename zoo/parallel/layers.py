@@ -27,10 +27,17 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.parallel.host_all_reduce import start_tp_all_reduce_
-from zoo.parallel.mappings import (_gather_sequence, _start_gather_sequence, _start_reduce_scatter_sequence,
-                                   all_reduce_grads_of_replicated, check_sequence_divisible, gather_from_tp_region,
-                                   reduce_from_tp_region_, reduce_scatter_to_sequence_parallel_region,
-                                   scatter_to_tp_region)
+from zoo.parallel.mappings import (
+    _gather_sequence,
+    _start_gather_sequence,
+    _start_reduce_scatter_sequence,
+    all_reduce_grads_of_replicated,
+    check_sequence_divisible,
+    gather_from_tp_region,
+    reduce_from_tp_region_,
+    reduce_scatter_to_sequence_parallel_region,
+    scatter_to_tp_region,
+)
 from zoo.parallel.partition import PartitionSpec
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide, pad_vocab_size, shard_tensor, vocab_range

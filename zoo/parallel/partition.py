@@ -21,8 +21,8 @@ takes, per stage, the keys its names map to. Only the assignment of names to sta
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Sequence
 
 import torch
 from torch import nn
@@ -59,7 +59,7 @@ class PartitionSpec:
         """The split dimension as merged checkpoints store the tensor (transposed or not)."""
         return ndim - 1 - self.dim if self.transposed else self.dim
 
-    def block(self) -> "PartitionSpec":
+    def block(self) -> PartitionSpec:
         """The spec of one block of a fused parameter: the same split, each block split on its own."""
         return replace(self, stride=1, vocab_rows=None)
 

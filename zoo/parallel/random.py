@@ -36,8 +36,8 @@ def _tracker():
 
 def model_parallel_seed(seed: int, parallel: ParallelState | None) -> None:
     """Seed the default generator with ``seed`` and the TP tracker with ``seed + 2718 + tp_rank``."""
-    from deepspeed.accelerator import get_accelerator
     import torch
+    from deepspeed.accelerator import get_accelerator
 
     torch.manual_seed(seed)
     get_accelerator().manual_seed(seed)

@@ -45,7 +45,7 @@ class ParallelState:
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def initialize(cls, tp_size: int, timeout: timedelta | None = None) -> "ParallelState":
+    def initialize(cls, tp_size: int, timeout: timedelta | None = None) -> ParallelState:
         """Build the grid for tensor-parallel size ``tp_size`` over the whole world.
 
         ``timeout`` bounds every collective of the TP and DP groups (``--distributed-timeout-minutes``);
@@ -96,7 +96,7 @@ class ParallelState:
         )
 
     @classmethod
-    def single(cls) -> "ParallelState":
+    def single(cls) -> ParallelState:
         """The trivial grid of one process: tp = dp = 1, no process groups."""
         return cls(tp_size=1, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
                    world_size=1, rank=0)

@@ -34,7 +34,7 @@ __all__ = ["Checkpointer", "rng_state", "set_rng_state", "reseed_tp_rng"]
 
 def rng_state() -> dict[str, Any]:
     """Every generator a training step draws from, as a checkpoint keeps it."""
-    import deepspeed   # local: DeepSpeed costs seconds to import
+    import deepspeed  # local: DeepSpeed costs seconds to import
 
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "accelerator": deepspeed.accelerator.get_accelerator().get_rng_state(),
@@ -43,7 +43,7 @@ def rng_state() -> dict[str, Any]:
 
 def set_rng_state(state: dict[str, Any]) -> None:
     """Put every generator back where :func:`rng_state` found it."""
-    import deepspeed   # local: DeepSpeed costs seconds to import
+    import deepspeed  # local: DeepSpeed costs seconds to import
 
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
@@ -60,7 +60,7 @@ def reseed_tp_rng(seed: int, iteration: int, ps) -> None:
     run's seed, the iteration and the TP rank, so the streams differ across ranks, across resumes at
     different iterations, and from the ones the run started with (``seed + 2718 + tp_rank``).
     """
-    import deepspeed   # local: DeepSpeed costs seconds to import
+    import deepspeed  # local: DeepSpeed costs seconds to import
 
     tracker = deepspeed.checkpointing.get_cuda_rng_tracker()
     tracker.reset()

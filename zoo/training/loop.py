@@ -39,8 +39,14 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
-from zoo.distributed import (agree_max, describe_duration, is_collective_failure, join_process_group,
-                             loop_run_number, ranks_that_did_not_arrive)
+from zoo.distributed import (
+    agree_max,
+    describe_duration,
+    is_collective_failure,
+    join_process_group,
+    loop_run_number,
+    ranks_that_did_not_arrive,
+)
 from zoo.launcher_watch import current_watch
 from zoo.models.families import param_groups
 from zoo.parallel import ParallelState, model_parallel_seed
@@ -63,7 +69,7 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
     (``--distributed-timeout-minutes``) bounds every collective of the world, TP and DP groups; None is
     DeepSpeed's default (10 minutes, or ``$DEEPSPEED_TIMEOUT``) for all three. Returns the ParallelState,
     whose ``timeout`` the loop's roll call waits."""
-    from deepspeed.constants import default_pg_timeout   # local: DeepSpeed costs seconds to import
+    from deepspeed.constants import default_pg_timeout  # local: DeepSpeed costs seconds to import
 
     timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     join_process_group(int(os.environ.get("LOCAL_RANK", 0)), timeout=timeout)
@@ -76,7 +82,7 @@ def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], ps, weight_d
                  refresh_masters: bool):
     """The DeepSpeed engine of ``model`` (AdamW groups without decay on biases and norms, zoo's mpu);
     ``refresh_masters`` copies weights loaded before ``initialize`` into fp16/bf16 master weights."""
-    import deepspeed   # local: DeepSpeed costs seconds to import
+    import deepspeed  # local: DeepSpeed costs seconds to import
 
     fit_cuda_arch_list_for_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
@@ -88,7 +94,7 @@ def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], ps, weight_d
 
 def pin_memory_here() -> bool:
     """Pinned host batches when there is an accelerator to copy them to (never on a CPU run)."""
-    from deepspeed.accelerator import get_accelerator   # local: DeepSpeed costs seconds to import
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
 
     return get_accelerator().device_name() != "cpu"
 
@@ -383,7 +389,7 @@ class TrainingLoop:
             raise error from err
 
     def late_rank_error(self, err: RuntimeError, run_number: int | None, point: str) -> RuntimeError:
-        from deepspeed.constants import default_pg_timeout   # local: DeepSpeed costs seconds to import
+        from deepspeed.constants import default_pg_timeout  # local: DeepSpeed costs seconds to import
 
         if run_number is None or not is_collective_failure(err):
             return err

@@ -22,8 +22,9 @@ import json
 import os
 import re
 import sys
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from zoo.training.run_config import RunConfig, load_run_config, validate_for_world, validate_static
 
@@ -169,9 +170,9 @@ def count_parameters(model_config, tp: int) -> ParameterCount:
     """
     import torch
 
+    from zoo.models.families import build_model
     from zoo.parallel.layers import is_tensor_parallel
     from zoo.parallel.state import ParallelState
-    from zoo.models.families import build_model
 
     grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
                          world_size=tp, rank=0)

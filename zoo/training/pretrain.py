@@ -18,8 +18,7 @@ import torch.distributed as dist
 
 from zoo.atomic import check_writable_directory
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR
-from zoo.distributed import host_group, process_group_left_on_success, raise_on_any_rank
-from zoo.errors import report_error
+from zoo.distributed import host_group, raise_on_any_rank
 from zoo.models import model_config as build_model_config
 from zoo.models.families import build_model, shape_of
 from zoo.training.baselines import unigram_perplexity
@@ -28,13 +27,12 @@ from zoo.training.families import pretrained_model
 from zoo.training.loop import LoopState, StopConditions, TrainingLoop, join, pin_memory_here, setup_engine
 from zoo.training.metrics import MetricsLogger, perplexity, plot_loss, truncate_metrics_after
 from zoo.training.pretraining_data import PretrainingData
-from zoo.training.run_config import (RunConfig, build_parser, clipped_warmup_warning, deepspeed_dict, load_run_config,
-                                     validate_for_world)
+from zoo.training.run_config import RunConfig, clipped_warmup_warning, deepspeed_dict, validate_for_world
 from zoo.training.run_directory import claim_pretraining_directory
 from zoo.training.tasks import PretrainTask
 from zoo.training.validator import Validator
 
-__all__ = ["pretrain", "main"]
+__all__ = ["pretrain"]
 
 # (model, prompts, seed, parallel state) -> printable lines; collective over every rank.
 # zoo.inference.sample_lines, handed in by launch/pretrain.py (inference sits beside training, not below it).
@@ -73,7 +71,7 @@ def build_pretraining_model(config: RunConfig, ps, device: torch.device | str | 
 
 def accelerator_device() -> torch.device:
     """This rank's accelerator device as DeepSpeed names it ("cuda:3", or "cpu" on a CPU run)."""
-    from deepspeed.accelerator import get_accelerator   # local: DeepSpeed costs seconds to import
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
 
     return torch.device(get_accelerator().current_device_name())
 
@@ -145,7 +143,7 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
 def build_engine(config: RunConfig, ps, gas: int, is_writer: bool):
     """(engine, model, model config, shape, ds_config) of the run: the model (:func:`build_pretraining_model`),
     DeepSpeed's activation checkpointing when ``--recompute`` asks for it, and the engine over both."""
-    import deepspeed   # local: DeepSpeed costs seconds to import
+    import deepspeed  # local: DeepSpeed costs seconds to import
 
     model, model_config, shape = build_pretraining_model(config, ps)
     ds_config = deepspeed_dict(config, gas)
@@ -218,16 +216,3 @@ def print_summary(run_dir: Path, iteration: int, last: dict[str, Any], val_loss:
     print(f"done: {iteration} iterations, final train loss {last.get('loss', float('nan')):.4f}; "
           f"metrics in {run_dir / 'metrics.jsonl'}, plot in {run_dir / 'loss.png'}, "
           f"checkpoints in {run_dir / CHECKPOINT_SUBDIR}")
-
-
-def main(argv=None, sample_text: SampleText | None = None) -> None:
-    """The CLI; ``sample_text`` (zoo.inference.sample_lines) completes the config's ``sample_prompts``."""
-    parser = build_parser(__doc__)
-    args = parser.parse_args(argv)
-    try:
-        config = load_run_config(args)
-        with process_group_left_on_success():
-            pretrain(config, sample_text)
-    except (ValueError, FileNotFoundError) as err:
-        report_error(err)
-        sys.exit(2)

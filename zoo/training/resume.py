@@ -19,8 +19,15 @@ from typing import Any
 
 import torch.distributed as dist
 
-from zoo.checkpoint.files import (LATEST_FILE, checkpoints_root, has_complete_checkpoint, model_states_path,
-                                  rank_files_tp, read_model_states, resume_tag_directory)
+from zoo.checkpoint.files import (
+    LATEST_FILE,
+    checkpoints_root,
+    has_complete_checkpoint,
+    model_states_path,
+    rank_files_tp,
+    read_model_states,
+    resume_tag_directory,
+)
 from zoo.checkpoint.reshard import ensure_resharded, resharded_directory
 from zoo.checkpoint.safe_load import check_tag_files
 from zoo.checkpoint.zero_reshard import partition_files

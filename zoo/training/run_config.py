@@ -40,8 +40,16 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from zoo.options import (add_deepspeed_config_argument, add_options, check_block_keys, check_types, json_kind,
-                         merged_settings, option, shown)
+from zoo.options import (
+    add_deepspeed_config_argument,
+    add_options,
+    check_block_keys,
+    check_types,
+    json_kind,
+    merged_settings,
+    option,
+    shown,
+)
 
 
 @dataclass

@@ -28,7 +28,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from datetime import datetime, timezone
+from datetime import UTC, datetime
 from pathlib import Path
 
 from zoo.atomic import check_writable_directory, default_file_mode, unwritable_directory
@@ -73,7 +73,7 @@ class Holder:
     @classmethod
     def this_process(cls) -> Holder:
         return cls(host=socket.gethostname(), pid=os.getpid(),
-                   since=datetime.now(timezone.utc).isoformat(timespec="seconds"), process_start=_process_start())
+                   since=datetime.now(UTC).isoformat(timespec="seconds"), process_start=_process_start())
 
     @classmethod
     def parse(cls, text: str) -> Holder | None:
