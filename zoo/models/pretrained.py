@@ -34,7 +34,7 @@ from zoo.models.hf_io import (
     read_config_json,
     stream_pretrained,
 )
-from zoo.parallel.gather import first_error_everywhere, same_error_everywhere
+from zoo.parallel.agreement import first_error_everywhere, same_error_everywhere
 from zoo.parallel.layers import materialize_meta_module
 from zoo.parallel.state import ParallelState, as_state
 

@@ -22,9 +22,6 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-# Re-exported for zoo.models.pretrained, which imports them from this module.
-from zoo.parallel.agreement import first_error_everywhere, same_error_everywhere  # noqa: F401
-
 CHUNK_BYTES = 16 * 2 ** 20   # one collective moves at most this much per rank: the backends' own buffers stay small
 
 

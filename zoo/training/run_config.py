@@ -217,8 +217,8 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
 
 def check_input_paths(config: RunConfig) -> RunConfig:
     """Every file the run reads exists, checked before a process group, a model or an engine is built: the
-    ``.bin`` and ``.idx`` of every ``data_path`` prefix (one, or each corpus of a blend), the ``pretrained`` directory and its config.json (read and
-    checked, see :func:`zoo.models.hf_io.read_config_json`), and ``load`` when it exists (a ``load`` not
+    ``.bin`` and ``.idx`` of every ``data_path`` prefix (one, or each corpus of a blend), the ``pretrained``
+    directory and its config.json (read and checked, see :func:`zoo.models.hf_io.read_config_json`), and ``load`` when it exists (a ``load`` not
     there yet is a run to start, so a job script can always pass ``--save X --load X``)."""
     from zoo.data.blending import parse_data_path  # local: torch import cost (the parser is built without torch)
     from zoo.data.indexed_dataset import data_file_path, index_file_path  # local: torch import cost
