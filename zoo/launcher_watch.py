@@ -36,7 +36,7 @@ CHECK_INTERVAL_S = 1.0
 
 # How a launcher shows in /proc/<pid>/cmdline: modules run with -m, and scripts by their file name.
 LAUNCHER_MODULES = ("deepspeed.launcher.launch", "deepspeed.launcher.runner", "torch.distributed.run",
-                    "zoo.launcher")
+                    "zoo.cli.run")
 LAUNCHER_SCRIPTS = ("deepspeed", "ds", "torchrun", "run.py")
 
 
