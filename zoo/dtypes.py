@@ -24,7 +24,7 @@ def dtype_name(value: str) -> str:
 
 def torch_dtype(name: str | None):
     """The torch dtype of a canonical name (None stays None)."""
-    import torch
+    import torch  # local: torch import cost; every CLI parses --dtype without torch
 
     return None if name is None else getattr(torch, name)
 

@@ -49,7 +49,13 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
+
+try:
+    from numpy._core.multiarray import _reconstruct
+except ImportError:   # numpy 1.x
+    from numpy.core.multiarray import _reconstruct
 
 __all__ = ["UnsafeCheckpointError", "checkpoint_globals", "safe_torch_load", "check_tag_files", "refused_global",
            "weights_only_loads"]
@@ -67,15 +73,11 @@ def checkpoint_globals() -> list:
 
     Built on each call (no module-level state) and passed to ``torch.serialization.safe_globals`` for
     the one load, so zoo never widens the allow-list of other ``torch.load`` calls in the process."""
-    import numpy as np
+    # local: DeepSpeed costs seconds to import; only reading a checkpoint needs its classes
     from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
+    from deepspeed.runtime.zero.config import ZeroStageEnum  # local: DeepSpeed import cost
+    from deepspeed.utils.tensor_fragment import fragment_address  # local: DeepSpeed import cost
 
-    try:
-        from numpy._core.multiarray import _reconstruct
-    except ImportError:   # numpy 1.x
-        from numpy.core.multiarray import _reconstruct
     return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address,
             np.ndarray, np.dtype, type(np.dtype(np.uint32)),
             (_reconstruct, "numpy._core.multiarray._reconstruct"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import json
 import os
 import re
 import shutil
@@ -96,8 +97,6 @@ def prepare_tag(tag_dir: Path) -> set[str] | None:
 
 def mark_complete(tag_dir: Path, directory: Path) -> None:
     """Rank 0, after every rank's files are written: the completion marker, then ``latest``."""
-    import json
-
     try:
         write_text_atomic(tag_dir / COMPLETE_MARKER, json.dumps(completion_record(tag_dir), indent=1) + "\n",
                           fsync=True)

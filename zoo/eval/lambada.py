@@ -24,6 +24,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm import tqdm
 
 from zoo.distributed import dp_block, dp_sum
 from zoo.eval.wikitext import model_device
@@ -99,8 +100,6 @@ def example_batches(examples: Sequence[LambadaExample],
 def count_correct(model, examples: Sequence[LambadaExample], parallel: ParallelState | None = None,
                   batch_size: int = 8, progress: bool = False) -> int:
     """Passages whose every target token is the model's arg-max, on this rank only."""
-    from tqdm import tqdm
-
     device = model_device(model)
     correct = 0
     with tqdm(total=len(examples), desc="lambada passages", unit="ex", disable=not progress) as bar:

@@ -15,6 +15,7 @@ evaluating that it can be written) and, optionally, to W&B. The command is :mod:
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import stat
 import sys
@@ -22,22 +23,24 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from zoo.atomic import check_writable_directory
+from zoo.checkpoint.deepspeed_export import export_checkpoint
+from zoo.checkpoint.files import tag_directory
+from zoo.data import load_gpt2_tokenizer
 from zoo.distributed import directory_bytes, join_process_group, launched_distributed, run_on_first_rank, single_device
 from zoo.dtypes import torch_dtype
+from zoo.eval.lambada import evaluate_lambada
+from zoo.eval.sources import read_lambada, read_wikitext
+from zoo.eval.wikitext import evaluate_wikitext
+from zoo.models import GPT2LMHeadModel
+from zoo.parallel import ParallelState
 
 
 def evaluate_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     """Run one evaluation (collective when launched distributed); every rank returns the results."""
-    import torch.distributed as dist
-
-    from zoo.data import load_gpt2_tokenizer
-    from zoo.eval.lambada import evaluate_lambada
-    from zoo.eval.sources import read_lambada, read_wikitext
-    from zoo.eval.wikitext import evaluate_wikitext
-    from zoo.models import GPT2LMHeadModel
-    from zoo.parallel import ParallelState
-
     set_tf32(args.tf32)
     data = read_wikitext(args.data, args.split) if args.task == "wikitext" else read_lambada(args.data, args.split)
     device = join_process_group(args.local_rank) if launched_distributed() else single_device()
@@ -63,8 +66,6 @@ def set_tf32(enabled: bool) -> None:
     """``--tf32``: TF32 for float32 matmuls (``torch.backends.cuda.matmul.allow_tf32``) and cuDNN
     (``torch.backends.cudnn.allow_tf32``), or neither: without the flag a float32 evaluation or generation
     computes in full float32 on a GPU. The flags only steer CUDA kernels, so on CPU nothing changes."""
-    import torch
-
     torch.backends.cuda.matmul.allow_tf32 = enabled
     torch.backends.cudnn.allow_tf32 = enabled
 
@@ -78,9 +79,6 @@ def transformers_directory(load: str) -> str:
     The cached export is keyed on the tag's content (:func:`export_cache_key`: the path and the name,
     size and modification time of every file in it), so a tag whose files were rewritten (a new run with
     the same ``--save``) is exported again; rank 0 says when a cached export is used."""
-    from zoo.checkpoint.deepspeed_export import export_checkpoint
-    from zoo.checkpoint.files import tag_directory
-
     if (Path(load) / "config.json").is_file():
         return str(load)
     tag_dir = tag_directory(load)   # one-sentence error for a missing or incomplete checkpoint
@@ -109,8 +107,6 @@ def export_cache_key(tag_dir: Path) -> str:
     ``os.utime``) and some filesystems keep it coarse. The status-change time cannot be set by any copy
     tool and moves on every write (a file replaced by a new one also has a new inode), so a rewritten file
     always gives a new key; a chmod or a new hard link gives one too, which costs only a fresh export."""
-    import hashlib
-
     digest = hashlib.sha256(str(tag_dir.resolve()).encode())
     for path in sorted(tag_dir.iterdir()):
         if path.is_file():
@@ -165,7 +161,7 @@ def log_to_wandb(project: str, results: dict[str, Any]) -> bool:
     """Log the results as one W&B run; any failure is reported in one warning line and swallowed (it never
     stops the eval): a missing wandb (an install without its dependencies) says how to install it."""
     try:
-        import wandb
+        import wandb  # local: wandb is optional; only --wandb-project needs it
     except ImportError:
         print(f"warning: wandb is not installed, so the results are not logged to W&B project {project!r}; "
               "pip install wandb to log them (they are still printed, and written with --out).", file=sys.stderr)

@@ -30,6 +30,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
+from tqdm import tqdm
 
 from zoo.distributed import dp_block, dp_sum
 from zoo.parallel import vocab_parallel_cross_entropy
@@ -156,8 +157,6 @@ def score_windows(model, tokens: torch.Tensor, windows: Sequence[Window], parall
     shard (no logit gathering), evaluated only from the batch's first scored position on; it is
     summed in fp64.
     """
-    from tqdm import tqdm
-
     device = model_device(model)
     loss_sum, count = 0.0, 0
     batches = window_batches(tokens, windows, batch_size)

@@ -25,10 +25,10 @@ def baseline_metric(main_metric: str) -> str:
 
 def plot_dev_curve(run_dir: str | os.PathLike, history: Sequence[dict[str, Any]], main_metric: str) -> Path:
     """``<run_dir>/dev.png`` from the evaluation events ``history`` (each with ``iteration`` and the metric)."""
-    import matplotlib
+    import matplotlib  # local: matplotlib only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: matplotlib only when a plot is drawn
 
     points = [(e["iteration"], e[main_metric]) for e in history if isinstance(e.get(main_metric), float)]
     baselines = [e[baseline_metric(main_metric)] for e in history if baseline_metric(main_metric) in e]

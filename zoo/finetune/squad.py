@@ -29,16 +29,13 @@ from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from zoo.finetune.examples import SquadExample, make_squad_example
 from zoo.finetune.hub_names import is_hub_name
 from zoo.finetune.skips import SkippedExamples
-
-if TYPE_CHECKING:
-    import torch
 
 SQUAD_FILES = {"1.1": ("train-v1.1.json", "dev-v1.1.json"), "2.0": ("train-v2.0.json", "dev-v2.0.json")}
 
@@ -153,7 +150,7 @@ def read_squad_dir(data_dir: str | os.PathLike, version: str | None = None) -> d
         train_name, dev_name = SQUAD_FILES[chosen]
         return {split: read_squad_json(directory / name) for split, name in (("train", train_name), ("dev", dev_name))
                 if (directory / name).is_file()}
-    from zoo.finetune import hub_layouts
+    from zoo.finetune import hub_layouts  # imports `datasets`, which is slow: only when needed
 
     if hub_layouts.is_hub_layout(directory):
         return hub_layouts.read_squad_hub(directory)
@@ -190,8 +187,6 @@ def featurize_squad(
     max_query_length: int = 64,
 ) -> SquadFeatures:
     """Document-stride windows ``[CLS] question [SEP] context window [SEP]`` of every example."""
-    import torch
-
     if max_seq_length - max_query_length - 3 < 1:
         raise ValueError(
             f"max_seq_length={max_seq_length} leaves no room for context after a {max_query_length}-token question; "

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zoo.atomic import atomic_file
 from zoo.finetune.skips import SkippedExamples
 
 _PUNCTUATION = frozenset(string.punctuation)
@@ -411,12 +412,10 @@ def write_precision_recall_images(curves: Mapping[str, PrecisionRecall], probabi
                                   directory: Path) -> list[Path]:
     """The official script's images in ``directory``: pr_exact.png, pr_f1.png, pr_oracle.png and
     na_prob_hist_hasAns.png / na_prob_hist_noAns.png (each written atomically)."""
-    import matplotlib
+    import matplotlib  # local: matplotlib only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from zoo.atomic import atomic_file
+    import matplotlib.pyplot as plt  # local: matplotlib only when a plot is drawn
 
     titles = {"exact": "Precision-Recall curve for Exact Match score", "f1": "Precision-Recall curve for F1 score",
               "oracle": "Oracle Precision-Recall curve (binary task of HasAns vs. NoAns)"}

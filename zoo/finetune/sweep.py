@@ -19,6 +19,7 @@ install it (``--no-wandb`` runs the grid untracked).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import dataclasses
 import itertools
@@ -28,13 +29,19 @@ import shlex
 import statistics
 import subprocess
 import sys
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
+from tqdm import tqdm
+
 from zoo.atomic import atomic_file, write_text_atomic
 from zoo.errors import report_error
+from zoo.finetune.config import parse_args
 from zoo.finetune.sweep_overrides import SweepOverrides, check_file_values
+from zoo.training.run_directory import FINETUNING_OUTPUTS
 
 SEED_KEY = "seed"
 SWEEP_OUTPUTS = ("runs.csv", "summary.csv", "summary.md", "sweep.png")
@@ -62,8 +69,6 @@ class SweepSpec:
 
 def load_sweep(path: str | os.PathLike) -> SweepSpec:
     """Read and check a W&B sweep YAML; errors name the file and the missing or wrong entry."""
-    import yaml
-
     file = Path(path)
     if not file.is_file():
         raise FileNotFoundError(f"sweep file {path} does not exist; pass one of finetune/sweeps/*.yaml.")
@@ -194,7 +199,7 @@ def wandb_environment(spec: SweepSpec, project: str | None, entity: str | None, 
 def require_wandb() -> None:
     """A tracked sweep needs wandb in every run: without it, stop before the first run, saying how to get it."""
     try:
-        import wandb  # noqa: F401
+        import wandb  # noqa: F401 - local: wandb is optional; this only checks that it imports
     except ImportError:
         raise ValueError("the sweep logs every run to W&B but wandb is not installed; pip install wandb, or pass "
                          "--no-wandb to run the grid untracked.") from None
@@ -206,8 +211,6 @@ def require_wandb() -> None:
 def earlier_outputs(out_dir: Path, saves: list[Path]) -> list[str]:
     """What an earlier sweep left in ``out_dir`` that this one would write over: its tables and plot, a
     run's log, or a run directory's finetuning results."""
-    from zoo.training.run_directory import FINETUNING_OUTPUTS
-
     found = [name for name in SWEEP_OUTPUTS if (out_dir / name).exists()]
     for save in saves:
         found += [f"{save.name}.log"] if (out_dir / f"{save.name}.log").exists() else []
@@ -270,10 +273,10 @@ def format_table(summary: list[dict[str, Any]], spec: SweepSpec) -> str:
 
 def plot_sweep(rows: list[dict[str, Any]], summary: list[dict[str, Any]], spec: SweepSpec, path: Path) -> None:
     """Each setting's seed scores as dots and its median as a bar."""
-    import matplotlib
+    import matplotlib  # local: matplotlib only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: matplotlib only when a plot is drawn
 
     keys = [k for k in spec.grid if k != SEED_KEY]
     labels = ["\n".join(f"{k}={row[k]}" for k in keys) or "run" for row in summary]
@@ -305,7 +308,7 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 def task_of_program(program: str) -> str:
     """The task a finetune script runs, from its file name: ``finetune/race.py`` runs race, and underscores
     read as dashes where only that spelling is a task (``finetune/same_article.py`` runs same-article)."""
-    from zoo.finetune.tasks import TASKS
+    from zoo.finetune.tasks import TASKS  # local: torch import cost (the tasks import torch); in-process sweeps only
 
     stem = Path(program).stem
     dashed = stem.replace("_", "-")
@@ -316,11 +319,7 @@ def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> 
     """Run a finetune script's parse-and-finetune in this process (one world-of-one process group for the
     whole sweep, no per-run interpreter and DeepSpeed start-up); returns its exit code: 2 with the one
     sentence in the run's log for a user error, as the script would."""
-    import contextlib
-    import traceback
-
     from zoo.distributed import single_process_env  # local: torch import cost, for in-process sweeps only
-    from zoo.finetune.config import parse_args
     from zoo.finetune.runner import finetune  # local: torch import cost, for in-process sweeps only
 
     saved = dict(os.environ)
@@ -358,8 +357,6 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     file's own paths are checked before a real run. ``in_process`` runs every point in this process, one
     after the other (no launcher; tp = 1 unless this process already belongs to a larger torch.distributed
     world)."""
-    from tqdm import tqdm
-
     overrides = overrides or SweepOverrides()
     spec = load_sweep(path)
     if count is not None and count < 1:

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zoo.training.run_config import check_ds_config, read_ds_config
+
 BERT_DIRECTORY = "a BERT directory in transformers' layout (config.json, model.safetensors, vocab.txt)"
 TASK_DATA = "the task's data (a directory in the original or HF hub layout, a file the task reads, or hub:NAME[/CONFIG])"
 HUB_PREFIX = "hub:"
@@ -72,8 +74,6 @@ def check_data_dir(value: Any, named: str) -> None:
 
 def check_deepspeed_config(value: Any, named: str) -> None:
     """The ds_config's own sentences name the file (they are the finetune scripts' checks)."""
-    from zoo.training.run_config import check_ds_config, read_ds_config
-
     if not str(value).strip():
         raise ValueError(f"{named} is empty; pass --deepspeed-config ds_configs/<name>.json.")
     if not Path(str(value)).is_file():

@@ -18,6 +18,7 @@ import torch
 
 from zoo.finetune import demo_task, glue, race, squad
 from zoo.finetune.squad_metrics import squad_scores
+from zoo.models import bert_heads
 
 
 @dataclass
@@ -52,8 +53,6 @@ class Task:
 
     @property
     def model_class(self):
-        from zoo.models import bert_heads
-
         return getattr(bert_heads, self.model_class_name)
 
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
+
 from zoo.parallel.state import ParallelState, as_state
 
 # The tracker state name DeepSpeed's activation checkpointing expects.
@@ -29,15 +31,14 @@ TP_SEED_OFFSET = 2718
 
 
 def _tracker():
-    import deepspeed
+    import deepspeed  # local: DeepSpeed costs seconds to import; zoo.parallel is used without it (eval, export)
 
     return deepspeed.checkpointing.get_cuda_rng_tracker()
 
 
 def model_parallel_seed(seed: int, parallel: ParallelState | None) -> None:
     """Seed the default generator with ``seed`` and the TP tracker with ``seed + 2718 + tp_rank``."""
-    import torch
-    from deepspeed.accelerator import get_accelerator
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
 
     torch.manual_seed(seed)
     get_accelerator().manual_seed(seed)

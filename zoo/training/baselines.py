@@ -6,12 +6,12 @@ import math
 
 import numpy as np
 
+from zoo.data import split_document_ranges
+
 
 def unigram_perplexity(indexed, split: str, vocab_size: int) -> float:
     """Perplexity on the validation documents of a unigram model fitted on the training documents
     (add-one smoothing over the vocabulary): the score of a model that ignores context."""
-    from zoo.data import split_document_ranges
-
     (train_lo, train_hi), (valid_lo, valid_hi), _ = split_document_ranges(indexed.num_documents, split)
 
     def tokens_of(lo: int, hi: int) -> np.ndarray:

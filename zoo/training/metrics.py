@@ -67,7 +67,7 @@ class MetricsLogger:
             self._wandb = _start_wandb(wandb_project, wandb_config, self.run_dir)
 
     def log(self, event: dict[str, Any]) -> None:
-        from zoo.distributed import raise_on_any_rank
+        from zoo.distributed import raise_on_any_rank  # local: torch import cost; plan and sweep read this module
 
         raise_on_any_rank(lambda: self._append(event) if self.is_writer else None, self.group)
         if self.is_writer and self._wandb is not None:
@@ -117,7 +117,7 @@ def _start_wandb(project: str, config: dict[str, Any] | None, run_dir: Path):
     training, so a missing wandb (an install without its dependencies) says how to install it, and any
     other failure (a broken install, no network, no API key) says what failed and how to log locally."""
     try:
-        import wandb
+        import wandb  # local: wandb is optional; only --wandb-project needs it
     except Exception as err:  # noqa: BLE001 - tracking must never stop training
         _warn_wandb_off(project, err, importing=True)
         return None
@@ -208,10 +208,10 @@ def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 def plot_loss(run_dir: str | os.PathLike) -> Path:
     """loss.png: training loss and validation loss against iteration (written atomically). A BERT
     run gets a second panel: sentence-order accuracy, train and validation, against chance."""
-    import matplotlib
+    import matplotlib  # local: matplotlib only when a plot is drawn
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: matplotlib only when a plot is drawn
 
     events = read_metrics(run_dir)
     train = [(e["iteration"], e["loss"]) for e in events if "loss" in e and "split" not in e]
@@ -248,7 +248,7 @@ def plot_loss(run_dir: str | os.PathLike) -> Path:
 
 def save_figure(fig, target: Path) -> Path:
     """Write a matplotlib figure as a PNG atomically (a reader never sees half a plot), then close it."""
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # local: matplotlib only when a plot is drawn
 
     try:
         with atomic_file(target) as tmp:

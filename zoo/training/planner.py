@@ -17,6 +17,7 @@ All byte counts are per rank (one GPU); sizes are printed in GB = 10^9 bytes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import json
 import os
@@ -26,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from zoo.training.metrics import megatron_flops_per_iteration
 from zoo.training.run_config import RunConfig, load_run_config, validate_for_world, validate_static
 
 
@@ -168,11 +170,12 @@ def count_parameters(model_config, tp: int) -> ParameterCount:
     communicates, and every TP rank holds the same number of parameters (the vocabulary is padded to a
     multiple of 128 tp).
     """
+    # local: torch import cost; the planner's arithmetic and plan --help run without torch
     import torch
 
-    from zoo.models.families import build_model
-    from zoo.parallel.layers import is_tensor_parallel
-    from zoo.parallel.state import ParallelState
+    from zoo.models.families import build_model  # local: torch and transformers import cost
+    from zoo.parallel.layers import is_tensor_parallel  # local: torch import cost
+    from zoo.parallel.state import ParallelState  # local: torch import cost
 
     grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
                          world_size=tp, rank=0)
@@ -283,17 +286,16 @@ def deepspeed_estimate(params_per_rank: int, largest_layer_per_rank: int, zero_s
     stage-1 estimator; its stage-1 optimizer is the stage-2 one), ``estimate_zero3_model_states_mem_needs``
     at stage 3. Its estimators know no tensor parallelism: they are given this TP rank's parameters over
     the dp ranks. DeepSpeed's start-up log lines go to stderr, so that ``--json`` stays one JSON object."""
-    import contextlib
-
     if zero_stage == 0:
         return None
     with contextlib.redirect_stdout(sys.stderr):
-        from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-        from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+        from deepspeed.runtime.zero import stage3, stage_1_and_2  # local: DeepSpeed costs seconds to import
     if zero_stage < 3:
-        return int(estimate_zero2_model_states_mem_needs(params_per_rank, num_gpus_per_node=dp, cpu_offload=False)[1])
-    return int(estimate_zero3_model_states_mem_needs(params_per_rank, largest_layer_per_rank, num_gpus_per_node=dp,
-                                                     cpu_offload=False, cpu_offload_params=False)[1])
+        return int(stage_1_and_2.estimate_zero2_model_states_mem_needs(params_per_rank, num_gpus_per_node=dp,
+                                                                       cpu_offload=False)[1])
+    return int(stage3.estimate_zero3_model_states_mem_needs(params_per_rank, largest_layer_per_rank,
+                                                            num_gpus_per_node=dp, cpu_offload=False,
+                                                            cpu_offload_params=False)[1])
 
 
 def parse_memory(text: str | int) -> int:
@@ -328,8 +330,9 @@ def run_config_of(source: RunConfig | Mapping[str, Any] | str | os.PathLike) -> 
 def model_config_of(config: RunConfig):
     """The model's config as pretraining builds it: the preset with overrides, or the shapes of the
     ``pretrained`` directory's config.json; activation checkpointing as the run config says."""
+    # local: zoo.models imports torch and transformers (seconds); plan --help runs without them
     from zoo.models import model_config
-    from zoo.models.hf_io import read_config_json
+    from zoo.models.hf_io import read_config_json  # local: torch and transformers import cost
 
     built = model_config(config.model, **{**config.model_run_fields(), **config.model_overrides})
     if config.pretrained:
@@ -349,10 +352,10 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     memory unless ``gpu_memory`` is given). ``gpu_memory``: bytes or a size like "32GB"; by default the
     GPU's memory. Raises ValueError/FileNotFoundError with one sentence on bad input.
     """
+    # local: zoo.models imports torch and transformers (seconds); plan --help runs without them
     from zoo.models import BertConfig
-    from zoo.models.config import recompute_mode
-    from zoo.models.families import shape_of
-    from zoo.training.metrics import megatron_flops_per_iteration
+    from zoo.models.config import recompute_mode  # local: torch and transformers import cost
+    from zoo.models.families import shape_of  # local: torch and transformers import cost
 
     for name, value in (("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import json
 import os
 import shutil
@@ -32,7 +33,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from zoo.atomic import check_writable_directory, default_file_mode, unwritable_directory
-from zoo.training.metrics import METRICS_FILE
+from zoo.training.metrics import METRICS_FILE, read_metrics_file
 
 __all__ = ["LOCK_FILE", "Holder", "RunDirectoryLock", "claim_pretraining_directory", "claim_finetuning_directory"]
 
@@ -149,8 +150,6 @@ class RunDirectoryLock:
                 check()
             fd = self._open(os.O_RDWR | os.O_CREAT)
             try:
-                import fcntl
-
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
@@ -246,8 +245,6 @@ class RunDirectoryLock:
                 with contextlib.suppress(FileNotFoundError):
                     self.path.unlink()
             if self._flock:
-                import fcntl
-
                 fcntl.flock(fd, fcntl.LOCK_UN)   # also for copies of the descriptor in forked workers
         finally:
             os.close(fd)
@@ -272,6 +269,7 @@ def checkpoint_summary(run_dir: Path) -> str | None:
     complete or not (a ``latest`` file, or a tag under ``checkpoints/`` with a model-states file), None
     otherwise. A tag without a completion marker (a save that did not finish, or one written by a zoo that
     wrote no markers) is still an earlier run's file, so it counts here though no reader would load it."""
+    # local: zoo.checkpoint imports torch and transformers (seconds); a sweep's --out check reads only names
     from zoo.checkpoint.files import CHECKPOINT_SUBDIR, LATEST_FILE, tags_with_model_states
 
     root = run_dir / CHECKPOINT_SUBDIR
@@ -303,8 +301,7 @@ def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, o
     With ``overwrite``, the earlier
     run's ``checkpoints/`` and ``metrics.jsonl`` are removed once the lock is held, said in one line; a
     resumed run keeps them. Returns the held lock."""
-    from zoo.checkpoint.files import CHECKPOINT_SUBDIR
-    from zoo.training.metrics import read_metrics_file
+    from zoo.checkpoint.files import CHECKPOINT_SUBDIR  # local: zoo.checkpoint imports torch and transformers
 
     run_dir = Path(run_dir)
     metrics = run_dir / METRICS_FILE
