@@ -29,6 +29,7 @@ import re
 import warnings
 import zlib
 from collections import Counter
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import datasets
@@ -259,18 +260,22 @@ def _describe_json_array(path: str, text: str) -> str | None:
 def _string_texts(ds, path: str, key: str, loader: str):
     """``ds`` with its "text" column as strings: documents whose text is missing, null or not a string
     become null (dropped when tokenizing) and are reported in one :class:`SkippedDocumentsWarning`."""
-    column = ds.data.column("text")
-    if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-        _check_utf8(column, path, loader)
-        missing = column.null_count
-        first = _first_null(column) if missing else None
+    column_type = ds.data.schema.field("text").type
+    if pa.types.is_string(column_type) or pa.types.is_large_string(column_type):
+        missing, first, seen = 0, None, 0
+        for part in streamed_text_column(ds):
+            _check_utf8(part, path, loader)
+            if part.null_count and first is None:
+                first = seen + _first_null(part)
+            missing += part.null_count
+            seen += len(part)
         _warn_skipped(path, loader, Counter({f"without a '{key}' value": missing}), first)
         return ds
-    if pa.types.is_null(column.type):
+    if pa.types.is_null(column_type):
         _warn_skipped(path, loader, Counter({f"without a '{key}' value": len(ds)}), 0)
         return ds.cast(datasets.Features({"text": datasets.Value("string")}))
     if not isinstance(ds.features["text"], datasets.features.Json):
-        raise ValueError(f"input '{path}' field '{key}' holds {column.type} values, not text; "
+        raise ValueError(f"input '{path}' field '{key}' holds {column_type} values, not text; "
                          "pass --json-key with the name of the text field.")
     reasons, first = Counter(), []  # filled by the (single-process, in-order) map below
 
@@ -286,6 +291,27 @@ def _string_texts(ds, path: str, key: str, loader: str):
                 features=datasets.Features({"text": datasets.Value("string")}), desc="Checking texts")
     _warn_skipped(path, loader, reasons, first[0] if first else None)
     return ds
+
+
+def streamed_text_column(ds) -> Iterator:
+    """The "text" column of a file's ``datasets.Dataset``, one record batch of its Arrow copy at a time.
+
+    The copy is read as a stream, not through datasets' memory map: a mapped file's pages, once read, stay
+    in the process's resident memory until it is unmapped, so reading a mapped 200 MB corpus would hold
+    200 MB. A dataset that is not one mapped file (in memory, or with an indices mapping) is read
+    through datasets.
+    """
+    table = ds.data
+    if isinstance(table, datasets.table.MemoryMappedTable) and getattr(ds, "_indices", None) is None:
+        with pa.OSFile(table.path) as source:
+            for batch in pa.ipc.open_stream(source):
+                part = pa.Table.from_batches([batch])
+                for name, args, kwargs in table.replays:  # the column selection and renaming datasets recorded
+                    part = getattr(part, name)(*args, **kwargs)
+                yield part.column("text")
+        return
+    for part in ds.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS):
+        yield part.column("text")
 
 
 def _check_utf8(column, path: str, loader: str) -> None:

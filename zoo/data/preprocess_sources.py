@@ -20,9 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import datasets
-import pyarrow as pa
 
-from zoo.data.input_diagnosis import ARROW_BATCH_ROWS, load_file_texts, loader_for
+from zoo.data.input_diagnosis import load_file_texts, loader_for, streamed_text_column
 from zoo.data.preprocess_pipeline import SkippedDocumentsWarning, encoded_in_order, scratch_directory, write_encoded
 
 HUB_PREFIX = "hub:"
@@ -134,7 +133,7 @@ def _open_hub(source: Source, json_key: str):
 def text_batches(source: Source, documents, json_key: str, batch_size: int) -> Iterator[list]:
     """Lists of at most ``batch_size`` texts of ``documents`` (from :func:`open_source`), in order."""
     if source.loader is not None:
-        yield from _rebatched(_arrow_texts(documents), batch_size)
+        yield from _rebatched((part.to_pylist() for part in streamed_text_column(documents)), batch_size)
         return
     skipped, first = 0, None
     for number, batch in enumerate(documents.iter(batch_size=batch_size)):
@@ -150,25 +149,6 @@ def text_batches(source: Source, documents, json_key: str, batch_size: int) -> I
     if skipped:
         warnings.warn(f"{source.label}: skipped {skipped} document(s) without string text; the first is record "
                       f"{first + 1}.", SkippedDocumentsWarning, stacklevel=2)
-
-
-def _arrow_texts(documents) -> Iterator[list]:
-    """The "text" column of a file's ``datasets.Dataset``, one record batch of its Arrow copy at a time.
-
-    The copy is read as a stream, not memory-mapped: a mapped file's pages, once read, stay in the process's
-    resident memory until it is unmapped, so mapping a 200 MB corpus would hold 200 MB.
-    """
-    table = documents.data
-    if isinstance(table, datasets.table.MemoryMappedTable) and getattr(documents, "_indices", None) is None:
-        with pa.OSFile(table.path) as source:
-            for batch in pa.ipc.open_stream(source):
-                part = pa.Table.from_batches([batch])
-                for name, args, kwargs in table.replays:  # the column selection and renaming datasets recorded
-                    part = getattr(part, name)(*args, **kwargs)
-                yield part.column("text").to_pylist()
-        return
-    for part in documents.with_format("arrow").iter(batch_size=ARROW_BATCH_ROWS):
-        yield part.column("text").to_pylist()
 
 
 def _rebatched(lists: Iterator[list], batch_size: int) -> Iterator[list]:
