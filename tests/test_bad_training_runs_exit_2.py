@@ -44,7 +44,7 @@ def _token_file(prefix, tokens, dtype=np.uint16):
     return str(prefix)
 
 
-# ----------------------------------------------------------------------------- 6. zoo block types
+# ----------------------------------------------------------------------------- zoo block types
 @pytest.mark.parametrize("key, value, needle", [
     ("train_iters", "6", "zoo setting 'train_iters' in .* is \"6\" \\(a string\\) but must be an integer"),
     ("tensor_parallel_size", True, "'tensor_parallel_size' .* is true \\(a boolean\\) but must be an integer"),
@@ -82,7 +82,7 @@ def test_zoo_block_that_is_not_an_object(tmp_path):
     _one_sentence(str(err.value))
 
 
-# ----------------------------------------------------------------------------- 10. index validated on open
+# ----------------------------------------------------------------------------- index validated on open
 def _patch(path, offset, fmt, value):
     with open(path, "r+b") as handle:
         handle.seek(offset)
@@ -147,7 +147,7 @@ def test_bert_samples_with_negative_ids_are_refused(tmp_path):
         [dataset[i] for i in range(len(dataset))]
 
 
-# ----------------------------------------------------------------------------- 10. `latest` naming a missing tag
+# ----------------------------------------------------------------------------- `latest` naming a missing tag
 def test_latest_naming_a_missing_tag_says_the_callers_fix(tmp_path):
     from zoo.checkpoint.files import tag_directory
     from zoo.training.resume import LATEST_FIX
@@ -168,7 +168,7 @@ def test_latest_naming_a_missing_tag_says_the_callers_fix(tmp_path):
         tag_directory(root, fix=LATEST_FIX)
 
 
-# ----------------------------------------------------------------------------- §5. schedules (pure parts)
+# ----------------------------------------------------------------------------- schedules (pure parts)
 def test_warmup_longer_than_the_run_is_cut_with_a_warning():
     from zoo.training.run_config import clipped_warmup_warning, deepspeed_dict
 
@@ -204,7 +204,7 @@ def test_model_config_differences_ignore_dropout():
         "n_embd 64 in the checkpoint, 32 in this run", "n_layer 2 in the checkpoint, 3 in this run"]
 
 
-# ----------------------------------------------------------------------------- 2, 3, 4, 5, §5 on ranks
+# ----------------------------------------------------------------------------- the runs on ranks
 def _outcome(fn):
     """("ok", value) or (exception type name, message), with rank 0's stderr."""
     stderr = io.StringIO()
@@ -237,7 +237,7 @@ def _hostile_worker(rank, world_size, data_path, bad_data_path, root):
         "agree_user": _outcome(lambda: raise_on_any_rank(fail_on_rank_1(ValueError("rank 1 is unhappy.")))),
         "agree_bug": _outcome(lambda: raise_on_any_rank(fail_on_rank_1(KeyError("k")))),
         "first": _outcome(lambda: pretrain(_run_config(data_path, run, 2, 2, 2, train_iters=2))),
-        # §5: resumed under a longer schedule: one warning naming both, the step count continues.
+        # Resumed under a longer schedule: one warning naming both, the step count continues.
         "longer": _outcome(lambda: pretrain(_run_config(data_path, run, 2, 2, 2, train_iters=4, load=run))),
         "same": _outcome(lambda: pretrain(_run_config(data_path, run, 2, 2, 2, train_iters=4, load=run))),
         # 2: another model shape.
@@ -282,7 +282,7 @@ def test_hostile_runs_end_in_one_sentence_on_every_rank(tmp_path):
     assert ranks[0]["agree_bug"][:2] == ("RuntimeError", "rank 1 failed with KeyError: 'k'")
     assert ranks[1]["agree_bug"][0] == "KeyError"
 
-    # §5: one warning on rank 0 naming the old and new schedule; the resumed run continues the step count.
+    # One warning on rank 0 naming the old and new schedule; the resumed run continues the step count.
     warning = ranks[0]["longer"][2]
     assert warning.count("warning:") == 1, warning
     assert ("the checkpoint at iteration 2 was trained with the LR schedule WarmupCosineLR(total_num_steps=2) and "

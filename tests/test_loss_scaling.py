@@ -4,8 +4,8 @@ DeepSpeed 0.19's ``engine.backward`` leaves the loss unscaled at ZeRO stage 0 wh
 FP16_UnfusedOptimizer still divide the gradients by S, so every fp16 ``tp*.json`` run would update S times
 too little and never clip (a gpt2-medium run on a GPU logs grad norms of 3e-4). These tests
 run DeepSpeed's real fp16 optimizer on CPU by overriding its capability check (DESIGN.md, "fp16 on this
-CPU") and compare one step with fp32's; on the old code the fp16 grad norm is the fp32 one divided by S
-and the update is a fraction of fp32's.
+CPU") and compare one step with fp32's; without zoo's scaling the fp16 grad norm would be the fp32 one
+divided by S and the update a fraction of fp32's.
 """
 
 from __future__ import annotations

@@ -70,7 +70,7 @@ def build_on_meta(cls, config, parallel=None):
 def test_meta_refuses_host_tensors_like_cuda():
     logits = torch.empty(2, 3, device=META)
     with pytest.raises(RuntimeError, match="device"):
-        F.cross_entropy(logits, torch.zeros(2, dtype=torch.long))           # host labels: item 1's bug
+        F.cross_entropy(logits, torch.zeros(2, dtype=torch.long))           # host labels with device logits
     with pytest.raises(RuntimeError, match="device"):
         logits + torch.arange(3)                                            # arange without device=
     F.embedding(torch.arange(2), logits)                                    # meta lets this one through

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from zoo.data.gpt_dataset import parse_split
-from zoo.data.indexed_dataset import IndexedDataset, data_file_path, index_file_path
+from zoo.data.indexed_dataset import IndexedDataset, check_dataset_files
 
 # How many leading documents of each corpus the vocabulary check reads (their layout and last token):
 # enough to tell an end-of-document id from chance, and O(1) in the corpus's size.
@@ -105,11 +105,7 @@ def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
     that id is the same in every corpus that has one."""
     corpora = []
     for _, prefix in blend:
-        missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(path)]
-        if missing:
-            raise FileNotFoundError(f"--data-path {prefix} names no indexed dataset ({' and '.join(missing)} "
-                                    f"{'is' if len(missing) == 1 else 'are'} missing); pass the --output-prefix that "
-                                    "launch/preprocess.py wrote, without .bin or .idx.")
+        check_dataset_files(prefix)
         corpora.append(IndexedDataset(prefix))
     first = corpora[0]
     for other in corpora[1:]:

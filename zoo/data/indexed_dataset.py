@@ -68,6 +68,15 @@ def dataset_exists(prefix: str | os.PathLike) -> bool:
     return os.path.isfile(data_file_path(prefix)) and os.path.isfile(index_file_path(prefix))
 
 
+def check_dataset_files(prefix: str | os.PathLike) -> None:
+    """A ``FileNotFoundError`` naming what is missing unless ``<prefix>.bin`` and ``<prefix>.idx`` both exist."""
+    missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(path)]
+    if missing:
+        raise FileNotFoundError(f"--data-path {os.fspath(prefix)} names no indexed dataset ({' and '.join(missing)} "
+                                f"{'is' if len(missing) == 1 else 'are'} missing); pass the --output-prefix that "
+                                "launch/preprocess.py wrote, without .bin or .idx.")
+
+
 def best_fitting_dtype(vocab_size: int | None) -> np.dtype:
     """uint16 when every id fits (vocab < 65500), else int32; Megatron's rule."""
     if vocab_size is not None and vocab_size < 65500:

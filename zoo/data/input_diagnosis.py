@@ -57,7 +57,7 @@ def loader_for(path: str) -> str:
             return loader
     raise ValueError(
         f"input '{path}' has an unsupported extension; use .txt (one document per line), "
-        ".jsonl/.json (optionally .gz) or .parquet."
+        ".jsonl/.json or .parquet, each optionally compressed as .gz, .bz2, .xz or .zst."
     )
 
 

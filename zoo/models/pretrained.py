@@ -23,6 +23,7 @@ from zoo.assets import ASSETS_DIR
 from zoo.models.config import check_hf_config_values
 from zoo.models.hf_io import (
     DEFAULT_MAX_SHARD_SIZE,
+    TOKENIZER_FILE_NAMES,
     CheckpointFiles,
     HFParam,
     check_max_shard_size,
@@ -39,8 +40,6 @@ from zoo.parallel.layers import materialize_meta_module
 from zoo.parallel.state import ParallelState, as_state
 
 logger = logging.getLogger(__name__)
-TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
-                        "special_tokens_map.json")
 
 
 def tokenizer_files(directory: str | os.PathLike) -> list[Path]:

@@ -15,7 +15,7 @@ table of key *names*; no other table of split rules exists.
 
 A further parallel dimension reuses them unchanged: a pipeline stage holds a subset of the layers, so
 :func:`partition_specs` of a stage's module gives exactly the specs of the parameters it owns, under their
-global names; a writer takes each stage's tensors in turn (merging over tp by the spec as now) and a reader
+global names; a writer takes each stage's tensors in turn (merging over tp by the spec) and a reader
 takes, per stage, the keys its names map to. Only the assignment of names to stages is new.
 """
 

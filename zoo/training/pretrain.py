@@ -142,7 +142,7 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
 
 def build_engine(config: RunConfig, ps, gas: int, is_writer: bool):
     """(engine, model, model config, shape, ds_config) of the run: the model (:func:`build_pretraining_model`),
-    DeepSpeed's activation checkpointing when ``--recompute`` asks for it, and the engine over both."""
+    DeepSpeed's activation checkpointing when ``--checkpoint-activations`` or ``--recompute-granularity`` asks for it, and the engine over both."""
     import deepspeed  # local: DeepSpeed costs seconds to import
 
     model, model_config, shape = build_pretraining_model(config, ps)

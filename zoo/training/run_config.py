@@ -221,15 +221,11 @@ def check_input_paths(config: RunConfig) -> RunConfig:
     directory and its config.json (read and checked, see :func:`zoo.models.hf_io.read_config_json`), and ``load`` when it exists (a ``load`` not
     there yet is a run to start, so a job script can always pass ``--save X --load X``)."""
     from zoo.data.blending import parse_data_path  # local: torch import cost (the parser is built without torch)
-    from zoo.data.indexed_dataset import data_file_path, index_file_path  # local: torch import cost
+    from zoo.data.indexed_dataset import check_dataset_files  # local: torch import cost
     from zoo.models.hf_io import read_config_json  # local: torch import cost
 
     for _, prefix in parse_data_path(config.data_path) or ():
-        missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not Path(path).is_file()]
-        if missing:
-            raise FileNotFoundError(f"--data-path {prefix} names no indexed dataset ({' and '.join(missing)} "
-                                    f"{'is' if len(missing) == 1 else 'are'} missing); pass the --output-prefix that "
-                                    "launch/preprocess.py wrote, without .bin or .idx.")
+        check_dataset_files(prefix)
     if config.pretrained is not None:
         read_config_json(config.pretrained)
     if config.load is not None and Path(config.load).exists() and not Path(config.load).is_dir():
