@@ -34,7 +34,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         end = start + local_vocab
 
         real = real_vocab_columns(local_vocab, parallel.tp_rank, vocab_size)
-        z = logits.float()                                               # (..., V/p), fp32 view or copy
+        z = logits.to(torch.promote_types(logits.dtype, torch.float32))  # (..., V/p), at least fp32 (fp64 stays)
         if real > 0:
             z_max = z[..., :real].max(dim=-1).values                     # (...) padded columns excluded
         else:                                                            # this shard is all padding
@@ -68,7 +68,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         softmax, in_shard, local_target, valid = ctx.saved_tensors
         grad = softmax                                                   # reuse the buffer
         grad.scatter_add_(-1, local_target.unsqueeze(-1), -in_shard.to(grad.dtype).unsqueeze(-1))
-        grad.mul_((grad_loss.float() * valid).unsqueeze(-1))
+        grad.mul_((grad_loss.to(grad.dtype) * valid).unsqueeze(-1))
         return grad.to(ctx.logits_dtype), None, None, None, None
 
 

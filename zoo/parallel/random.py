@@ -2,12 +2,16 @@
 
 Two random streams per rank:
 
-* the default torch/accelerator generator, seeded with ``seed`` on every rank: dropout outside
-  tensor-parallel regions (embeddings, residuals) acts on replicated activations and must draw the
-  same mask on every TP rank of a group;
+* the default torch/accelerator generator, seeded with ``seed + 100 * pp_rank`` on every rank: dropout
+  outside tensor-parallel regions (embeddings, residuals) acts on replicated activations and must draw
+  the same mask on every TP rank of a group;
 * DeepSpeed's model-parallel RNG tracker (``deepspeed.checkpointing``), seeded with
-  ``seed + 2718 + tp_rank``: dropout inside TP regions (attention probabilities of this rank's
-  heads) acts on different data on every TP rank and must draw independent masks.
+  ``seed + 100 * pp_rank + 2718 + tp_rank``: dropout inside TP regions (attention probabilities of this
+  rank's heads) acts on different data on every TP rank and must draw independent masks.
+
+The pipeline stage's offset (Megatron's ``100 * pp_rank``) gives every stage its own streams; with one
+stage it is 0. Weight init does not draw from these streams on a pipeline stage: the stage replays the
+init sequence of the whole model from the run's seed (:mod:`zoo.models.gpt2_pipeline`).
 
 Under sequence parallelism (Korthikanti et al. 2022) the regions between the TP GEMMs hold each
 rank's own s/p tokens, so their dropout (embedding, residual) is a TP-region dropout too: it draws
@@ -28,6 +32,7 @@ from zoo.parallel.state import ParallelState, as_state
 # The tracker state name DeepSpeed's activation checkpointing expects.
 TP_RNG_STATE_NAME = "model-parallel-rng"
 TP_SEED_OFFSET = 2718
+PP_SEED_STRIDE = 100
 
 
 def _tracker():
@@ -37,14 +42,16 @@ def _tracker():
 
 
 def model_parallel_seed(seed: int, parallel: ParallelState | None) -> None:
-    """Seed the default generator with ``seed`` and the TP tracker with ``seed + 2718 + tp_rank``."""
+    """Seed the default generator with ``seed + 100 * pp_rank`` and the TP tracker with that + 2718 + tp_rank."""
     from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
 
+    parallel = as_state(parallel)
+    seed = seed + PP_SEED_STRIDE * parallel.pp_rank
     torch.manual_seed(seed)
     get_accelerator().manual_seed(seed)
     tracker = _tracker()
     tracker.reset()
-    tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + as_state(parallel).tp_rank)
+    tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + parallel.tp_rank)
 
 
 def tp_rng_fork(parallel: ParallelState | None):

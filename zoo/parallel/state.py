@@ -1,13 +1,16 @@
-"""The tp x dp rank grid, built once and passed explicitly (no module-level globals).
+"""The tp x dp (x pp) rank grid, built once and passed explicitly (no module-level globals).
 
-Ranks are laid out with tensor-parallel groups of consecutive ranks, as in Megatron-LM:
-with world size W and tensor-parallel size t, rank r sits at
+Ranks are laid out as DeepSpeed's ``PipeModelDataParallelTopology`` (axes pipe, data, model) lays them
+out, and the groups are taken from that topology, so zoo's layers and DeepSpeed's pipeline engine see
+one grid. With world size W, tensor-parallel size t and pipeline-parallel size p, rank r sits at
 
-    tp_rank = r mod t,   dp_rank = r div t,   dp_size = W / t
+    tp_rank = r mod t,   dp_rank = (r div t) mod d,   pp_rank = r div (t d),   d = dp_size = W / (t p)
 
-so the TP group of rank r is {t*(r div t), ..., t*(r div t) + t - 1} and its DP group is
-{r mod t, r mod t + t, ...}. TP groups are the ones that communicate every layer, so they are
-the ranks that share a node (and its NVLink) under DeepSpeed's launcher.
+so the TP group of rank r is t consecutive ranks, its DP group the ranks t apart within its pipeline
+stage, and its pipeline the ranks t d apart. TP groups are the ones that communicate every layer, so
+they are the ranks that share a node (and its NVLink) under DeepSpeed's launcher; pipeline stages, which
+exchange one activation per micro-batch, are the furthest apart. At p = 1 this is Megatron-LM's tp x dp
+grid: tp_rank = r mod t, dp_rank = r div t.
 
 `ParallelState` also implements the duck-typed "mpu" interface that DeepSpeed's engine,
 gradient clipping and activation checkpointing query. It deliberately has no
@@ -42,11 +45,15 @@ class ParallelState:
     world_size: int
     rank: int
     timeout: timedelta | None = None   # of the TP and DP groups (torch's backend default when None)
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: Any = None
+    topology: Any = None               # DeepSpeed's PipeModelDataParallelTopology of the grid (None: single)
 
     # ------------------------------------------------------------------ construction
     @classmethod
-    def initialize(cls, tp_size: int, timeout: timedelta | None = None) -> ParallelState:
-        """Build the grid for tensor-parallel size ``tp_size`` over the whole world.
+    def initialize(cls, tp_size: int, timeout: timedelta | None = None, pp_size: int = 1) -> ParallelState:
+        """Build the grid for tensor-parallel size ``tp_size`` and ``pp_size`` pipeline stages over the whole world.
 
         ``timeout`` bounds every collective of the TP and DP groups (``--distributed-timeout-minutes``);
         None leaves torch's default for the backend (30 minutes on gloo, 10 on NCCL), whatever the
@@ -55,44 +62,53 @@ class ParallelState:
         """
         if not isinstance(tp_size, int) or tp_size < 1:
             raise ValueError(f"tensor-parallel size {tp_size!r} is invalid; pass a positive integer.")
+        if not isinstance(pp_size, int) or pp_size < 1:
+            raise ValueError(f"pipeline-parallel size {pp_size!r} is invalid; pass a positive integer.")
         if not (dist.is_available() and dist.is_initialized()):
-            if tp_size == 1:
+            if tp_size == 1 and pp_size == 1:
                 return cls.single()
             raise ValueError(
                 f"tensor-parallel size {tp_size} needs torch.distributed, which is not initialised; "
                 "start the script with `deepspeed --num_gpus N` (or torchrun) and call "
                 "deepspeed.init_distributed() before ParallelState.initialize."
             )
+        from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # local: DeepSpeed costs seconds
+
         world_size = dist.get_world_size()
         rank = dist.get_rank()
-        check_grid(tp_size, world_size)
-        dp_size = world_size // tp_size
-
-        tp_group = None
-        dp_group = None
+        check_grid(tp_size, world_size, pp_size)
+        dp_size = world_size // (tp_size * pp_size)
+        topology = PipeModelDataParallelTopology(num_pp=pp_size, num_mp=tp_size, num_dp=dp_size)
         timeout_kwargs = {} if timeout is None else {"timeout": timeout}
-        # new_group is collective over the whole world: every rank creates every group.
-        for first in range(0, world_size, tp_size):
-            ranks = list(range(first, first + tp_size))
-            group = dist.new_group(ranks, **timeout_kwargs)
-            if rank in ranks:
-                tp_group = group
-        for offset in range(tp_size):
-            ranks = list(range(offset, world_size, tp_size))
-            group = dist.new_group(ranks, **timeout_kwargs)
-            if rank in ranks:
-                dp_group = group
 
+        def own_group(axis: str):
+            """This rank's group along ``axis``; new_group is collective over the whole world, so every rank
+            creates every group of the axis, in the topology's order."""
+            mine = None
+            for ranks in topology.get_axis_comm_lists(axis) or [[r] for r in range(world_size)]:
+                group = dist.new_group(ranks, **timeout_kwargs)
+                if rank in ranks:
+                    mine = group
+            return mine
+
+        tp_group = own_group("model")
+        dp_group = own_group("data")
+        pp_group = own_group("pipe") if pp_size > 1 else None
+        coord = topology.get_coord(rank)
         return cls(
             tp_size=tp_size,
-            tp_rank=rank % tp_size,
+            tp_rank=coord.model,
             tp_group=tp_group,
             dp_size=dp_size,
-            dp_rank=rank // tp_size,
+            dp_rank=coord.data,
             dp_group=dp_group,
             world_size=world_size,
             rank=rank,
             timeout=timeout,
+            pp_size=pp_size,
+            pp_rank=coord.pipe,
+            pp_group=pp_group,
+            topology=topology,
         )
 
     @classmethod
@@ -130,18 +146,32 @@ class ParallelState:
         return self.dp_group
 
     def get_pipeline_model_parallel_world_size(self) -> int:
-        return 1
+        return self.pp_size
 
     def get_pipeline_model_parallel_rank(self) -> int:
-        return 0
+        return self.pp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
 
     def __repr__(self) -> str:  # groups are opaque handles; keep the repr readable
+        pipeline = f", pp={self.pp_rank}/{self.pp_size}" if self.pp_size > 1 else ""
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "
-                f"dp={self.dp_rank}/{self.dp_size})")
+                f"dp={self.dp_rank}/{self.dp_size}{pipeline})")
 
 
-def check_grid(tp_size: int, world_size: int) -> None:
-    """The one check of the rank grid: ``tp_size`` must divide ``world_size`` (one sentence if not)."""
+def check_grid(tp_size: int, world_size: int, pp_size: int = 1) -> None:
+    """The one check of the rank grid: ``tp_size`` x ``pp_size`` must divide ``world_size`` (one sentence if not)."""
+    if pp_size > 1 and (tp_size < 1 or world_size % (tp_size * pp_size) != 0):
+        raise ValueError(f"tensor-parallel size {tp_size} x pipeline-parallel size {pp_size} = {tp_size * pp_size} "
+                         f"does not divide the world size {world_size}; launch a multiple of {tp_size * pp_size} "
+                         "processes or pass --tensor-parallel-size and --pipeline-model-parallel-size whose product "
+                         f"divides {world_size}.")
     if tp_size < 1 or world_size % tp_size != 0:
         fits = [t for t in range(1, world_size + 1) if world_size % t == 0]
         raise ValueError(f"tensor-parallel size {tp_size} does not divide the world size {world_size}; pass "

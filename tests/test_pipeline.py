@@ -1,0 +1,148 @@
+"""GPT-2 pipeline stages (DeepSpeed's PipelineModule and PipelineEngine over zoo's tensor-parallel layers)
+against the one-process GPT2LMHeadModel of the same seed.
+
+* The init of a P-stage model at any tp equals the one-stage model's, parameter by parameter, exactly
+  (each stage replays the draws of the layers before it).
+* One step of DeepSpeed's pipeline engine (1F1B over m = 4 micro-batches) leaves gradients equal to the
+  reference's mean micro-batch gradients, in float64, <= 1e-9 relative per parameter: tp1 x pp2 (2 ranks),
+  tp2 x pp2 and tp1 x pp4 (4 ranks); data parallelism is covered in fp32 through the launcher
+  (tests/test_pipeline_training.py). The tied word embedding's gradient
+  (first stage's lookup + last stage's head, all-reduced between them by DeepSpeed) is checked on both copies.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from tests.checks import rel_err
+from tests.spawn import spawn
+
+SEED = 1234
+MICRO = 2          # micro-batch size
+M = 4              # micro-batches per step
+SEQ = 16
+GRAD_RTOL = 1e-9   # float64: only summation order differs
+
+
+def tiny_config(**extra):
+    from zoo.models import gpt2_config
+
+    return gpt2_config("gpt2-tiny", n_layer=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **extra)
+
+
+def batches(dp_size: int):
+    generator = torch.Generator().manual_seed(7)
+    ids = torch.randint(0, 50257, (dp_size * M, MICRO, SEQ), generator=generator)
+    return ids   # (dp * m, b, s): rank d takes micro-batches d*m ... d*m + m - 1
+
+
+def reference(dtype=torch.float64):
+    """The one-process model of SEED (master weights), and its mean micro-batch gradients over dp x m batches."""
+    from zoo.models import GPT2LMHeadModel
+    from zoo.parallel import model_parallel_seed
+
+    model_parallel_seed(SEED, None)
+    model = GPT2LMHeadModel(tiny_config())
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}
+    return model.to(dtype), params
+
+
+def reference_grads(dp_size: int) -> dict[str, torch.Tensor]:
+    model, _ = reference()
+    ids = batches(dp_size)
+    for micro in ids:
+        (model(micro, labels=micro).loss / len(ids)).backward()
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
+
+
+def _stage(rank, world_size, tp, pp, dtype, step):
+    os.environ["LOCAL_RANK"] = str(rank)   # PipelineModule reads it (the launcher sets it)
+    import deepspeed
+
+    from zoo.models.families import param_groups
+    from zoo.models.gpt2_pipeline import gpt2_pipeline_module, hf_names
+    from zoo.parallel import ParallelState, model_parallel_seed
+    from zoo.parallel.partition import partition_specs
+
+    deepspeed.init_distributed(dist_backend="gloo")   # DeepSpeed's comm wraps the harness's process group
+    ps = ParallelState.initialize(tp, pp_size=pp)
+    model_parallel_seed(SEED, ps)
+    module = gpt2_pipeline_module(tiny_config(), ps, SEED, partition_method="uniform")
+    names = hf_names(module)
+    specs = partition_specs(module)
+    result = {"tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank,
+              "init": {names[n]: (p.detach().clone(), specs[n]) for n, p in module.named_parameters()}}
+    if not step:
+        return result
+    module.to(dtype)
+    ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M,
+          "train_batch_size": MICRO * M * ps.dp_size, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, 0.01), config=ds)
+    grads = {}
+
+    def capture(optimizer, args, kwargs):
+        for name, p in module.named_parameters():
+            grads[name] = p.grad.detach().clone()
+
+    engine.optimizer.register_step_pre_hook(capture)
+    # dp = 1: nothing to average over replicas, and DeepSpeed's bucketed all-reduce refuses float64 tensors
+    # (the tied embedding's all-reduce between the first and last stage is a plain one and still runs).
+    engine.pipeline_enable_backward_allreduce = False
+    ids = batches(ps.dp_size)[ps.dp_rank * M:(ps.dp_rank + 1) * M]
+    loss = engine.train_batch(iter([(micro, micro) for micro in ids]))
+    result["loss"] = float(loss)
+    result["grads"] = {n: (names[n], g, specs[n]) for n, g in grads.items()}
+    return result
+
+
+def merged(results, key):
+    """Every GPT2LMHeadModel name -> the tensor merged over tp from the first dp replica, per stage copy."""
+    by_name: dict[str, dict[int, dict[int, torch.Tensor]]] = {}
+    spec_of = {}
+    for r in results:
+        if r["dp_rank"] != 0:
+            continue
+        entries = r[key]
+        for pipe_name, entry in entries.items():
+            name, tensor, spec = entry if key == "grads" else (pipe_name, *entry)
+            by_name.setdefault(name, {}).setdefault(r["pp_rank"], {})[r["tp_rank"]] = tensor
+            spec_of[name] = spec
+    out = {}
+    for name, stages in by_name.items():
+        out[name] = [spec_of[name].merge([shards[t] for t in sorted(shards)]) for _, shards in sorted(stages.items())]
+    return out
+
+
+def unpad(name, tensor, like):
+    return tensor[:like.shape[0]] if tensor.shape[0] != like.shape[0] and name.endswith("wte.weight") else tensor
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
+def test_stage_init_equals_one_stage_model(tp, pp):
+    results = spawn(_stage, tp * pp, tp, pp, torch.float32, False)
+    _, params = reference()
+    init = merged(results, "init")
+    assert sorted(init) == sorted(n for n in params if n != "lm_head.weight")
+    for name, copies in init.items():
+        for copy in copies:
+            copy = unpad(name, copy, params[name])
+            assert torch.equal(copy, params[name]), name
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (1, 4)])
+def test_one_pipeline_step_gradients_equal_reference_fp64(tp, pp):
+    results = spawn(_stage, tp * pp, tp, pp, torch.float64, True)
+    expected = reference_grads(1)
+    got = merged(results, "grads")
+    assert sorted(got) == sorted(n for n in expected if n != "lm_head.weight")
+    worst = {}
+    for name, copies in got.items():
+        for copy in copies:
+            worst[name] = max(worst.get(name, 0.0), rel_err(unpad(name, copy, expected[name]), expected[name]))
+    bad = {n: e for n, e in worst.items() if e > GRAD_RTOL}
+    assert not bad, bad
+    assert len(got["transformer.wte.weight"]) == (2 if pp > 1 else 1)   # both tied copies were checked

@@ -1,0 +1,258 @@
+"""GPT-2 as a DeepSpeed ``PipelineModule`` of zoo's tensor-parallel layers (3D parallelism).
+
+The model is the sequence DeepSpeed's pipeline engine runs stage by stage (Narayanan et al. 2021 compose
+it with the paper's tensor parallelism and with data parallelism):
+
+    index 0          word embedding (vocab-parallel), tied: TiedLayerSpec "word_embeddings"
+    index 1          + position embedding, embedding dropout (sequence-parallel scatter first, with SP)
+    index 2 ... L+1  the L transformer layers
+    index L+2        final LayerNorm
+    index L+3        LM head: the tied word embedding again, local logits (b, s, V_padded / t)
+    loss             the fused vocab-parallel cross-entropy of the shifted labels (:class:`GPT2PipelineLoss`)
+
+DeepSpeed keeps the tied word embedding on the first and the last stage, all-reduces its gradient between
+them and marks the last stage's copy ``ds_pipe_replicated``. Between stages one tensor travels per
+micro-batch: the hidden states (b, s, h), or this rank's (b, s/t, h) under sequence parallelism.
+
+**Init equal to the one-stage model.** A stage's layers are drawn exactly as :class:`GPT2LMHeadModel`
+draws them from the run's seed: before its first layer a stage replays the draws of every earlier layer
+(built one at a time and dropped, :class:`InitReplay`), so a P-stage model starts from the same weights as
+the one-stage model of the same seed, at every tp (the layers draw full masters and keep their slice).
+
+**Names.** :func:`hf_names` maps each parameter of a stage to its ``GPT2LMHeadModel`` name, so the
+partition specs (:func:`zoo.parallel.partition.partition_specs` of the stage), transformers' layout and
+zoo's checkpoint tools read a stage as a subset of the one model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.models.config import GPT2Config, recompute_mode
+from zoo.models.transformer import TransformerLayer, lm_loss, recomputed, region_dropout
+from zoo.parallel import VocabParallelEmbedding, scaled_init_std
+from zoo.parallel.layers import SequenceParallelLayerNorm
+from zoo.parallel.mappings import scatter_to_sequence_parallel_region
+from zoo.parallel.state import ParallelState
+
+__all__ = ["gpt2_pipeline_module", "GPT2PipelineLoss", "InitReplay", "hf_names", "layer_count",
+           "PARTITION_METHODS", "TIED_KEY"]
+
+TIED_KEY = "word_embeddings"
+# zoo's --pipeline-partition-method -> DeepSpeed's partition_method: "uniform" balances the transformer layers
+# (embeddings and head ride on the first and last stage), "parameters" balances parameter counts.
+PARTITION_METHODS = {"uniform": "type:GPT2BlockPipe", "parameters": "parameters"}
+
+
+def layer_count(config: GPT2Config) -> int:
+    """Entries of the pipeline's layer sequence: 2 embedding entries, the layers, the final norm, the head."""
+    return config.n_layer + 4
+
+
+class InitReplay:
+    """Draws each stage's layers as the one-stage model draws them.
+
+    :class:`GPT2LMHeadModel` draws, from the seed, wte, wpe, then layer 0, 1, ... (the final LayerNorm draws
+    nothing). :meth:`before` is called by every pipeline layer at the start of its construction with its
+    index; it reseeds the default generators where the draw order restarts (a first build, an index below
+    the last one built, DeepSpeed's counting pass before the real build, the tied head that repeats wte) and
+    builds and drops the layers between the last one built and this one, so their draws are consumed.
+    """
+
+    def __init__(self, config: GPT2Config, parallel: ParallelState, seed: int):
+        self.config, self.parallel, self.seed = config, parallel, seed
+        self.next_index: int | None = None
+        self.replaying = False
+
+    def before(self, index: int) -> None:
+        if self.replaying:
+            return
+        target = 0 if index == layer_count(self.config) - 1 else index   # the head draws what wte draws
+        if self.next_index is None or target < self.next_index:
+            self.reseed()
+            self.next_index = 0
+        with self.replay():
+            for skipped in range(self.next_index, target):
+                layer_class(skipped, self.config)(self.config, self.parallel, skipped, self)   # drawn, dropped
+        self.next_index = target + 1
+
+    def reseed(self) -> None:
+        from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
+
+        torch.manual_seed(self.seed)
+        get_accelerator().manual_seed(self.seed)
+
+    @contextlib.contextmanager
+    def replay(self):
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
+
+
+def announce(replay: InitReplay | None, index: int) -> None:
+    if replay is not None:
+        replay.before(index)
+
+
+def sequence_parallel_of(config: GPT2Config, parallel: ParallelState) -> bool:
+    """Whether the activations between the layers are this rank's s/t tokens (the run checked s % t == 0)."""
+    return bool(config.sequence_parallel) and parallel.tp_size > 1
+
+
+class WordEmbeddingPipe(nn.Module):
+    """The vocab-parallel word embedding, tied between the first stage (lookup) and the last (LM head)."""
+
+    def __init__(self, config: GPT2Config, parallel: ParallelState, index: int, replay: InitReplay | None = None):
+        super().__init__()
+        announce(replay, index)
+        self.sequence_parallel = sequence_parallel_of(config, parallel)
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, parallel=parallel,
+                                          pad_multiple=config.make_vocab_size_divisible_by,
+                                          init_std=config.initializer_range)
+
+
+def embed_tokens(module: WordEmbeddingPipe, input_ids: torch.Tensor) -> torch.Tensor:
+    """First stage: (b, s) token ids -> (b, s, h) word embeddings (g all-reduces the vocab shards)."""
+    return module.wte(input_ids)
+
+
+def lm_head(module: WordEmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
+    """Last stage: (b, s or s/t, h) final hidden states -> (b, s, V_padded / t) this rank's logits."""
+    return module.wte.lm_logits(hidden, sequence_parallel=module.sequence_parallel)
+
+
+class PositionEmbeddingPipe(nn.Module):
+    """x + wpe(0 ... s-1), scattered along the sequence under SP, then embedding dropout."""
+
+    def __init__(self, config: GPT2Config, parallel: ParallelState, index: int, replay: InitReplay | None = None):
+        super().__init__()
+        announce(replay, index)
+        self.parallel = parallel
+        self.sequence_parallel = sequence_parallel_of(config, parallel)
+        self.wpe = nn.Embedding(config.n_positions, config.n_embd)
+        nn.init.normal_(self.wpe.weight, 0.0, config.initializer_range)
+        self.drop = nn.Dropout(config.embd_pdrop)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(x.shape[1], device=x.device).unsqueeze(0)       # (1, s)
+        x = x + self.wpe(positions)                                              # (b, s, h)
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.parallel)            # (b, s/t, h)
+        return region_dropout(self.drop, x, self.parallel, self.sequence_parallel)
+
+
+class GPT2BlockPipe(TransformerLayer):
+    """One pre-norm GPT-2 layer (:class:`TransformerLayer`, causal), recomputed as the config says."""
+
+    def __init__(self, config: GPT2Config, parallel: ParallelState, index: int, replay: InitReplay | None = None):
+        announce(replay, index)
+        std = config.initializer_range
+        super().__init__(config.n_embd, config.n_head, config.ffn_hidden_size,
+                         layer_norm_eps=config.layer_norm_epsilon, attn_dropout=config.attn_pdrop,
+                         hidden_dropout=config.resid_pdrop, gelu_approximate=config.gelu_approximate,
+                         parallel=parallel, init_std=std, output_init_std=scaled_init_std(std, config.n_layer),
+                         pre_norm=True, sequence_parallel=config.sequence_parallel, checkpoint_transposed=True)
+        self.config = config
+        self.sequence_parallel = sequence_parallel_of(config, parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                        # (b, s or s/t, h) -> same
+        recompute = recompute_mode(self.config) if self.training else None
+        options = {"causal": True, "sequence_parallel": self.sequence_parallel,
+                   "recompute_attention": recompute == "selective"}
+        if recompute == "full" and torch.is_grad_enabled():
+            return recomputed(super().forward, x, None, **options)
+        return super().forward(x, None, **options)
+
+
+class FinalNormPipe(nn.Module):
+    """The final LayerNorm (``ln_f``), on this rank's tokens under SP."""
+
+    def __init__(self, config: GPT2Config, parallel: ParallelState, index: int, replay: InitReplay | None = None):
+        super().__init__()
+        announce(replay, index)
+        self.sequence_parallel = sequence_parallel_of(config, parallel)
+        self.ln_f = SequenceParallelLayerNorm(config.n_embd, eps=config.layer_norm_epsilon, parallel=parallel,
+                                              sequence_parallel=config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln_f(x, sequence_parallel=self.sequence_parallel)
+
+
+def layer_class(index: int, config: GPT2Config) -> type[nn.Module]:
+    last = layer_count(config) - 1
+    if index in (0, last):
+        return WordEmbeddingPipe
+    if index == 1:
+        return PositionEmbeddingPipe
+    if index == last - 1:
+        return FinalNormPipe
+    return GPT2BlockPipe
+
+
+class GPT2PipelineLoss:
+    """loss(local logits, labels): GPT-2's shifted-label mean token cross-entropy, -100 ignored, through the
+    fused vocab-parallel cross-entropy (the logits are never gathered)."""
+
+    __name__ = "GPT2PipelineLoss"
+
+    def __init__(self, parallel: ParallelState, vocab_size: int):
+        self.parallel, self.vocab_size = parallel, vocab_size
+
+    def __call__(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)                     # (b, s): position t predicts t+1
+        return lm_loss(local_logits, targets, self.parallel, self.vocab_size)
+
+
+def gpt2_pipeline_module(config: GPT2Config, parallel: ParallelState, seed: int, partition_method: str = "parameters"):
+    """This rank's stage of GPT-2 as a ``deepspeed.pipe.PipelineModule`` over ``parallel``'s topology (the grid
+    DeepSpeed's engine then uses), its layers drawn as the one-stage model of ``seed`` draws them. Collective.
+
+    After the build the default generators are reseeded with this stage's training stream
+    (:func:`zoo.parallel.model_parallel_seed`)."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # local: DeepSpeed costs seconds to import
+
+    from zoo.parallel import model_parallel_seed
+
+    if partition_method not in PARTITION_METHODS:
+        raise ValueError(f"pipeline partition method {partition_method!r} is not one of {sorted(PARTITION_METHODS)}; "
+                         "pass --pipeline-partition-method uniform (transformer layers) or parameters.")
+    config.validate(parallel.tp_size)
+    replay = InitReplay(config, parallel, seed)
+    specs = []
+    for index in range(layer_count(config)):
+        cls = layer_class(index, config)
+        if cls is WordEmbeddingPipe:
+            specs.append(TiedLayerSpec(TIED_KEY, cls, config, parallel, index, replay,
+                                       forward_fn=embed_tokens if index == 0 else lm_head, tied_weight_attr="wte.weight"))
+        else:
+            specs.append(LayerSpec(cls, config, parallel, index, replay))
+    module = PipelineModule(specs, topology=parallel.topology, loss_fn=GPT2PipelineLoss(parallel, config.vocab_size),
+                            partition_method=PARTITION_METHODS[partition_method])
+    module.zoo_config = config
+    model_parallel_seed(seed, parallel)
+    return module
+
+
+def hf_names(module) -> dict[str, str]:
+    """Each parameter of a pipeline stage (``named_parameters`` names) -> its ``GPT2LMHeadModel`` name.
+    The last stage's tied copy of wte (``ds_pipe_replicated``) maps to the same name as the first stage's."""
+    config: GPT2Config = module.zoo_config
+    last = layer_count(config) - 1
+    names = {}
+    for name, _ in module.named_parameters():
+        head, _, rest = name.partition(".")
+        if head == "tied_modules":
+            names[name] = "transformer." + rest.partition(".")[2]                 # word_embeddings.wte.weight
+            continue
+        index = int(head)
+        if index in (1, last - 1):
+            names[name] = "transformer." + rest                                   # wpe.weight, ln_f.weight
+        else:
+            names[name] = f"transformer.h.{index - 2}.{rest}"
+    return names
