@@ -221,7 +221,8 @@ def read_model_states(path: Path) -> dict[str, Any]:
             ModuleNotFoundError) as err:
         raise ValueError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated or "
                          "not a DeepSpeed model-states file, re-save it.") from None
-    if not isinstance(states, dict) or not isinstance(states.get("module"), dict):
+    pipelined = isinstance(states, dict) and states.get("pipeline_model_parallel_size", 1) > 1
+    if not isinstance(states, dict) or not (isinstance(states.get("module"), dict) or pipelined):
         raise ValueError(f"{path} has no 'module' state dict; it is not a DeepSpeed model-states file, pass the "
                          "checkpoint that zoo's pretrain wrote.")
     if "zoo_model" not in states:
@@ -233,6 +234,22 @@ def read_model_states(path: Path) -> dict[str, Any]:
 def first_line(err: BaseException) -> str:
     text = str(err).strip().splitlines()
     return text[0] if text else type(err).__name__
+
+
+def layout_of_tag(tag_dir: Path) -> tuple[int, int]:
+    """The (tp, pp) a tag was written at: recorded in rank 0's model states (pp 1 when absent, a checkpoint of
+    one stage), and matched by the number of mp_rank_XX_model_states.pt files (one per stage and TP rank;
+    pipeline stages keep their weights in DeepSpeed's layer_XX-model_YY-model_states.pt files)."""
+    count = rank_files_tp(tag_dir)
+    path = model_states_path(tag_dir, 0)
+    states = read_model_states(path)
+    tp = tp_size_of_states(states, path)
+    pp = states.get("pipeline_model_parallel_size", 1)
+    if not isinstance(pp, int) or pp < 1 or tp * pp != count:
+        raise ValueError(f"{tag_dir} holds {count} mp_rank_XX_model_states.pt files but its client state says "
+                         f"tensor_parallel_size={tp} x pipeline_model_parallel_size={pp!r}; copy the complete tag "
+                         "directory or re-save the checkpoint.")
+    return tp, pp
 
 
 def tp_size_of_states(states: dict[str, Any], path: Path) -> int:

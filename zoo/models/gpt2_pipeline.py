@@ -33,13 +33,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.models.config import GPT2Config, recompute_mode
+from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard
 from zoo.models.transformer import TransformerLayer, lm_loss, recomputed, region_dropout
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std
 from zoo.parallel.layers import SequenceParallelLayerNorm
 from zoo.parallel.mappings import scatter_to_sequence_parallel_region
+from zoo.parallel.partition import partition_specs
 from zoo.parallel.state import ParallelState
 
-__all__ = ["gpt2_pipeline_module", "GPT2PipelineLoss", "InitReplay", "hf_names", "layer_count",
+__all__ = ["gpt2_pipeline_module", "GPT2PipelineLoss", "InitReplay", "hf_names", "layer_count", "load_stage_weights",
            "PARTITION_METHODS", "TIED_KEY"]
 
 TIED_KEY = "word_embeddings"
@@ -116,10 +118,10 @@ class WordEmbeddingPipe(nn.Module):
                                           pad_multiple=config.make_vocab_size_divisible_by,
                                           init_std=config.initializer_range)
 
-
-def embed_tokens(module: WordEmbeddingPipe, input_ids: torch.Tensor) -> torch.Tensor:
-    """First stage: (b, s) token ids -> (b, s, h) word embeddings (g all-reduces the vocab shards)."""
-    return module.wte(input_ids)
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """First stage: (b, s) token ids -> (b, s, h) word embeddings (g all-reduces the vocab shards). Being the
+        module itself (not a function of it), the first stage's copy is what DeepSpeed saves as layer 00."""
+        return self.wte(input_ids)
 
 
 def lm_head(module: WordEmbeddingPipe, hidden: torch.Tensor) -> torch.Tensor:
@@ -229,7 +231,7 @@ def gpt2_pipeline_module(config: GPT2Config, parallel: ParallelState, seed: int,
         cls = layer_class(index, config)
         if cls is WordEmbeddingPipe:
             specs.append(TiedLayerSpec(TIED_KEY, cls, config, parallel, index, replay,
-                                       forward_fn=embed_tokens if index == 0 else lm_head, tied_weight_attr="wte.weight"))
+                                       forward_fn=None if index == 0 else lm_head, tied_weight_attr="wte.weight"))
         else:
             specs.append(LayerSpec(cls, config, parallel, index, replay))
     module = PipelineModule(specs, topology=parallel.topology, loss_fn=GPT2PipelineLoss(parallel, config.vocab_size),
@@ -256,3 +258,20 @@ def hf_names(module) -> dict[str, str]:
         else:
             names[name] = f"transformer.h.{index - 2}.{rest}"
     return names
+
+
+def load_stage_weights(module, directory, parallel: ParallelState) -> None:
+    """Fill a stage from a transformers GPT-2 directory (``GPT2LMHeadModel`` keys, with or without the
+    ``transformer.`` prefix of OpenAI-converted files): this stage's tensors, this rank's slices, one at a time.
+    The module must have been built with the directory's config (its shapes)."""
+    files = CheckpointFiles(directory)
+    available = set(files.keys())
+    specs, names = partition_specs(module), hf_names(module)
+    for name, param in module.named_parameters():
+        key = names[name]
+        if key not in available and key.removeprefix("transformer.") in available:
+            key = key.removeprefix("transformer.")
+        if key not in available:
+            raise ValueError(f"checkpoint {directory} has no tensor {key!r} (needed by pipeline stage "
+                             f"{parallel.pp_rank}); it was not written for a GPT-2 model.")
+        param.copy_(read_local_shard(files, HFParam((key,), specs[name]), param, parallel).to(param.dtype))

@@ -97,6 +97,7 @@ class Checkpointer:
         config = self.config
         return {**state.state_dict(), "rng": rng_state(), "zoo_model": config.model,
                 "model_config": self.model_config, "tensor_parallel_size": self.ps.tp_size,
+                "pipeline_model_parallel_size": self.ps.pp_size,
                 "seed": config.seed, "split": config.split, "seq_length": config.seq_length,
                 "lr_schedule": lr_schedule(self.ds_config)}
 

@@ -26,6 +26,15 @@ def pretrained_model(directory: str, run_config: GPT2Config | BertConfig, preset
     with the directory's config.json. A bare BERT encoder (no pretraining heads, e.g. MiniLM) gets
     fresh MLM and SOP heads.
     """
+    kept = pretrained_overrides(directory, run_config, preset, overrides)
+    return family_of(run_config).pretraining_model.from_pretrained(directory, parallel=parallel, **kept)
+
+
+def pretrained_overrides(directory: str, run_config: GPT2Config | BertConfig, preset: str,
+                         overrides: dict[str, Any]) -> dict[str, Any]:
+    """The config fields a run sets on ``--pretrained`` weights (dropout, zoo's run fields, BERT's explicit
+    ``pre_norm``), after checking that the directory holds the run's family and that no other override
+    contradicts its config.json."""
     values = read_config_json(directory)
     stored, family = values.get("model_type"), family_of(run_config)
     if family_of_model_type(stored) is not family:
@@ -43,7 +52,7 @@ def pretrained_model(directory: str, run_config: GPT2Config | BertConfig, preset
     kept = {k: v for k, v in overrides.items() if "drop" in k or k in ZOO_RUN_FIELDS or k == "pre_norm"}
     kept.update({name: getattr(run_config, name)
                  for name in ("activation_checkpointing", "sequence_parallel", "recompute_granularity")})
-    return family.pretraining_model.from_pretrained(directory, parallel=parallel, **kept)
+    return kept
 
 
 def default_corpus(config: GPT2Config | BertConfig, progress: bool) -> str:

@@ -1,5 +1,7 @@
 """Global gradient L2 norm of a tensor-parallel model: ||g|| = sqrt(sum over TP ranks of the sharded
-parameters' squared norms + the replicated parameters' squared norm counted once)."""
+parameters' squared norms + the replicated parameters' squared norm counted once), summed over the
+pipeline stages where there are several (the last stage's copy of the tied word embedding, which
+DeepSpeed marks ``ds_pipe_replicated``, counted once)."""
 
 from __future__ import annotations
 
@@ -11,13 +13,14 @@ from zoo.parallel.state import as_state
 
 
 def global_grad_norm(model: torch.nn.Module, parallel) -> torch.Tensor:
-    """Collective over the TP group. Gradients are assumed already averaged over data parallelism.
+    """Collective over the TP group (and the pipeline's stages). Gradients are assumed already averaged over
+    data parallelism.
 
     Returns a float64 scalar on the gradients' device: the squared norms are summed there and nothing
     is copied to the host, so the caller decides when to synchronise (once per log interval)."""
     sharded, replicated = [], []
     for param in model.parameters():
-        if param.grad is None:
+        if param.grad is None or getattr(param, "ds_pipe_replicated", False):
             continue
         squared = param.grad.detach().double().pow(2).sum()
         (sharded if is_tensor_parallel(param) else replicated).append(squared)
@@ -27,7 +30,10 @@ def global_grad_norm(model: torch.nn.Module, parallel) -> torch.Tensor:
                       else torch.zeros((), dtype=torch.float64, device=device))
     if as_state(parallel).tp_size > 1:
         dist.all_reduce(sharded_sum, group=parallel.tp_group)
-    return (sharded_sum + replicated_sum).sqrt()
+    total = sharded_sum + replicated_sum
+    if as_state(parallel).pp_size > 1:
+        dist.all_reduce(total, group=parallel.pp_group)
+    return total.sqrt()
 
 
 def current_loss_scale(optimizer) -> float:

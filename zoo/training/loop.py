@@ -61,9 +61,10 @@ __all__ = ["LoopState", "StopConditions", "TrainingLoop", "LogWindow", "join", "
 
 # ----------------------------------------------------------------------------------------------- setup
 
-def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | None = None) -> ParallelState:
+def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | None = None,
+         pipeline_parallel_size: int = 1) -> ParallelState:
     """Join the launcher's process group, set this rank's accelerator device right away (before the
-    TP RNG tracker is seeded on it), share the CPU cores, build the tp x dp grid and seed it.
+    TP RNG tracker is seeded on it), share the CPU cores, build the tp x dp (x pp) grid and seed it.
 
     ``tensor_parallel_size`` None means the whole world. ``timeout_minutes``
     (``--distributed-timeout-minutes``) bounds every collective of the world, TP and DP groups; None is
@@ -73,7 +74,8 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
 
     timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     join_process_group(int(os.environ.get("LOCAL_RANK", 0)), timeout=timeout)
-    ps = ParallelState.initialize(tensor_parallel_size or dist.get_world_size(), timeout=timeout or default_pg_timeout)
+    ps = ParallelState.initialize(tensor_parallel_size or dist.get_world_size(), timeout=timeout or default_pg_timeout,
+                                  pp_size=pipeline_parallel_size)
     model_parallel_seed(seed, ps)
     return ps
 
@@ -288,6 +290,11 @@ class TrainingLoop:
         or None where DeepSpeed's is used) is taken before the last step."""
         engine, task = self.engine, self.task
         batches = task.micro_batches(state)
+        run_iteration = getattr(task, "train_iteration", None)
+        if run_iteration is not None:   # the task's engine runs the micro-batches and the step itself
+            sums, count = run_iteration(engine, batches)
+            self.window.grad_norm = task.own_grad_norm(engine)
+            return sums, count
         sums: dict[str, torch.Tensor] = {}
         for micro_step, batch in enumerate(batches):
             output, metrics = task.forward(engine, to_device(batch, engine.device))

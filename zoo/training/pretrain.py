@@ -26,8 +26,21 @@ from zoo.training.checkpointer import Checkpointer
 from zoo.training.families import pretrained_model
 from zoo.training.loop import LoopState, StopConditions, TrainingLoop, join, pin_memory_here, setup_engine
 from zoo.training.metrics import MetricsLogger, perplexity, plot_loss, truncate_metrics_after
+from zoo.training.pipeline import (
+    PipelinePretrainTask,
+    build_pipeline_model,
+    pipeline_model_config,
+    setup_pipeline_engine,
+)
 from zoo.training.pretraining_data import PretrainingData
-from zoo.training.run_config import RunConfig, clipped_warmup_warning, deepspeed_dict, validate_for_world
+from zoo.training.run_config import (
+    RunConfig,
+    clipped_warmup_warning,
+    deepspeed_dict,
+    pipeline_bubble_warning,
+    pipeline_sampling_warning,
+    validate_for_world,
+)
 from zoo.training.run_directory import claim_pretraining_directory
 from zoo.training.tasks import PretrainTask
 from zoo.training.validator import Validator
@@ -60,13 +73,17 @@ def build_pretraining_model(config: RunConfig, ps, device: torch.device | str | 
         model = pretrained_model(config.pretrained, model_config, config.model, config.model_overrides, ps)
         model_config = model.config
     shape = shape_of(model_config)
-    if config.seq_length > shape.max_positions:
-        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
-                         f"{shape.max_positions}; pass --seq-length {shape.max_positions} or less.")
+    check_seq_length(config, shape)
     if model is None:
         with torch.device(accelerator_device() if device is None else device):
             model = build_model(model_config, ps)
     return model, model_config, shape
+
+
+def check_seq_length(config: RunConfig, shape) -> None:
+    if config.seq_length > shape.max_positions:
+        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
+                         f"{shape.max_positions}; pass --seq-length {shape.max_positions} or less.")
 
 
 def accelerator_device() -> torch.device:
@@ -88,7 +105,8 @@ def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[s
         raise ValueError("sample_prompts are set but no text sampler was given; run launch/pretrain.py, or call "
                          "pretrain(config, sample_text=zoo.inference.sample_lines).")
     started = time.monotonic()   # --exit-duration-in-mins counts from here: the set-up is part of the job's time
-    ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
+    ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes,
+              config.pipeline_model_parallel_size)
     gas = validate_for_world(config, dist.get_world_size())
     is_writer = dist.get_rank() == 0
     lock = raise_on_any_rank(lambda: claim_pretraining_directory(
@@ -113,10 +131,11 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
                                   sample_text: SampleText | None = None) -> dict[str, Any]:
     """The run proper, in a claimed ``--save``: the engine, the resumed state, the data, the metrics
     file, then the loop over a :class:`PretrainTask` with its :class:`Validator` and :class:`Checkpointer`."""
-    engine, model, model_config, shape, ds_config = build_engine(config, ps, gas, is_writer)
+    engine, model, model_config, shape, ds_config, clipping = build_engine(config, ps, gas, is_writer)
     host = host_group(None if config.distributed_timeout_minutes is None
                       else timedelta(minutes=config.distributed_timeout_minutes))
-    checkpointer = Checkpointer(engine, config, ds_config, ps, model.hf_config_dict(), is_writer)
+    checkpointer = Checkpointer(engine, config, ds_config, ps, model_config.to_hf_dict() if ps.pp_size > 1
+                                else model.hf_config_dict(), is_writer)
     state = checkpointer.resume()
     data = PretrainingData(config, model_config, ps, engine.train_micro_batch_size_per_gpu(), engine.train_batch_size(),
                            config.data_workers, pin_memory_here(), agreement_group=host)
@@ -124,14 +143,16 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
     stop = StopConditions(exit_interval=config.exit_interval, exit_duration_minutes=config.exit_duration_in_mins,
                           handle_signals=config.exit_signal_handler, group=host, started=started)
     validator = Validator(engine, data, config, ps, logger)
-    loop = TrainingLoop(engine, ps, PretrainTask(config, data, engine, ps, gas, shape), logger, validator,
-                        checkpointer, stop, progress_desc="pretrain", is_writer=is_writer)
+    task = (PipelinePretrainTask(config, data, engine, ps, gas, shape, clipping) if ps.pp_size > 1
+            else PretrainTask(config, data, engine, ps, gas, shape))
+    loop = TrainingLoop(engine, ps, task, logger, validator, checkpointer, stop, progress_desc="pretrain",
+                        is_writer=is_writer)
     state = run_loop(loop, state, config, data)
     if state.stopped_by is not None and is_writer:
         print(f"stopped by {state.stopped_by} after iteration {state.iteration}: checkpoint "
               f"{checkpointer.tag_directory(state.iteration)}; resume with --load {Path(config.save)}", flush=True)
     samples = []
-    if config.sample_prompts and state.stopped_by is None:   # every rank decodes; the writer prints
+    if config.sample_prompts and state.stopped_by is None and ps.pp_size == 1:   # every rank decodes; the writer prints
         samples = sample_text(engine.module, config.sample_prompts, config.seed, ps)
     if logger.is_writer and state.stopped_by is None:
         print_summary(Path(config.save), state.iteration, state.last_event, validator.loss, data, config, shape,
@@ -141,19 +162,32 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
 
 
 def build_engine(config: RunConfig, ps, gas: int, is_writer: bool):
-    """(engine, model, model config, shape, ds_config) of the run: the model (:func:`build_pretraining_model`),
-    DeepSpeed's activation checkpointing when ``--checkpoint-activations`` or ``--recompute-granularity`` asks for it, and the engine over both."""
+    """(engine, model, model config, shape, ds_config, clipping) of the run: the model
+    (:func:`build_pretraining_model`, or this rank's pipeline stage), DeepSpeed's activation checkpointing when
+    ``--checkpoint-activations`` or ``--recompute-granularity`` asks for it, and the engine over both
+    (DeepSpeed's pipeline engine with stages; ``clipping`` is then zoo's fp32 clipping hook, else None)."""
     import deepspeed  # local: DeepSpeed costs seconds to import
 
-    model, model_config, shape = build_pretraining_model(config, ps)
     ds_config = deepspeed_dict(config, gas)
-    if is_writer and clipped_warmup_warning(config):
-        print(f"warning: {clipped_warmup_warning(config)}", file=sys.stderr)
+    for warning in (clipped_warmup_warning(config), pipeline_bubble_warning(config, gas),
+                    pipeline_sampling_warning(config)):
+        if is_writer and warning:
+            print(f"warning: {warning}", file=sys.stderr)
+    weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.01)
+    if ps.pp_size > 1:
+        model_config = raise_on_any_rank(lambda: pipeline_model_config(config))
+        shape = shape_of(model_config)
+        check_seq_length(config, shape)
+        if config.recompute:
+            deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
+        model = build_pipeline_model(config, model_config, ps, accelerator_device())
+        engine, clipping = setup_pipeline_engine(model, ds_config, ps, weight_decay, config.sequence_parallel)
+        return engine, model, model_config, shape, ds_config, clipping
+    model, model_config, shape = build_pretraining_model(config, ps)
     if config.recompute:   # full or selective: DeepSpeed's checkpointing restores the TP RNG on recompute
         deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
-    weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.01)
     engine = setup_engine(model, ds_config, ps, weight_decay, refresh_masters=bool(config.pretrained))
-    return engine, model, model_config, shape, ds_config
+    return engine, model, model_config, shape, ds_config, None
 
 
 def open_metrics(config: RunConfig, ds_config: dict[str, Any], iteration: int, is_writer: bool, host) -> MetricsLogger:

@@ -23,8 +23,8 @@ from zoo.checkpoint.files import (
     LATEST_FILE,
     checkpoints_root,
     has_complete_checkpoint,
+    layout_of_tag,
     model_states_path,
-    rank_files_tp,
     read_model_states,
     resume_tag_directory,
 )
@@ -80,20 +80,27 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
                              "with a finished checkpoint.")
         if note and is_first_rank():
             print(f"--load {load}: {note}", flush=True)
-        source_tp = rank_files_tp(tag_dir)
+        source_tp, source_pp = layout_of_tag(tag_dir)
         partitions = partition_files(tag_dir)
         if engine is not None:
             check_optimizer_files(partitions, engine_optimizer_files(engine), load)
-        return root, tag_dir, source_tp, partitions
+        return root, tag_dir, source_tp, source_pp, partitions
 
-    root, tag_dir, source_tp, partitions = raise_on_any_rank(locate)
+    root, tag_dir, source_tp, source_pp, partitions = raise_on_any_rank(locate)
     # Every .pt of the tag loads with the weights-only unpickler (each rank a share, agreed) before
     # DeepSpeed's load_checkpoint, which unpickles with weights_only=False, reads any of them.
     raise_on_any_rank(lambda: check_tag_files(tag_dir, *rank_and_world()))
     same_dp = partitions is None or partitions.dp_size == ps.dp_size
-    if source_tp == ps.tp_size and same_dp:
-        raise_on_any_rank(lambda: check_rank_states(tag_dir, ps.tp_rank, model_config, load))
+    pp_size = getattr(ps, "pp_size", 1)
+    if (source_tp, source_pp) == (ps.tp_size, pp_size) and same_dp:
+        model_parallel_rank = getattr(ps, "pp_rank", 0) * ps.tp_size + ps.tp_rank   # DeepSpeed's mp_rank_XX
+        raise_on_any_rank(lambda: check_rank_states(tag_dir, model_parallel_rank, model_config, load))
         return root, tag_dir.name
+    if source_pp > 1 or pp_size > 1:
+        raise ValueError(f"--load {load} holds a checkpoint written at tp={source_tp} x pp={source_pp}"
+                         f"{'' if same_dp else ' (another dp)'} and this run is tp={ps.tp_size} x pp={pp_size}; "
+                         f"resume it at tp={source_tp} x pp={source_pp}, or export it (launch/export.py) and start "
+                         "the new layout with --pretrained.")
     # The shape first (from rank 0's file, every rank), so that no copy of another model is resharded.
     raise_on_any_rank(lambda: check_rank_states(tag_dir, 0, model_config, load))
     new_dp = None if partitions is None else ps.dp_size

@@ -57,6 +57,14 @@ class RunConfig:
     """One pretraining run's settings: each field is a ``--flag`` (dashes) and a zoo-block key (underscores)."""
 
     tensor_parallel_size: int = option(1, group="parallelism", help="tensor-parallel degree: ranks per model replica")
+    pipeline_model_parallel_size: int = option(
+        1, group="parallelism",
+        help="pipeline stages (GPT-2; DeepSpeed's pipeline engine, 1F1B): tp x pp x dp = world size (default 1: "
+             "every rank holds all layers)")
+    pipeline_partition_method: str = option(
+        "parameters", group="parallelism",
+        help="how the layers are split over the stages: 'parameters' (balanced parameter counts, DeepSpeed's "
+             "default) or 'uniform' (the same number of transformer layers per stage)")
     model: str = option("gpt2-tiny", group="model", help="model preset (zoo.models.presets), e.g. gpt2-345m, bert-tiny")
     seq_length: int = option(1024, group="model", help="tokens per training sample")
     train_iters: int = option(1000, group="training", help="optimizer steps of the whole run")
@@ -246,7 +254,8 @@ def validate_static(config: RunConfig) -> RunConfig:
     if bad:
         raise ValueError(f"model_overrides key {bad[0]!r} is not a {type(family_config).__name__} field; "
                          f"use one of {sorted(allowed)}.")
-    for name in ("train_iters", "seq_length", "tensor_parallel_size", "log_interval", "eval_iters"):
+    for name in ("train_iters", "seq_length", "tensor_parallel_size", "pipeline_model_parallel_size", "log_interval",
+                 "eval_iters"):
         if getattr(config, name) < 1:
             raise ValueError(f"{name} = {getattr(config, name)} must be at least 1; fix the zoo block or the flag.")
     for name in ("eval_interval", "save_interval", "exit_interval", "data_workers"):
@@ -258,6 +267,7 @@ def validate_static(config: RunConfig) -> RunConfig:
             raise ValueError(f"{name} = {getattr(config, name)} must be a positive number of minutes; fix the zoo "
                              "block or the flag.")
     check_sample_prompts(config, model_config(config.model, **config.model_overrides))
+    check_pipeline(config, model_config(config.model, **config.model_overrides))
     if config.recompute_granularity not in (None, "full", "selective"):
         raise ValueError(f"recompute_granularity {config.recompute_granularity!r} is not 'full' or 'selective'; pass "
                          "--recompute-granularity full (every layer) or selective (the attention core).")
@@ -308,6 +318,56 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
                              f"model's n_positions={n_positions}; shorten it.")
 
 
+def check_pipeline(config: RunConfig, family_config) -> None:
+    """A pipeline layout zoo and DeepSpeed's pipeline engine can run: GPT-2, a known partition method, every
+    stage with a layer (``uniform``: the same number), ZeRO stage 0 or 1."""
+    pp = config.pipeline_model_parallel_size
+    if config.pipeline_partition_method not in ("parameters", "uniform"):
+        raise ValueError(f"pipeline_partition_method {config.pipeline_partition_method!r} is not 'parameters' or "
+                         "'uniform'; pass --pipeline-partition-method parameters (balanced parameter counts) or "
+                         "uniform (equal transformer layers per stage).")
+    if pp == 1:
+        return
+    if family_config.model_type != "gpt2":
+        raise ValueError(f"pipeline stages are built for GPT-2 only, and model {config.model!r} is a "
+                         f"{family_config.model_type} model; train it with --pipeline-model-parallel-size 1 (tensor, "
+                         "sequence and data parallelism).")
+    layers = family_config.n_layer
+    if config.pretrained is None and layers < pp:
+        raise ValueError(f"--pipeline-model-parallel-size {pp} asks for more stages than the {layers} transformer "
+                         f"layers of model {config.model!r}; pass at most {layers} stages.")
+    if config.pretrained is None and config.pipeline_partition_method == "uniform" and layers % pp:
+        fits = [p for p in range(1, layers + 1) if layers % p == 0]
+        raise ValueError(f"--pipeline-partition-method uniform splits the {layers} transformer layers of model "
+                         f"{config.model!r} equally, which {pp} stages cannot; pass --pipeline-model-parallel-size one "
+                         f"of {fits} or --pipeline-partition-method parameters.")
+    stage = (config.ds_config.get("zero_optimization") or {}).get("stage", 0)
+    if stage >= 2:
+        raise ValueError(f"ZeRO stage {stage} in {config.ds_config_path} partitions gradients, which DeepSpeed's "
+                         "pipeline engine cannot; set zero_optimization stage 0 or 1 with "
+                         f"--pipeline-model-parallel-size {pp}.")
+
+
+def pipeline_sampling_warning(config: RunConfig) -> str | None:
+    """The warning to print when ``sample_prompts`` are skipped: sampling needs every layer on one rank."""
+    if config.pipeline_model_parallel_size == 1 or not config.sample_prompts:
+        return None
+    return (f"sample_prompts are skipped: --pipeline-model-parallel-size {config.pipeline_model_parallel_size} splits "
+            "the layers over ranks and sampling needs them all on one; export the checkpoint (launch/export.py) and "
+            "sample with launch/generate.py.")
+
+
+def pipeline_bubble_warning(config: RunConfig, gas: int) -> str | None:
+    """The warning to print (one sentence) when the 1F1B bubble (P - 1) / (m + P - 1) exceeds half the step."""
+    pp = config.pipeline_model_parallel_size
+    if pp == 1 or gas >= pp:
+        return None
+    bubble = (pp - 1) / (gas + pp - 1)
+    return (f"{gas} micro-batches per step over {pp} pipeline stages leave the stages idle {bubble:.0%} of the step "
+            f"(the 1F1B bubble (P - 1) / (m + P - 1)); raise train_batch_size to at least {pp} micro-batches per "
+            "data-parallel replica.")
+
+
 def check_field_types(config: RunConfig) -> None:
     """Every zoo setting has its field's type (CLI flags are typed by argparse, so a wrong type comes
     from the zoo block of the ds_config): one sentence naming the key, its value and the expected type."""
@@ -318,9 +378,9 @@ def validate_for_world(config: RunConfig, world_size: int) -> int:
     """Batch sizes against the data-parallel size; returns the gradient-accumulation steps."""
     from zoo.parallel.state import check_grid  # local: torch import cost (the parser is built without torch)
 
-    tp = config.tensor_parallel_size
-    check_grid(tp, world_size)
-    dp = world_size // tp
+    tp, pp = config.tensor_parallel_size, config.pipeline_model_parallel_size
+    check_grid(tp, world_size, pp)
+    dp = world_size // (tp * pp)
     global_batch = config.ds_config["train_batch_size"]
     micro = config.ds_config["train_micro_batch_size_per_gpu"]
     if global_batch % (micro * dp) != 0:

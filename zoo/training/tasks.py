@@ -39,6 +39,10 @@ class TrainTask(Protocol):
         """The task's grad norm of the iteration, taken before the step (a device tensor), or None where
         DeepSpeed's own is the one to log."""
 
+    # Optional: ``train_iteration(engine, batches) -> (metric sums on the device, their count)`` runs the whole
+    # iteration (forward, backward and step of every micro-batch) where the engine schedules it itself, as
+    # DeepSpeed's pipeline engine does; without it the loop runs forward/backward/step per micro-batch.
+
     def log_event(self, state: LoopState, means: dict[str, float], window: LogWindow) -> dict[str, Any]:
         """The metrics.jsonl event of a log window (``means`` over its micro-batches and the DP ranks)."""
 

@@ -9,6 +9,7 @@ from zoo.distributed import means_over_dp
 from zoo.training.families import forward_with_metrics
 from zoo.training.loop import LoopState, to_device
 from zoo.training.metrics import MetricsLogger, perplexity
+from zoo.training.pipeline import is_pipeline_engine, pipeline_validation_means
 from zoo.training.pretraining_data import PretrainingData
 from zoo.training.run_config import RunConfig
 
@@ -17,7 +18,10 @@ __all__ = ["Validator", "validation_means"]
 
 def validation_means(engine, data: PretrainingData, config: RunConfig, ps) -> dict[str, float]:
     """Validation means over ``eval_iters`` micro-batches and the DP ranks: "loss", plus BERT's
-    "mlm_loss", "sop_loss" and "sop_acc". Summed on the device, one synchronisation at the end."""
+    "mlm_loss", "sop_loss" and "sop_acc". Summed on the device, one synchronisation at the end. A pipeline
+    engine evaluates through its own schedule (:func:`zoo.training.pipeline.pipeline_validation_means`)."""
+    if is_pipeline_engine(engine):
+        return pipeline_validation_means(engine, data, config)
     engine.eval()
     sums: dict[str, torch.Tensor] = {}
     batches = data.valid_micro_batches(config.eval_iters)

@@ -1,0 +1,179 @@
+"""Pretraining with pipeline stages (``--pipeline-model-parallel-size P > 1``): the GPT-2 stage module
+(:mod:`zoo.models.gpt2_pipeline`), DeepSpeed's pipeline engine over it, the task that runs an iteration as
+one ``engine.train_batch`` (the 1F1B schedule over the iteration's m micro-batches), and validation through
+``engine.eval_batch``.
+
+What zoo adds to DeepSpeed's engine:
+
+* **Clipping in fp32.** DeepSpeed's fp32 clipping (``clip_grad_norm_``) counts a replicated parameter only
+  on the rank whose model-parallel rank is 0, and with pipeline stages that rank is the first stage's first
+  TP rank alone: the LayerNorms and biases of every other stage would be left out of the norm (and the tied
+  embedding counted twice). A P > 1 fp32 run therefore hands DeepSpeed ``gradient_clipping`` 0 and clips
+  in a step pre-hook of the optimizer with :func:`zoo.training.grad_norm.global_grad_norm` over every stage
+  and TP rank, with DeepSpeed's rule (coefficient max_norm / (norm + 1e-6), applied when below 1); that norm
+  is the one logged. fp16/bf16 and ZeRO-1 runs keep DeepSpeed's own clipping and its norm.
+* **Sequence parallelism.** Under SP the activation sent between stages is this TP rank's own tokens, so
+  DeepSpeed's partitioning of stage activations across the TP group (which assumes they are replicated)
+  is turned off.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from zoo.distributed import raise_on_any_rank
+from zoo.training.grad_norm import global_grad_norm
+from zoo.training.pretraining_data import PretrainingData
+from zoo.training.run_config import RunConfig
+from zoo.training.tasks import PretrainTask
+
+__all__ = ["pipeline_ds_dict", "build_pipeline_model", "setup_pipeline_engine", "StageGradClipping",
+           "PipelinePretrainTask", "pipeline_validation_means", "is_pipeline_engine"]
+
+CLIP_EPS = 1e-6   # DeepSpeed's clip_grad_norm_: coefficient max_norm / (norm + 1e-6)
+
+
+def zoo_clips(ds: dict[str, Any]) -> bool:
+    """Whether zoo, not DeepSpeed, clips a pipeline run of this ds_config (fp32 without ZeRO)."""
+    mixed = any((ds.get(name) or {}).get("enabled") for name in ("fp16", "bf16"))
+    zero = (ds.get("zero_optimization") or {}).get("stage", 0) > 0
+    return not (mixed or zero)
+
+
+def pipeline_ds_dict(ds: dict[str, Any], sequence_parallel: bool) -> tuple[dict[str, Any], float]:
+    """(the ds_config a pipeline engine is given, the max norm zoo clips to: 0 where DeepSpeed clips)."""
+    from deepspeed.runtime.constants import GRADIENT_CLIPPING_DEFAULT  # local: DeepSpeed costs seconds
+
+    ds = copy.deepcopy(ds)
+    pipeline = ds.setdefault("pipeline", {})
+    pipeline.setdefault("activation_checkpoint_interval", 0)   # zoo's layers recompute themselves
+    if sequence_parallel:   # each TP rank sends its own tokens: nothing replicated to partition
+        pipeline["pipe_partitioned"] = pipeline["grad_partitioned"] = False
+    clip = 0.0
+    if zoo_clips(ds):
+        clip = float(ds.get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT))
+        ds["gradient_clipping"] = 0.0
+    return ds, clip
+
+
+def pipeline_model_config(config: RunConfig):
+    """The GPT-2 config of a pipeline run: the preset's, or with ``--pretrained`` the directory's (checked as a
+    one-stage run checks it), with the run's dropout, recomputation and sequence-parallel fields."""
+    from zoo.models import GPT2LMHeadModel
+    from zoo.models import model_config as build_model_config
+    from zoo.models.config import check_hf_config_values
+    from zoo.models.hf_io import read_config_json
+    from zoo.training.families import pretrained_overrides
+
+    preset = build_model_config(config.model, **{**config.model_run_fields(), **config.model_overrides})
+    if not config.pretrained:
+        return preset
+    kept = pretrained_overrides(config.pretrained, preset, config.model, config.model_overrides)
+    values = read_config_json(config.pretrained)
+    model_config = GPT2LMHeadModel.config_from_hf(values)
+    check_hf_config_values(values, f"{config.pretrained}/config.json")
+    return model_config.replace(**kept)
+
+
+def build_pipeline_model(config: RunConfig, model_config, ps, device):
+    """(this rank's stage module, model config): ``--pretrained`` weights (this stage's tensors, this rank's
+    slices) or the one-stage model's random init of ``--seed``, built on ``device``."""
+    from zoo.models.gpt2_pipeline import gpt2_pipeline_module, load_stage_weights
+
+    with torch.device(device):
+        module = gpt2_pipeline_module(model_config, ps, config.seed, config.pipeline_partition_method)
+    if config.pretrained:
+        with torch.no_grad():
+            raise_on_any_rank(lambda: load_stage_weights(module, config.pretrained, ps))
+    return module
+
+
+def setup_pipeline_engine(module, ds_config: dict[str, Any], ps, weight_decay: float, sequence_parallel: bool):
+    """DeepSpeed's pipeline engine over ``module`` (its mpu is the module's grid, built from ``ps.topology``),
+    with zoo's fp32 clipping hooked to the optimizer; returns (engine, clipping)."""
+    import deepspeed  # local: DeepSpeed costs seconds to import
+
+    from zoo.models.families import param_groups
+    from zoo.training.cuda_arch import fit_cuda_arch_list_for_deepspeed
+    from zoo.training.engine import refresh_fp32_master_weights
+
+    ds, clip = pipeline_ds_dict(ds_config, sequence_parallel)
+    fit_cuda_arch_list_for_deepspeed()
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, weight_decay),
+                                           config=ds)
+    check_same_grid(engine, ps)
+    refresh_fp32_master_weights(engine)
+    clipping = StageGradClipping(module, ps, clip) if zoo_clips(ds) else None
+    if clipping is not None:
+        engine.optimizer.register_step_pre_hook(clipping)
+    return engine, clipping
+
+
+def check_same_grid(engine, ps) -> None:
+    """DeepSpeed's grid and zoo's ParallelState place this rank at the same (pp, dp, tp) coordinates."""
+    grid = engine.grid
+    mine = (ps.pp_rank, ps.dp_rank, ps.tp_rank)
+    theirs = (grid.get_stage_id(), grid.get_data_parallel_rank(), grid.get_slice_parallel_rank())
+    if mine != theirs:
+        raise RuntimeError(f"rank {ps.rank}: zoo's grid says (pp, dp, tp) = {mine}, DeepSpeed's {theirs}; both are "
+                           "built from one topology, so this is a bug: report it with the launch command.")
+
+
+class StageGradClipping:
+    """Optimizer step pre-hook of an fp32 pipeline run: the norm of the gradients over every stage and TP rank
+    (:func:`global_grad_norm`, after DeepSpeed averaged them over dp and summed the tied copies), kept as
+    ``norm`` for the log, and the gradients scaled by min(1, max_norm / (norm + 1e-6)) when ``max_norm`` > 0."""
+
+    def __init__(self, module, ps, max_norm: float):
+        self.module, self.ps, self.max_norm = module, ps, max_norm
+        self.norm: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def __call__(self, optimizer, args, kwargs) -> None:
+        norm = global_grad_norm(self.module, self.ps)
+        self.norm = norm
+        if self.max_norm <= 0:
+            return
+        coefficient = (self.max_norm / (norm + CLIP_EPS)).clamp(max=1.0)
+        for param in self.module.parameters():
+            if param.grad is not None:
+                param.grad.mul_(coefficient.to(param.grad.dtype))
+
+
+def is_pipeline_engine(engine) -> bool:
+    return hasattr(engine, "train_batch") and hasattr(engine, "is_last_stage")
+
+
+def stage_pairs(batches: list[dict[str, torch.Tensor]]):
+    """The iterator the pipeline engine reads: (inputs for the first stage, labels for the last), per micro-batch."""
+    return iter([(batch["input_ids"], batch["labels"]) for batch in batches])
+
+
+class PipelinePretrainTask(PretrainTask):
+    """GPT-2 pretraining over pipeline stages: an iteration is one ``engine.train_batch`` over its m
+    micro-batches; the loss DeepSpeed returns is already the mean over them and over the DP replicas (and
+    is the same on every stage). The logged grad norm is zoo's (fp32) or DeepSpeed's."""
+
+    def __init__(self, config: RunConfig, data: PretrainingData, engine, ps, gas: int, shape,
+                 clipping: StageGradClipping | None):
+        super().__init__(config, data, engine, ps, gas, shape)
+        self.clipping = clipping
+        self.uses_own_norm = clipping is not None
+
+    def train_iteration(self, engine, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], int]:
+        loss = engine.train_batch(stage_pairs(batches))
+        return {"loss": loss.detach().double()}, 1
+
+    def own_grad_norm(self, engine) -> torch.Tensor | None:
+        return self.clipping.norm if self.clipping is not None else None
+
+
+def pipeline_validation_means(engine, data: PretrainingData, config: RunConfig) -> dict[str, float]:
+    """The validation loss over ``eval_iters`` micro-batches and the DP replicas, through the pipeline."""
+    batches = data.valid_micro_batches(config.eval_iters)
+    loss = engine.eval_batch(stage_pairs(batches), num_micro_batches=len(batches))
+    engine.train()
+    return {"loss": float(loss)}
