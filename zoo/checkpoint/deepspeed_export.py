@@ -33,12 +33,19 @@ import torch
 
 from zoo.checkpoint.files import (
     check_rank_files,
+    layout_of_tag,
     model_states_path,
     read_model_states,
     tag_directory,
     tp_size_of_states,
 )
-from zoo.checkpoint.layout import check_layout, checked_layout_model, embedding_key, recover_config
+from zoo.checkpoint.layout import (
+    check_layout,
+    checked_layout_model,
+    config_from_dict,
+    embedding_key,
+    recover_config,
+)
 from zoo.checkpoint.mapped_pages import mapped_ranges, release_pages
 from zoo.models.hf_io import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -68,6 +75,7 @@ class ExportResult:
     dtype: torch.dtype
     config_source: str   # "client_state['model_config']" or how the config was inferred
     model_type: str = "gpt2"
+    pp_size: int = 1
 
 
 # --------------------------------------------------------------------------- merging
@@ -136,6 +144,8 @@ def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None,
                                 "one more file per TP rank, copy them all.")
     first = read_model_states(first_path)
     tp_size = tp_size_of_states(first, first_path)
+    if first.get("pipeline_model_parallel_size", 1) > 1:
+        return export_pipeline_checkpoint(tag_dir, first, out, dtype, max_shard_size)
     check_rank_files(tag_dir, tp_size)
     config, source = recover_config(first, tp_size, first_path)
     layout = checked_layout_model(config, tp_size, first_path)
@@ -152,14 +162,43 @@ def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None,
         del states
 
     out_dtype = dtype or modules[0][embedding_key(config)].dtype
+    ranges = mapped_ranges(model_states_path(tag_dir, rank) for rank in range(tp_size))
+    stream_export(out, layout, modules, out_dtype, ranges, max_shard_size)
+    return ExportResult(out=Path(out), tag_dir=tag_dir, tp_size=tp_size, dtype=out_dtype, config_source=source,
+                        model_type=config.model_type)
+
+
+def stream_export(out, layout, modules: list[dict[str, torch.Tensor]], out_dtype: torch.dtype, ranges,
+                  max_shard_size: int | str) -> None:
+    """Stream every TP rank's (memory-mapped) module state dict through the ``save_pretrained`` writer."""
     param_map = hf_params(layout)
     outputs = output_tensors(layout.named_parameters(), param_map, layout_parallel(layout), out_dtype,
                              {name: modules[0][name].dtype for name, _ in layout.named_parameters()})
-    ranges = mapped_ranges(model_states_path(tag_dir, rank) for rank in range(tp_size))
     error = stream_pretrained(out, with_dtype(layout.hf_config_dict(), out_dtype), outputs,
                               checkpoint_producer(layout, modules, lambda sources: release_pages(sources, ranges)),
                               tokenizer_files(layout.default_tokenizer_dir), max_shard_size)
     if error is not None:
         raise error
+
+
+def export_pipeline_checkpoint(tag_dir: Path, first: dict, out, dtype: torch.dtype | None,
+                               max_shard_size: int | str) -> ExportResult:
+    """The export of a checkpoint written with pipeline stages: each TP rank's layer files put together as the
+    one-stage model's state dict (:func:`zoo.checkpoint.pipeline_files.pipeline_module_states`), then the same
+    stream as a one-stage checkpoint."""
+    from zoo.checkpoint.pipeline_files import layer_path, pipeline_module_states
+
+    tp_size, pp_size = layout_of_tag(tag_dir)
+    first_path = model_states_path(tag_dir, 0)
+    n_layer = config_from_dict(first.get("model_config") or {}, first_path).n_layer
+    modules = [pipeline_module_states(tag_dir, rank, n_layer) for rank in range(tp_size)]
+    config, source = recover_config({**first, "module": modules[0]}, tp_size, first_path)
+    layout = checked_layout_model(config, tp_size, first_path)
+    for rank, module in enumerate(modules):
+        check_layout(layout, module, layer_path(tag_dir, 0, rank))
+    out_dtype = dtype or modules[0][embedding_key(config)].dtype
+    ranges = mapped_ranges(layer_path(tag_dir, index, rank) for index in range(config.n_layer + 3)
+                           for rank in range(tp_size))
+    stream_export(out, layout, modules, out_dtype, ranges, max_shard_size)
     return ExportResult(out=Path(out), tag_dir=tag_dir, tp_size=tp_size, dtype=out_dtype, config_source=source,
-                        model_type=config.model_type)
+                        model_type=config.model_type, pp_size=pp_size)

@@ -45,7 +45,8 @@ def main(argv: list[str] | None = None) -> None:
         size = args.max_shard_size or DEFAULT_MAX_SHARD_SIZE
         size = int(size) if str(size).isdigit() else size
         result = export_checkpoint(args.load, args.out, args.tag, torch_dtype(args.dtype), size)
-        print(f"exported {result.tag_dir} (tp={result.tp_size}) to {result.out} as model_type {result.model_type!r} "
+        print(f"exported {result.tag_dir} (tp={result.tp_size}"
+              f"{f', pp={result.pp_size}' if result.pp_size > 1 else ''}) to {result.out} as model_type {result.model_type!r} "
               f"in {str(result.dtype).replace('torch.', '')}; model config from {result.config_source}")
 
     run_command(work, teardown=False)

@@ -42,7 +42,7 @@ from zoo.parallel.partition import partition_specs
 from zoo.parallel.state import ParallelState
 
 __all__ = ["gpt2_pipeline_module", "GPT2PipelineLoss", "InitReplay", "hf_names", "layer_count", "load_stage_weights",
-           "PARTITION_METHODS", "TIED_KEY"]
+           "one_stage_name", "PARTITION_METHODS", "TIED_KEY"]
 
 TIED_KEY = "word_embeddings"
 # zoo's --pipeline-partition-method -> DeepSpeed's partition_method: "uniform" balances the transformer layers
@@ -241,22 +241,27 @@ def gpt2_pipeline_module(config: GPT2Config, parallel: ParallelState, seed: int,
     return module
 
 
+def one_stage_name(index: int, local_name: str, n_layer: int) -> str:
+    """The ``GPT2LMHeadModel`` name of parameter ``local_name`` of entry ``index`` of the layer sequence (the
+    tied word embedding's entries are 0 and n_layer + 3)."""
+    if index in (0, n_layer + 3):
+        return f"transformer.{local_name}"                                        # wte.weight
+    if index in (1, n_layer + 2):
+        return f"transformer.{local_name}"                                        # wpe.weight, ln_f.weight
+    return f"transformer.h.{index - 2}.{local_name}"
+
+
 def hf_names(module) -> dict[str, str]:
     """Each parameter of a pipeline stage (``named_parameters`` names) -> its ``GPT2LMHeadModel`` name.
     The last stage's tied copy of wte (``ds_pipe_replicated``) maps to the same name as the first stage's."""
-    config: GPT2Config = module.zoo_config
-    last = layer_count(config) - 1
+    n_layer = module.zoo_config.n_layer
     names = {}
     for name, _ in module.named_parameters():
         head, _, rest = name.partition(".")
-        if head == "tied_modules":
-            names[name] = "transformer." + rest.partition(".")[2]                 # word_embeddings.wte.weight
-            continue
-        index = int(head)
-        if index in (1, last - 1):
-            names[name] = "transformer." + rest                                   # wpe.weight, ln_f.weight
+        if head == "tied_modules":                                                # word_embeddings.wte.weight
+            names[name] = one_stage_name(0, rest.partition(".")[2], n_layer)
         else:
-            names[name] = f"transformer.h.{index - 2}.{rest}"
+            names[name] = one_stage_name(int(head), rest, n_layer)
     return names
 
 
