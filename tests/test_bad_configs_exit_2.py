@@ -258,3 +258,51 @@ def test_squad_contexts_and_glue_rows_over_the_limit_are_skipped(tmp_path, monke
                                     f"0\t{'x' * 150_000}\tb\tneutral\n1\t{'y' * 200_001}\tb\tneutral\n2\ta\tb\tentailment\n")
     with pytest.warns(MalformedExampleWarning, match=r"skipped 1 .*longer than 200,000 characters.*id '1'"):
         assert [e.guid for e in read_mnli(mnli)["train"]] == ["train-0", "train-2"]
+
+
+# ------------------------------------------------------------------ pipeline layouts
+PIPELINE_CASES = {
+    "bert": ({"model": "bert-tiny", "pipeline_model_parallel_size": 2, "sample_prompts": [], "model_overrides": {}},
+             "pipeline stages are built for GPT-2 only, and model 'bert-tiny' is not GPT-2 (model_type 'megatron-bert')"),
+    "more-stages-than-layers": ({"pipeline_model_parallel_size": 3},
+                                "--pipeline-model-parallel-size 3 asks for more stages than the 2 transformer layers"),
+    "uniform-not-dividing": ({"pipeline_model_parallel_size": 2, "pipeline_partition_method": "uniform",
+                              "model_overrides": {"n_layer": 3}},
+                             "splits the 3 transformer layers of model 'gpt2-tiny' equally, which 2 stages cannot"),
+    "unknown-partition": ({"pipeline_partition_method": "type:GPT2BlockPipe"},
+                          "pipeline_partition_method 'type:GPT2BlockPipe' is not 'parameters' or 'uniform'"),
+    "zero-2": ({"pipeline_model_parallel_size": 2, "zero": 2}, "ZeRO stage 2 in {path} partitions gradients"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PIPELINE_CASES))
+def test_pretrain_refuses_impossible_pipeline_layouts(case, tmp_path, capsys):
+    from zoo.cli.pretrain import main
+
+    changes, needle = PIPELINE_CASES[case]
+    changes = dict(changes)
+    config = json.loads(json.dumps(DEMO_DS_CONFIG))
+    if "zero" in changes:
+        config["zero_optimization"] = {"stage": changes.pop("zero")}
+    config["zoo"].update(changes)
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--deepspeed_config", str(path), "--save", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert needle.format(path=path) in one_error_line(capsys, from_zoo=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
+
+
+def test_pipeline_world_and_bubble_are_checked_at_launch():
+    from zoo.training.run_config import RunConfig, pipeline_bubble_warning, validate_for_world
+
+    config = RunConfig(tensor_parallel_size=2, pipeline_model_parallel_size=2, ds_config=dict(DEMO_DS_CONFIG))
+    with pytest.raises(ValueError, match=r"tensor-parallel size 2 x pipeline-parallel size 2 = 4 does not divide the "
+                                         r"world size 6; launch a multiple of 4 processes"):
+        validate_for_world(config, 6)
+    gas = validate_for_world(config, 4)   # dp = 1: 8 samples / micro 4 = 2 micro-batches over 2 stages
+    assert gas == 2 and pipeline_bubble_warning(config, gas) is None
+    config.pipeline_model_parallel_size = 4
+    assert validate_for_world(config, 8) == 2
+    assert "idle 60% of the step" in pipeline_bubble_warning(config, 2)

@@ -121,6 +121,29 @@ def unpad(name, tensor, like):
     return tensor[:like.shape[0]] if tensor.shape[0] != like.shape[0] and name.endswith("wte.weight") else tensor
 
 
+def _grid(rank, world_size, tp, pp):
+    import torch.distributed as dist
+
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(tp, pp_size=pp)
+    groups = [dist.get_process_group_ranks(g) for g in (ps.tp_group, ps.dp_group, ps.pp_group)]
+    return (ps.tp_rank, ps.dp_rank, ps.pp_rank), groups
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 2), (1, 2)])
+def test_grid_follows_the_documented_rank_formula(tp, pp):
+    """tp_rank = r mod t, dp_rank = (r div t) mod d, pp_rank = r div (t d), groups = the ranks varying on one axis."""
+    world = 4
+    dp = world // (tp * pp)
+    for rank, (coords, (tp_ranks, dp_ranks, pp_ranks)) in enumerate(spawn(_grid, world, tp, pp)):
+        assert coords == (rank % tp, (rank // tp) % dp, rank // (tp * dp)), rank
+        first = rank - rank % tp
+        assert tp_ranks == list(range(first, first + tp))
+        assert dp_ranks == [r for r in range(world) if r % tp == rank % tp and r // (tp * dp) == coords[2]]
+        assert pp_ranks == [r for r in range(world) if r % (tp * dp) == rank % (tp * dp)]
+
+
 @pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
 def test_stage_init_equals_one_stage_model(tp, pp):
     results = spawn(_stage, tp * pp, tp, pp, torch.float32, False)

@@ -329,8 +329,8 @@ def check_pipeline(config: RunConfig, family_config) -> None:
     if pp == 1:
         return
     if family_config.model_type != "gpt2":
-        raise ValueError(f"pipeline stages are built for GPT-2 only, and model {config.model!r} is a "
-                         f"{family_config.model_type} model; train it with --pipeline-model-parallel-size 1 (tensor, "
+        raise ValueError(f"pipeline stages are built for GPT-2 only, and model {config.model!r} is not GPT-2 "
+                         f"(model_type {family_config.model_type!r}); train it with --pipeline-model-parallel-size 1 (tensor, "
                          "sequence and data parallelism).")
     layers = family_config.n_layer
     if config.pretrained is None and layers < pp:
