@@ -5,6 +5,8 @@
   norms are above 1) and validation loss, <= 1e-5 relative.
 * A tp1 x pp2 run stopped after 3 iterations (``--exit-interval``) and resumed equals the uninterrupted one
   bit for bit (losses, grad norms, learning rates).
+* The tp2 x pp2 run's checkpoint of iteration 3 resumes at tp1 x pp1 and at tp1 x pp4 (weights and Adam
+  moments moved to the new layout) with the uninterrupted run's losses of iterations 4 and 5, <= 1e-5.
 * The tp2 x pp2 checkpoint exports to transformers' GPT-2 layout, whose logits equal those of the tp1 x pp1
   run's export <= 1e-4 relative (weights after 5 Adam steps at lr up to 1e-3 agree to fp32 rounding), and
   equal zoo's GPT2LMHeadModel loaded from the same export <= 1e-5.
@@ -55,7 +57,7 @@ def launch_tp2_pp2(data_path, run_dir: Path, tmp_path: Path) -> subprocess.Compl
     config["zoo"] = {"tensor_parallel_size": 2, "pipeline_model_parallel_size": 2, "model": "gpt2-tiny",
                      "seq_length": 32, "train_iters": ITERS, "data_path": data_path, "split": "80,20,0",
                      "save": str(run_dir), "log_interval": 1, "eval_interval": ITERS, "eval_iters": 2,
-                     "model_overrides": MODEL}
+                     "save_interval": 3, "model_overrides": MODEL}
     path = tmp_path / "tp2_pp2.json"
     path.write_text(json.dumps(config))
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
@@ -126,3 +128,34 @@ def test_pipeline_checkpoint_exports_to_transformers(runs, tmp_path):
         one_stage = transformers.GPT2LMHeadModel.from_pretrained(tmp_path / "one").eval()(ids).logits
     assert rel_err(ours, theirs) <= RTOL
     assert rel_err(theirs, one_stage) <= 1e-4
+
+
+def _resume_elsewhere(rank, world_size, data_path, source, save, pp):
+    os.environ["LOCAL_RANK"] = str(rank)
+    from zoo.training.pretrain import pretrain
+
+    pretrain(pipeline_config(data_path, save, 1, pp, load=source))
+
+
+def checkpoint_of_iteration(run_dir: Path, iteration: int, root: Path) -> Path:
+    """A run directory whose only checkpoint is ``run_dir``'s tag of ``iteration`` (what --load then resumes)."""
+    import shutil
+
+    tag = f"iter_{iteration:07d}"
+    copy = root / f"{run_dir.name}-{tag}"
+    shutil.copytree(run_dir / "checkpoints" / tag, copy / "checkpoints" / tag)
+    (copy / "checkpoints" / "latest").write_text(tag)
+    return copy
+
+
+@pytest.mark.parametrize("pp", [1, 4])
+def test_tp2_pp2_checkpoint_resumes_at_another_layout(runs, corpus_prefix, tmp_path, pp):  # noqa: F811
+    source = checkpoint_of_iteration(runs / "tp2-pp2", 3, tmp_path)
+    spawn(_resume_elsewhere, pp, corpus_prefix, str(source), str(tmp_path / "resumed"), pp)
+    uninterrupted = {e["iteration"]: e for e in train_events(runs / "tp2-pp2")}
+    resumed = train_events(tmp_path / "resumed")
+    assert [e["iteration"] for e in resumed] == [4, 5]
+    for event in resumed:
+        reference = uninterrupted[event["iteration"]]
+        for key in ("loss", "grad_norm", "lr"):
+            assert rel_err(event[key], reference[key]) <= RTOL, (pp, key, event, reference)

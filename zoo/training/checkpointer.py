@@ -24,9 +24,10 @@ from zoo.checkpoint.files import CHECKPOINT_SUBDIR
 from zoo.checkpoint.safe_load import weights_only_loads
 from zoo.checkpoint.save import save_checkpoint
 from zoo.distributed import raise_on_any_rank
-from zoo.parallel.random import TP_RNG_STATE_NAME, TP_SEED_OFFSET
+from zoo.parallel.random import PP_SEED_STRIDE, TP_RNG_STATE_NAME, TP_SEED_OFFSET
+from zoo.training.layout_change import load_at_new_layout, needs_layout_change, param_names_by_group
 from zoo.training.loop import LoopState
-from zoo.training.resume import checkpoint_to_load, has_checkpoint
+from zoo.training.resume import check_rank_states, checkpoint_to_load, has_checkpoint, resume_tag_and_layout
 from zoo.training.run_config import RunConfig, lr_schedule, schedule_change_warning
 
 __all__ = ["Checkpointer", "rng_state", "set_rng_state", "reseed_tp_rng"]
@@ -67,6 +68,18 @@ def reseed_tp_rng(seed: int, iteration: int, ps) -> None:
     tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + ps.tp_rank + 7919 * (iteration + 1) * ps.tp_size)
 
 
+def reseed_stages(seed: int, iteration: int, ps) -> None:
+    """After a pipeline layout change, give every stage a fresh default stream (dropout outside TP regions):
+    the checkpoint's first rank's stream, restored on every rank, would otherwise repeat on each stage."""
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
+
+    if ps.pp_size == 1:
+        return
+    stage_seed = seed + PP_SEED_STRIDE * ps.pp_rank + 7919 * (iteration + 1)
+    torch.manual_seed(stage_seed)
+    get_accelerator().manual_seed(stage_seed)
+
+
 class Checkpointer:
     """Saves and resumes the DeepSpeed ``engine`` of a pretraining run (collective: every rank).
 
@@ -80,6 +93,7 @@ class Checkpointer:
         self.engine, self.config, self.ds_config, self.ps = engine, config, ds_config, ps
         self.model_config, self.is_writer = model_config, is_writer
         self.directory = Path(config.save) / CHECKPOINT_SUBDIR
+        self.param_names = param_names_by_group(engine.module)   # the optimizer state's order, by model name
 
     # saving ---------------------------------------------------------------------------------------
     def is_save_step(self, iteration: int) -> bool:
@@ -97,7 +111,7 @@ class Checkpointer:
         config = self.config
         return {**state.state_dict(), "rng": rng_state(), "zoo_model": config.model,
                 "model_config": self.model_config, "tensor_parallel_size": self.ps.tp_size,
-                "pipeline_model_parallel_size": self.ps.pp_size,
+                "pipeline_model_parallel_size": self.ps.pp_size, "param_names": self.param_names,
                 "seed": config.seed, "split": config.split, "seq_length": config.seq_length,
                 "lr_schedule": lr_schedule(self.ds_config)}
 
@@ -123,6 +137,7 @@ class Checkpointer:
         set_rng_state(client["rng"])
         if "resharded_from" in client:
             reseed_tp_rng(client.get("seed", self.config.seed), state.iteration, self.ps)
+            reseed_stages(client.get("seed", self.config.seed), state.iteration, self.ps)
         change = schedule_change_warning(client.get("lr_schedule"), lr_schedule(self.ds_config), state.iteration)
         if self.is_writer and "lr_schedule" in client and change:
             print(f"warning: {change}", file=sys.stderr)
@@ -130,7 +145,13 @@ class Checkpointer:
 
     def load(self, load: str) -> dict[str, Any]:
         """Load the engine from ``--load``: the checkpoint is located and checked on every rank (readable,
-        same model), then loaded; its client state is returned. A failure on any rank is raised on all."""
+        same model), then loaded; its client state is returned. A failure on any rank is raised on all. A
+        checkpoint written at another (tp, pp) with pipeline stages on either side is moved into the engine
+        (:mod:`zoo.training.layout_change`)."""
+        tag_dir, source = raise_on_any_rank(lambda: resume_tag_and_layout(load))
+        if needs_layout_change(source, self.ps):
+            raise_on_any_rank(lambda: check_rank_states(tag_dir, 0, self.model_config, load))
+            return load_at_new_layout(self.engine, tag_dir, source, self.ps, load)
         load_dir, tag = checkpoint_to_load(load, self.ps, self.model_config)
 
         def load_here() -> dict[str, Any]:

@@ -33,7 +33,8 @@ from zoo.checkpoint.safe_load import check_tag_files
 from zoo.checkpoint.zero_reshard import partition_files
 from zoo.distributed import directory_bytes, raise_on_any_rank, run_on_first_rank
 
-__all__ = ["checkpoint_to_load", "check_rank_states", "has_checkpoint", "model_config_differences"]
+__all__ = ["checkpoint_to_load", "check_rank_states", "has_checkpoint", "model_config_differences",
+           "resume_tag_and_layout"]
 
 # How a pretraining run picks another checkpoint when `latest` names a missing one (it has no --tag).
 LATEST_FIX = ("write the tag of a complete checkpoint ({tags}) into {latest}, or start the run without --load")
@@ -73,14 +74,7 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
     """
     def locate() -> tuple[Path, Path, int, Any]:
         root = checkpoints_root(load)
-        tag_dir, note = resume_tag_directory(root)
-        if tag_dir is None:
-            raise ValueError(f"--load {load}: {note.replace('; starting from iteration 0', '')}; remove "
-                             f"{root / LATEST_FILE} to start the run from iteration 0, or pass --load of a run "
-                             "with a finished checkpoint.")
-        if note and is_first_rank():
-            print(f"--load {load}: {note}", flush=True)
-        source_tp, source_pp = layout_of_tag(tag_dir)
+        tag_dir, (source_tp, source_pp) = resume_tag_and_layout(load, announce=True)
         partitions = partition_files(tag_dir)
         if engine is not None:
             check_optimizer_files(partitions, engine_optimizer_files(engine), load)
@@ -113,6 +107,20 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
     raise_on_any_rank(lambda: check_tag_files(target, *rank_and_world()))
     raise_on_any_rank(lambda: check_rank_states(target, ps.tp_rank, model_config, load))
     return target.parent, target.name
+
+
+def resume_tag_and_layout(load: str | os.PathLike, announce: bool = False) -> tuple[Path, tuple[int, int]]:
+    """The tag a ``--load`` resumes from (``latest`` when that save finished, else the newest complete tag, said
+    in one line on rank 0 with ``announce``) and the (tp, pp) it was written at."""
+    root = checkpoints_root(load)
+    tag_dir, note = resume_tag_directory(root)
+    if tag_dir is None:
+        raise ValueError(f"--load {load}: {note.replace('; starting from iteration 0', '')}; remove "
+                         f"{root / LATEST_FILE} to start the run from iteration 0, or pass --load of a run "
+                         "with a finished checkpoint.")
+    if announce and note and is_first_rank():
+        print(f"--load {load}: {note}", flush=True)
+    return tag_dir, layout_of_tag(tag_dir)
 
 
 def is_first_rank() -> bool:
