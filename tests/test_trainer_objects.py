@@ -5,6 +5,7 @@ iterations save and evaluate."""
 from __future__ import annotations
 
 import random
+from types import SimpleNamespace
 
 import numpy as np
 import torch
@@ -20,7 +21,8 @@ def _checkpointer(tmp_path, is_writer=False, **changes):
     config = run_config(str(tmp_path / "data"), str(tmp_path / "run"), 1, 1, 1, train_iters=10, **changes)
     single = ParallelState(tp_size=1, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
                            world_size=1, rank=0)
-    return Checkpointer(None, config, deepspeed_dict(config, 1), single, {"n_layer": 2}, is_writer)
+    engine = SimpleNamespace(module=torch.nn.Linear(2, 2))   # the payload names the optimizer's parameters
+    return Checkpointer(engine, config, deepspeed_dict(config, 1), single, {"n_layer": 2}, is_writer)
 
 
 def _draws() -> tuple:
@@ -46,6 +48,7 @@ def test_the_checkpointer_restores_the_state_and_every_generator_it_saved(tmp_pa
                                           "tensor_parallel_size", "seq_length")} == {
         "iteration": 3, "consumed_samples": 12, "zoo_model": "gpt2-tiny", "model_config": {"n_layer": 2},
         "tensor_parallel_size": 1, "seq_length": 32}
+    assert payload["param_names"] == [["weight"], ["bias"]] and payload["pipeline_model_parallel_size"] == 1
     expected = _draws()
     _draws()
     state = checkpointer.restore(payload)

@@ -93,7 +93,6 @@ class Checkpointer:
         self.engine, self.config, self.ds_config, self.ps = engine, config, ds_config, ps
         self.model_config, self.is_writer = model_config, is_writer
         self.directory = Path(config.save) / CHECKPOINT_SUBDIR
-        self.param_names = param_names_by_group(engine.module)   # the optimizer state's order, by model name
 
     # saving ---------------------------------------------------------------------------------------
     def is_save_step(self, iteration: int) -> bool:
@@ -111,7 +110,8 @@ class Checkpointer:
         config = self.config
         return {**state.state_dict(), "rng": rng_state(), "zoo_model": config.model,
                 "model_config": self.model_config, "tensor_parallel_size": self.ps.tp_size,
-                "pipeline_model_parallel_size": self.ps.pp_size, "param_names": self.param_names,
+                "pipeline_model_parallel_size": self.ps.pp_size,
+                "param_names": param_names_by_group(self.engine.module),   # the optimizer state's order, by name
                 "seed": config.seed, "split": config.split, "seq_length": config.seq_length,
                 "lr_schedule": lr_schedule(self.ds_config)}
 
