@@ -58,7 +58,7 @@ def reference_grads(dp_size: int) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def _stage(rank, world_size, tp, pp, dtype, step):
+def _stage(rank, world_size, tp, pp, dtype, step, method="uniform"):
     os.environ["LOCAL_RANK"] = str(rank)   # PipelineModule reads it (the launcher sets it)
     import deepspeed
 
@@ -70,10 +70,10 @@ def _stage(rank, world_size, tp, pp, dtype, step):
     deepspeed.init_distributed(dist_backend="gloo")   # DeepSpeed's comm wraps the harness's process group
     ps = ParallelState.initialize(tp, pp_size=pp)
     model_parallel_seed(SEED, ps)
-    module = gpt2_pipeline_module(tiny_config(), ps, SEED, partition_method="uniform")
+    module = gpt2_pipeline_module(tiny_config(), ps, SEED, partition_method=method)
     names = hf_names(module)
     specs = partition_specs(module)
-    result = {"tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank,
+    result = {"tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank, "parts": list(module.parts),
               "init": {names[n]: (p.detach().clone(), specs[n]) for n, p in module.named_parameters()}}
     if not step:
         return result
@@ -144,9 +144,21 @@ def test_grid_follows_the_documented_rank_formula(tp, pp):
         assert pp_ranks == [r for r in range(world) if r % (tp * dp) == rank % (tp * dp)]
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2)])
-def test_stage_init_equals_one_stage_model(tp, pp):
-    results = spawn(_stage, tp * pp, tp, pp, torch.float32, False)
+@pytest.mark.parametrize("tp,pp,method", [(1, 2, "parameters"), (2, 2, "uniform")])
+def test_stage_init_equals_one_stage_model(tp, pp, method):
+    """Also: the planner's stage bounds are the ones DeepSpeed's PipelineModule computed."""
+    from zoo.models import GPT2LMHeadModel
+    from zoo.parallel import ParallelState
+    from zoo.training.pipeline_plan import entry_parameters, stage_bounds
+
+    results = spawn(_stage, tp * pp, tp, pp, torch.float32, False, method)
+    grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
+                         world_size=tp, rank=0)
+    with torch.device("meta"):
+        meta = GPT2LMHeadModel(tiny_config(), grid).transformer
+    counts = [sum(p.numel() for p in m.parameters()) for m in (meta.wte, meta.wpe, meta.h[0], meta.ln_f)]
+    planned = [int(b) for b in stage_bounds(entry_parameters(*counts, 4), pp, method)]
+    assert all(r["parts"] == planned for r in results), (planned, results[0]["parts"])
     _, params = reference()
     init = merged(results, "init")
     assert sorted(init) == sorted(n for n in params if n != "lm_head.weight")

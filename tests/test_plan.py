@@ -315,3 +315,36 @@ def test_bad_input_is_one_sentence_and_exit_2(tmp_path, capsys, case, extra, mes
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+def test_a_pipeline_plan_counts_each_stage_and_the_bubble(tmp_path):
+    """tp 2 x pp 2 x dp 2 of gpt2-tiny (4 layers), m = 4 micro-batches: each stage's parameters are its entries'
+    (the tied word embedding on the first and the last stage), the first stage holds P = 2 micro-batches of its
+    layers' activations and the last stage one, the bubble is (P - 1) / (m + P - 1) and stretches the time."""
+    import json
+
+    from zoo.training.pipeline_plan import bubble_fraction
+
+    config = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
+    config["zoo"].update(tensor_parallel_size=2, pipeline_model_parallel_size=2, pipeline_partition_method="uniform",
+                         model_overrides={"n_layer": 4})
+    config["train_batch_size"], config["train_micro_batch_size_per_gpu"] = 16, 2
+    path = tmp_path / "pp.json"
+    path.write_text(json.dumps(config))
+    one_stage = dict(config, zoo=dict(config["zoo"], pipeline_model_parallel_size=1))
+    (tmp_path / "pp1.json").write_text(json.dumps(one_stage))
+    p, p1 = plan(path, 8, gpu="H100"), plan(tmp_path / "pp1.json", 4, gpu="H100")
+    assert (p.tp, p.pp, p.dp, p.gradient_accumulation_steps) == (2, 2, 2, 4)
+    assert p.bubble_fraction == bubble_fraction(2, 4) == 1 / 5
+    same_world = plan(tmp_path / "pp1.json", 8, gpu="H100")   # the same FLOPs over the same 8 devices
+    assert p.seconds_per_iteration == pytest.approx(same_world.seconds_per_iteration * (4 + 1) / 4)
+    first, last = p.stages
+    assert (first["layers"], last["layers"]) == (2, 2)
+    assert p.padded_vocab == 50432               # 50257 padded to a multiple of 128 x tp
+    embedding = 50432 // 2 * 128                 # this TP rank's rows of the padded vocabulary
+    assert first["params_per_rank"] + last["params_per_rank"] == p1.params_per_rank + embedding
+    layer = layer_activation_bytes(128, 2, 128, 4, 2, value_bytes=4, mask_bytes=1)
+    head = 2 * 4 * 128 * 2 * 128 + (4 + 4) * 128 * 2 * 50432 / 2
+    assert first["activations"] == round(2 * 2 * layer + 2 * 128 * 2 * 128)
+    assert last["activations"] == round(1 * 2 * layer + head)
+    assert p.total == max(first["total"], last["total"])

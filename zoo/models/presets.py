@@ -16,6 +16,8 @@ GPT2_PRESETS: dict[str, dict] = {
     "gpt2-4.2b": dict(n_layer=64, n_embd=2304, n_head=24),
     "gpt2-8.3b-32h": dict(n_layer=72, n_embd=3072, n_head=32),   # Table 1's 8.3B
     "gpt2-8.3b": dict(n_layer=72, n_embd=3072, n_head=24),       # Table 2's 8.3B (the trained one)
+    # A 20B-class shape (GPT-NeoX-20B's layers, width and heads) in GPT-2's architecture, for 3D layouts.
+    "gpt2-20b": dict(n_layer=44, n_embd=6144, n_head=64, n_positions=2048),
     # A CPU-sized model for demos and tests.
     "gpt2-tiny": dict(n_layer=2, n_embd=128, n_head=4, n_positions=256),
 }

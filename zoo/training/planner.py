@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from zoo.training.metrics import megatron_flops_per_iteration
+from zoo.training.pipeline_plan import bubble_fraction, plan_stages
 from zoo.training.run_config import RunConfig, load_run_config, validate_for_world, validate_static
 
 
@@ -232,7 +233,10 @@ class Plan:
     flops_per_iteration: float
     peak_tflops: float | None
     mfu: float
-    seconds_per_iteration: float | None
+    seconds_per_iteration: float | None   # with pipeline stages: including the bubble
+    pp: int = 1
+    bubble_fraction: float = 0.0          # (P - 1) / (m + P - 1) of each step idle
+    stages: tuple = ()                    # one StagePlan dict per pipeline stage (P > 1); the fields above: the heaviest
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -367,10 +371,11 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     memory = parse_memory(gpu_memory) if gpu_memory is not None else (spec.memory_bytes if spec else None)
 
     config = run_config_of(source)
-    tp, world = config.tensor_parallel_size, num_gpus * num_nodes
-    if world % tp != 0:
-        raise ValueError(f"tensor_parallel_size {tp} of {config.ds_config_path} does not divide the {world} "
-                         f"devices ({num_gpus} per node x {num_nodes} nodes); plan a multiple of {tp} devices.")
+    tp, pp, world = config.tensor_parallel_size, config.pipeline_model_parallel_size, num_gpus * num_nodes
+    if world % (tp * pp) != 0:
+        layout = f"tensor_parallel_size {tp}" + (f" x pipeline_model_parallel_size {pp}" if pp > 1 else "")
+        raise ValueError(f"{layout} of {config.ds_config_path} does not divide the {world} devices ({num_gpus} per node x {num_nodes} nodes); plan a "
+                         f"multiple of {tp * pp} devices.")
     gas = validate_for_world(config, world)
     model_config = model_config_of(config)
     shape = shape_of(model_config)
@@ -378,7 +383,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
         raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
                          f"{shape.max_positions}; pass a seq_length of {shape.max_positions} or less.")
 
-    dp = world // tp
+    dp = world // (tp * pp)
     dtype, zero_stage = config.dtype_name, zero_stage_of(config.ds_config)
     recompute = recompute_mode(model_config) or "none"
     sequence_parallel = bool(model_config.sequence_parallel) and tp > 1
@@ -396,26 +401,37 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     scores_bytes = scores_held * attention_scores_bytes(s, b, heads, tp, **widths)
     activations = round(layers_bytes + output_bytes)
     total = weights + gradients + optimizer + activations
-    deepspeed_states = deepspeed_estimate(params.per_rank, params.largest_layer_per_rank, zero_stage, dp)
+    stages: tuple = ()
+    params_per_rank = params.per_rank
+    if pp > 1:
+        stages = plan_stages(model_config, config, tp, pp, dp, gas, s, b, widths, recompute, sequence_parallel)
+        heaviest = max(stages, key=lambda stage: stage.total)
+        weights, gradients, optimizer = heaviest.weights, heaviest.gradients, heaviest.optimizer
+        activations, total, params_per_rank = heaviest.activations, heaviest.total, heaviest.params_per_rank
+        layers_bytes = heaviest.activations   # per stage, the layers' and the ends' share are not told apart
+        output_bytes = 0.0
+    deepspeed_states = deepspeed_estimate(params_per_rank, params.largest_layer_per_rank, zero_stage, dp)
 
     global_batch = config.ds_config["train_batch_size"]
     flops = megatron_flops_per_iteration(global_batch, s, shape.layers, h, padded_vocab,
                                          recompute=recompute == "full")
     peak = spec.peak_tflops if spec else None
-    seconds = flops / (world * peak * 1e12 * mfu) if peak else None
+    bubble = bubble_fraction(pp, gas)
+    seconds = flops / (world * peak * 1e12 * mfu) / (1 - bubble) if peak else None
     return Plan(model=config.model, config=config.ds_config_path, device=spec.name if spec else CPU,
                 world_size=world, num_nodes=num_nodes, tp=tp, dp=dp, dtype=dtype, zero_stage=zero_stage,
                 recompute=recompute, sequence_parallel=sequence_parallel, micro_batch=b, global_batch=global_batch,
                 gradient_accumulation_steps=gas, seq_length=s, layers=shape.layers, hidden=h, heads=heads,
                 vocab=shape.vocab, padded_vocab=padded_vocab, params_total=params.total,
-                params_per_rank=params.per_rank, weights=weights, gradients=gradients, optimizer=optimizer,
+                params_per_rank=params_per_rank, weights=weights, gradients=gradients, optimizer=optimizer,
                 model_states=weights + gradients + optimizer, deepspeed_model_states=deepspeed_states,
                 activations=activations, activations_layers=round(layers_bytes),
                 activations_output=round(output_bytes), activations_attention_scores=round(scores_bytes),
                 total=total, memory=memory,
                 fits=None if memory is None else total <= memory,
                 margin=None if memory is None else memory - total, flops_per_iteration=flops,
-                peak_tflops=peak, mfu=mfu, seconds_per_iteration=seconds)
+                peak_tflops=peak, mfu=mfu, seconds_per_iteration=seconds, pp=pp, bubble_fraction=bubble,
+                stages=tuple(stage.as_dict() for stage in stages))
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -427,7 +443,7 @@ def format_plan(p: Plan) -> str:
     """The readable table of ``launch/plan.py``."""
     lines = [
         f"plan: {p.model} from {p.config}: {p.world_size} x {p.device} on {p.num_nodes} node"
-        f"{'s' if p.num_nodes > 1 else ''}, tp={p.tp} "
+        f"{'s' if p.num_nodes > 1 else ''}, tp={p.tp} " + (f"pp={p.pp} " if p.pp > 1 else "") +
         f"dp={p.dp}, {p.dtype}, ZeRO stage {p.zero_stage}, recompute {p.recompute}"
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         f"  batch: micro {p.micro_batch} x seq {p.seq_length}, global {p.global_batch} "
@@ -446,6 +462,17 @@ def format_plan(p: Plan) -> str:
         "kernel does not keep)",
         f"    total        {gb(p.total):>12}",
     ]
+    if p.pp > 1:
+        lines[4] = "  bytes per rank (the heaviest pipeline stage):"
+        lines[9] = (f"    activations  {gb(p.activations):>12}   the micro-batches in flight under 1F1B (up to "
+                    f"{p.pp} on the first stage)")
+        del lines[10]
+        lines.append(f"  pipeline: {p.pp} stages, {p.gradient_accumulation_steps} micro-batches per step: "
+                     f"bubble {100 * p.bubble_fraction:.1f} % of the step")
+        for stage in p.stages:
+            lines.append(f"    stage {stage['stage']}: {stage['layers']:>3} layers, {stage['params_per_rank']:,} "
+                         f"parameters, model states {gb(stage['weights'] + stage['gradients'] + stage['optimizer'])}, "
+                         f"activations {gb(stage['activations'])}, total {gb(stage['total'])}")
     if p.memory is not None:
         verdict = "fits" if p.fits else "does NOT fit"
         lines.append(f"  memory: {verdict} in {gb(p.memory)}, margin {gb(p.margin)} "
@@ -453,7 +480,7 @@ def format_plan(p: Plan) -> str:
     compute = f"  compute: {p.flops_per_iteration / 1e15:.2f} PFLOP per iteration"
     if p.seconds_per_iteration is not None:
         compute += (f", {p.seconds_per_iteration:.2f} s per iteration at {100 * p.mfu:g} % MFU of "
-                    f"{p.peak_tflops:g} TFLOP/s x {p.world_size}")
+                    f"{p.peak_tflops:g} TFLOP/s x {p.world_size}" + (" with the bubble" if p.pp > 1 else ""))
     else:
         compute += f" (no peak for {p.device}: no time estimate)"
     lines.append(compute)
