@@ -5,7 +5,8 @@ against the one-process GPT2LMHeadModel of the same seed.
   (each stage replays the draws of the layers before it).
 * One step of DeepSpeed's pipeline engine (1F1B over m = 4 micro-batches) leaves gradients equal to the
   reference's mean micro-batch gradients, in float64, <= 1e-9 relative per parameter: tp1 x pp2 (2 ranks),
-  tp2 x pp2 and tp1 x pp4 (4 ranks); data parallelism is covered in fp32 through the launcher
+  tp2 x pp2 and tp1 x pp4 (4 ranks), tp2 x pp2 with sequence parallelism, tp1 x pp2 with full recomputation;
+  data parallelism is covered in fp32 through the launcher
   (tests/test_pipeline_training.py). The tied word embedding's gradient
   (first stage's lookup + last stage's head, all-reduced between them by DeepSpeed) is checked on both copies.
 """
@@ -58,7 +59,7 @@ def reference_grads(dp_size: int) -> dict[str, torch.Tensor]:
     return {name: p.grad.detach().clone() for name, p in model.named_parameters()}
 
 
-def _stage(rank, world_size, tp, pp, dtype, step, method="uniform"):
+def _stage(rank, world_size, tp, pp, dtype, step, method="uniform", extra=None):
     os.environ["LOCAL_RANK"] = str(rank)   # PipelineModule reads it (the launcher sets it)
     import deepspeed
 
@@ -66,11 +67,15 @@ def _stage(rank, world_size, tp, pp, dtype, step, method="uniform"):
     from zoo.models.gpt2_pipeline import gpt2_pipeline_module, hf_names
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.parallel.partition import partition_specs
+    from zoo.training.pipeline import pipeline_ds_dict
 
     deepspeed.init_distributed(dist_backend="gloo")   # DeepSpeed's comm wraps the harness's process group
     ps = ParallelState.initialize(tp, pp_size=pp)
     model_parallel_seed(SEED, ps)
-    module = gpt2_pipeline_module(tiny_config(), ps, SEED, partition_method=method)
+    config = tiny_config(**(extra or {}))
+    if config.activation_checkpointing:
+        deepspeed.checkpointing.configure(ps, num_checkpoints=config.n_layer)
+    module = gpt2_pipeline_module(config, ps, SEED, partition_method=method)
     names = hf_names(module)
     specs = partition_specs(module)
     result = {"tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank, "parts": list(module.parts),
@@ -81,6 +86,7 @@ def _stage(rank, world_size, tp, pp, dtype, step, method="uniform"):
     ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M,
           "train_batch_size": MICRO * M * ps.dp_size, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    ds, _ = pipeline_ds_dict(ds, config.sequence_parallel)   # under SP: no partitioning of stage activations
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, 0.01), config=ds)
     grads = {}
 
@@ -168,9 +174,11 @@ def test_stage_init_equals_one_stage_model(tp, pp, method):
             assert torch.equal(copy, params[name]), name
 
 
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 2), (1, 4)])
-def test_one_pipeline_step_gradients_equal_reference_fp64(tp, pp):
-    results = spawn(_stage, tp * pp, tp, pp, torch.float64, True)
+@pytest.mark.parametrize("tp,pp,extra", [(1, 2, None), (2, 2, None), (1, 4, None),
+                                         (2, 2, {"sequence_parallel": True}), (1, 2, {"activation_checkpointing": True})])
+def test_one_pipeline_step_gradients_equal_reference_fp64(tp, pp, extra):
+    """Also with sequence parallelism (each TP rank sends its own tokens between stages) and full recomputation."""
+    results = spawn(_stage, tp * pp, tp, pp, torch.float64, True, "uniform", extra)
     expected = reference_grads(1)
     got = merged(results, "grads")
     assert sorted(got) == sorted(n for n in expected if n != "lm_head.weight")

@@ -67,14 +67,15 @@ def bubble_fraction(pp: int, m: int) -> float:
     return (pp - 1) / (m + pp - 1)
 
 
-def plan_stages(model_config, config, tp: int, pp: int, dp: int, m: int, s: int, b: int,
-                widths: dict[str, int], recompute: str, sequence_parallel: bool) -> list[StagePlan]:
-    """Each pipeline stage's layers, parameters and bytes per rank (:mod:`zoo.training.pipeline_plan`)."""
+def plan_stages(model_config, method: str, tp: int, pp: int, m: int, s: int, b: int, widths: dict[str, int],
+                sequence_parallel: bool, recompute: str, layer_bytes, model_state_bytes) -> list[StagePlan]:
+    """Each pipeline stage's layers, parameters and bytes per rank. ``layer_bytes(mode)``: one layer's activation
+    bytes per micro-batch under recomputation ``mode``; ``model_state_bytes(params)``: (weights, gradients,
+    optimizer) bytes of ``params`` parameters (the planner's formulas)."""
     import torch  # local: torch import cost; the planner's arithmetic and plan --help run without torch
 
     from zoo.models import GPT2LMHeadModel  # local: torch and transformers import cost
     from zoo.parallel.state import ParallelState  # local: torch import cost
-    from zoo.training.planner import layer_activation_bytes, state_bytes, zero_stage_of  # local: a cycle (planner)
 
     grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
                          world_size=tp, rank=0)
@@ -86,19 +87,19 @@ def plan_stages(model_config, config, tp: int, pp: int, dp: int, m: int, s: int,
 
     entries = entry_parameters(count(model.wte), count(model.wpe), count(model.h[0]), count(model.ln_f),
                                model_config.n_layer)
-    bounds = stage_bounds(entries, pp, config.pipeline_partition_method)
-    h, heads, v, mask = model_config.n_embd, model_config.n_head, widths["value_bytes"], widths["mask_bytes"]
+    bounds = stage_bounds(entries, pp, method)
+    h, v, mask = model_config.n_embd, widths["value_bytes"], widths["mask_bytes"]
     split = tp if sequence_parallel else 1
     plans = []
     for stage in range(pp):
         first, last = bounds[stage], bounds[stage + 1]
         layers = sum(1 for index in range(first, last) if 2 <= index < len(entries) - 2)
         params = sum(entries[first:last])
-        weights, gradients, optimizer = state_bytes(params, config.dtype_name, zero_stage_of(config.ds_config), dp)
+        weights, gradients, optimizer = model_state_bytes(params)
         in_flight = micro_batches_in_flight(stage, pp, m)
-        held = in_flight * layers * layer_activation_bytes(s, b, h, heads, tp, sequence_parallel, recompute, **widths)
+        held = in_flight * layers * layer_bytes(recompute)
         if recompute == "full" and layers:   # the layer being recomputed holds its whole working set again
-            held += layer_activation_bytes(s, b, h, heads, tp, sequence_parallel, "none", **widths)
+            held += layer_bytes("none")
         if first == 0:                       # the embedding's dropout mask, per micro-batch in flight
             held += in_flight * mask * s * b * h / split
         if last == len(entries):             # final norm and head inputs, and the logits (one micro-batch)

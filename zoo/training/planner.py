@@ -404,7 +404,10 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     stages: tuple = ()
     params_per_rank = params.per_rank
     if pp > 1:
-        stages = plan_stages(model_config, config, tp, pp, dp, gas, s, b, widths, recompute, sequence_parallel)
+        stages = plan_stages(
+            model_config, config.pipeline_partition_method, tp, pp, gas, s, b, widths, sequence_parallel, recompute,
+            layer_bytes=lambda mode: layer_activation_bytes(s, b, h, heads, tp, sequence_parallel, mode, **widths),
+            model_state_bytes=lambda params: state_bytes(params, dtype, zero_stage, dp))
         heaviest = max(stages, key=lambda stage: stage.total)
         weights, gradients, optimizer = heaviest.weights, heaviest.gradients, heaviest.optimizer
         activations, total, params_per_rank = heaviest.activations, heaviest.total, heaviest.params_per_rank
