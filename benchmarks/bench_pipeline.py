@@ -9,8 +9,8 @@ one stage, so the columns differ only by the pipeline. Printed per configuration
 * ``ideal s``: what P devices would take without a bubble, T(pp=1) / P, and ``planner s`` the planner's
   prediction with the bubble, T(pp=1) / P x (m + P - 1) / m (:func:`zoo.training.pipeline_plan.bubble_fraction`);
   on a machine with fewer cores than P processes the stages share cores, which the planner does not model;
-* per stage: the bytes of its parameters, gradients and Adam moments after a step (every tensor counted
-  once) against the planner's per-stage model states, and the process's peak RSS.
+* per stage: the bytes of its parameters, gradients and Adam moments at the optimizer step (a step pre-hook;
+  every storage counted once) against the planner's per-stage model states, and the process's peak RSS.
 
     .venv/bin/python benchmarks/bench_pipeline.py [--layers 8] [--hidden 256] [--seq 128] [--micro 2] [--steps 3]
 
@@ -80,6 +80,12 @@ def worker(rank, world, port, args, m, results):
               "train_batch_size": args.micro * m, "steps_per_print": 10 ** 9, "gradient_clipping": 0.0,
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "torch_adam": True}}}
         engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, 0.01), config=ds)
+    measured = [0]
+
+    def measure(optimizer, hook_args, hook_kwargs):   # gradients and moments are alive together here
+        measured[0] = max(measured[0], state_bytes_of(module, optimizer))
+
+    engine.optimizer.register_step_pre_hook(measure)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 50257, (m, args.micro, args.seq), generator=generator)
     times = []
@@ -91,7 +97,7 @@ def worker(rank, world, port, args, m, results):
         torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
         if step:
             times.append(elapsed.item())
-    results.put((rank, statistics.median(times), state_bytes_of(module, engine.optimizer),
+    results.put((rank, statistics.median(times), measured[0],
                  resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024))
     torch.distributed.barrier()
 
