@@ -189,3 +189,61 @@ def test_one_pipeline_step_gradients_equal_reference_fp64(tp, pp, extra):
     bad = {n: e for n, e in worst.items() if e > GRAD_RTOL}
     assert not bad, bad
     assert len(got["transformer.wte.weight"]) == (2 if pp > 1 else 1)   # both tied copies were checked
+
+
+def _pretrained_stage(rank, world_size, tp, pp, directory):
+    os.environ["LOCAL_RANK"] = str(rank)
+    import deepspeed
+
+    from zoo.models.gpt2_pipeline import gpt2_pipeline_module, hf_names, load_stage_weights
+    from zoo.parallel import ParallelState, model_parallel_seed
+    from zoo.parallel.partition import partition_specs
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    ps = ParallelState.initialize(tp, pp_size=pp)
+    model_parallel_seed(SEED, ps)
+    module = gpt2_pipeline_module(tiny_config(), ps, SEED)
+    with torch.no_grad():
+        load_stage_weights(module, directory, ps)
+    names, specs = hf_names(module), partition_specs(module)
+    return {"tp_rank": ps.tp_rank, "pp_rank": ps.pp_rank, "dp_rank": ps.dp_rank,
+            "init": {names[n]: (p.detach().clone(), specs[n]) for n, p in module.named_parameters()}}
+
+
+def test_stages_load_transformers_weights(tmp_path):
+    """--pretrained into stages: a transformers GPT-2 directory (another seed's weights) fills every stage's
+    slices exactly, both copies of the tied embedding included."""
+    import transformers
+
+    from zoo.models.hf_io import hf_state_dict
+
+    model, _ = reference(torch.float32)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param))   # not the init any stage would draw itself
+        model.transformer.wte.weight[model.config.vocab_size:] = 0.0   # padded rows stay zero, as in zoo
+    theirs = transformers.GPT2LMHeadModel(transformers.GPT2Config(**model.hf_config_dict()))
+    theirs.load_state_dict(hf_state_dict(model, None), strict=False)
+    theirs.save_pretrained(tmp_path)
+    loaded = merged(spawn(_pretrained_stage, 4, 2, 2, str(tmp_path)), "init")
+    expected = dict(model.named_parameters())
+    assert sorted(loaded) == sorted(n for n in expected if n != "lm_head.weight")
+    for name, copies in loaded.items():
+        for copy in copies:
+            assert torch.equal(unpad(name, copy, expected[name]), expected[name].detach()), name
+
+
+def test_a_pipeline_run_takes_its_shapes_from_the_pretrained_directory(tmp_path):
+    """--pretrained with stages: the directory's config (here 3 layers of width 64) with the run's dropout,
+    recomputation and sequence-parallel fields, as a one-stage run takes it."""
+    from zoo.models import GPT2LMHeadModel, gpt2_config
+    from zoo.training.pipeline import pipeline_model_config
+    from zoo.training.run_config import RunConfig
+
+    GPT2LMHeadModel(gpt2_config("gpt2-tiny", n_layer=3, n_embd=64, n_head=4)).save_pretrained(tmp_path)
+    config = RunConfig(model="gpt2-tiny", pretrained=str(tmp_path), pipeline_model_parallel_size=2,
+                       sequence_parallel=True, recompute_granularity="selective",
+                       model_overrides={"resid_pdrop": 0.0})
+    built = pipeline_model_config(config)
+    assert (built.n_layer, built.n_embd, built.resid_pdrop) == (3, 64, 0.0)
+    assert built.sequence_parallel and built.recompute_granularity == "selective"
