@@ -5,8 +5,9 @@
   norms are above 1) and validation loss, <= 1e-5 relative.
 * A tp1 x pp2 run stopped after 3 iterations (``--exit-interval``) and resumed equals the uninterrupted one
   bit for bit (losses, grad norms, learning rates).
-* The tp2 x pp2 run's checkpoint of iteration 3 resumes at tp1 x pp1 and at tp1 x pp4 (weights and Adam
-  moments moved to the new layout) with the uninterrupted run's losses of iterations 4 and 5, <= 1e-5.
+* The tp2 x pp2 run's checkpoint of iteration 3 resumes at tp1 x pp1 and at tp1 x pp4, and the tp1 x pp1
+  run's at tp1 x pp2 (weights and Adam moments moved to the new layout), with the uninterrupted run's
+  losses, grad norms and learning rates of iterations 4 and 5, <= 1e-5.
 * The tp2 x pp2 checkpoint exports to transformers' GPT-2 layout, whose logits equal those of the tp1 x pp1
   run's export <= 1e-4 relative (weights after 5 Adam steps at lr up to 1e-3 agree to fp32 rounding), and
   equal zoo's GPT2LMHeadModel loaded from the same export <= 1e-5.
@@ -42,7 +43,7 @@ def _runs(rank, world_size, data_path, root, pp):
     from zoo.training.pretrain import pretrain
 
     if pp == 1:
-        pretrain(pipeline_config(data_path, f"{root}/pp1", 1, 1))
+        pretrain(pipeline_config(data_path, f"{root}/pp1", 1, 1, save_interval=3))
         return
     pretrain(pipeline_config(data_path, f"{root}/pp2", 1, pp))
     stopped = pretrain(pipeline_config(data_path, f"{root}/pp2-resumed", 1, pp, exit_interval=3))
@@ -148,11 +149,12 @@ def checkpoint_of_iteration(run_dir: Path, iteration: int, root: Path) -> Path:
     return copy
 
 
-@pytest.mark.parametrize("pp", [1, 4])
-def test_tp2_pp2_checkpoint_resumes_at_another_layout(runs, corpus_prefix, tmp_path, pp):  # noqa: F811
-    source = checkpoint_of_iteration(runs / "tp2-pp2", 3, tmp_path)
-    spawn(_resume_elsewhere, pp, corpus_prefix, str(source), str(tmp_path / "resumed"), pp)
-    uninterrupted = {e["iteration"]: e for e in train_events(runs / "tp2-pp2")}
+@pytest.mark.parametrize("source,pp", [("tp2-pp2", 1), ("tp2-pp2", 4), ("pp1", 2)])
+def test_a_checkpoint_resumes_at_another_pipeline_layout(runs, corpus_prefix, tmp_path, source, pp):  # noqa: F811
+    """P -> 1 and P -> P' (with a tp change) from the tp2 x pp2 run, 1 -> P from the one-stage run."""
+    checkpoint = checkpoint_of_iteration(runs / source, 3, tmp_path)
+    spawn(_resume_elsewhere, pp, corpus_prefix, str(checkpoint), str(tmp_path / "resumed"), pp)
+    uninterrupted = {e["iteration"]: e for e in train_events(runs / source)}
     resumed = train_events(tmp_path / "resumed")
     assert [e["iteration"] for e in resumed] == [4, 5]
     for event in resumed:
