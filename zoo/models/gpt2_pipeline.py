@@ -36,7 +36,7 @@ from zoo.models.config import GPT2Config, recompute_mode
 from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard
 from zoo.models.transformer import TransformerLayer, lm_loss, recomputed, region_dropout
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std
-from zoo.parallel.layers import SequenceParallelLayerNorm
+from zoo.parallel.layers import SequenceParallelLayerNorm, uses_sequence_parallel
 from zoo.parallel.mappings import scatter_to_sequence_parallel_region
 from zoo.parallel.partition import partition_specs
 from zoo.parallel.state import ParallelState
@@ -102,18 +102,13 @@ def announce(replay: InitReplay | None, index: int) -> None:
         replay.before(index)
 
 
-def sequence_parallel_of(config: GPT2Config, parallel: ParallelState) -> bool:
-    """Whether the activations between the layers are this rank's s/t tokens (the run checked s % t == 0)."""
-    return bool(config.sequence_parallel) and parallel.tp_size > 1
-
-
 class WordEmbeddingPipe(nn.Module):
     """The vocab-parallel word embedding, tied between the first stage (lookup) and the last (LM head)."""
 
     def __init__(self, config: GPT2Config, parallel: ParallelState, index: int, replay: InitReplay | None = None):
         super().__init__()
         announce(replay, index)
-        self.sequence_parallel = sequence_parallel_of(config, parallel)
+        self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
         self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, parallel=parallel,
                                           pad_multiple=config.make_vocab_size_divisible_by,
                                           init_std=config.initializer_range)
@@ -136,7 +131,7 @@ class PositionEmbeddingPipe(nn.Module):
         super().__init__()
         announce(replay, index)
         self.parallel = parallel
-        self.sequence_parallel = sequence_parallel_of(config, parallel)
+        self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
         self.wpe = nn.Embedding(config.n_positions, config.n_embd)
         nn.init.normal_(self.wpe.weight, 0.0, config.initializer_range)
         self.drop = nn.Dropout(config.embd_pdrop)
@@ -161,7 +156,7 @@ class GPT2BlockPipe(TransformerLayer):
                          parallel=parallel, init_std=std, output_init_std=scaled_init_std(std, config.n_layer),
                          pre_norm=True, sequence_parallel=config.sequence_parallel, checkpoint_transposed=True)
         self.config = config
-        self.sequence_parallel = sequence_parallel_of(config, parallel)
+        self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:                        # (b, s or s/t, h) -> same
         recompute = recompute_mode(self.config) if self.training else None
@@ -178,7 +173,7 @@ class FinalNormPipe(nn.Module):
     def __init__(self, config: GPT2Config, parallel: ParallelState, index: int, replay: InitReplay | None = None):
         super().__init__()
         announce(replay, index)
-        self.sequence_parallel = sequence_parallel_of(config, parallel)
+        self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
         self.ln_f = SequenceParallelLayerNorm(config.n_embd, eps=config.layer_norm_epsilon, parallel=parallel,
                                               sequence_parallel=config.sequence_parallel)
 
@@ -211,12 +206,14 @@ class GPT2PipelineLoss:
         return lm_loss(local_logits, targets, self.parallel, self.vocab_size)
 
 
-def gpt2_pipeline_module(config: GPT2Config, parallel: ParallelState, seed: int, partition_method: str = "parameters"):
+def gpt2_pipeline_module(config: GPT2Config, parallel: ParallelState, seed: int, partition_method: str = "parameters",
+                         replay_init: bool = True):
     """This rank's stage of GPT-2 as a ``deepspeed.pipe.PipelineModule`` over ``parallel``'s topology (the grid
     DeepSpeed's engine then uses), its layers drawn as the one-stage model of ``seed`` draws them. Collective.
 
     After the build the default generators are reseeded with this stage's training stream
-    (:func:`zoo.parallel.model_parallel_seed`)."""
+    (:func:`zoo.parallel.model_parallel_seed`). ``replay_init=False`` skips the replay of earlier stages'
+    draws, for weights loaded next (``--pretrained``)."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec  # local: DeepSpeed costs seconds to import
 
     from zoo.parallel import model_parallel_seed
@@ -225,7 +222,7 @@ def gpt2_pipeline_module(config: GPT2Config, parallel: ParallelState, seed: int,
         raise ValueError(f"pipeline partition method {partition_method!r} is not one of {sorted(PARTITION_METHODS)}; "
                          "pass --pipeline-partition-method uniform (transformer layers) or parameters.")
     config.validate(parallel.tp_size)
-    replay = InitReplay(config, parallel, seed)
+    replay = InitReplay(config, parallel, seed) if replay_init else None
     specs = []
     for index in range(layer_count(config)):
         cls = layer_class(index, config)

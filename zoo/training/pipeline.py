@@ -84,7 +84,8 @@ def build_pipeline_model(config: RunConfig, model_config, ps, device):
     from zoo.models.gpt2_pipeline import gpt2_pipeline_module, load_stage_weights
 
     with torch.device(device):
-        module = gpt2_pipeline_module(model_config, ps, config.seed, config.pipeline_partition_method)
+        module = gpt2_pipeline_module(model_config, ps, config.seed, config.pipeline_partition_method,
+                                      replay_init=not config.pretrained)
     if config.pretrained:
         with torch.no_grad():
             raise_on_any_rank(lambda: load_stage_weights(module, config.pretrained, ps))
