@@ -5,7 +5,8 @@ against the one-process GPT2LMHeadModel of the same seed.
   (each stage replays the draws of the layers before it).
 * One step of DeepSpeed's pipeline engine (1F1B over m = 4 micro-batches) leaves gradients equal to the
   reference's mean micro-batch gradients, in float64, <= 1e-9 relative per parameter: tp1 x pp2 (2 ranks),
-  tp2 x pp2 and tp1 x pp4 (4 ranks), tp2 x pp2 with sequence parallelism, tp1 x pp2 with full recomputation;
+  tp2 x pp2 and tp1 x pp4 (4 ranks), tp2 x pp2 with sequence parallelism, tp1 x pp2 with full and tp2 x pp2
+  with selective recomputation;
   data parallelism is covered in fp32 through the launcher
   (tests/test_pipeline_training.py). The tied word embedding's gradient
   (first stage's lookup + last stage's head, all-reduced between them by DeepSpeed) is checked on both copies.
@@ -73,7 +74,7 @@ def _stage(rank, world_size, tp, pp, dtype, step, method="uniform", extra=None):
     ps = ParallelState.initialize(tp, pp_size=pp)
     model_parallel_seed(SEED, ps)
     config = tiny_config(**(extra or {}))
-    if config.activation_checkpointing:
+    if config.activation_checkpointing or config.recompute_granularity:
         deepspeed.checkpointing.configure(ps, num_checkpoints=config.n_layer)
     module = gpt2_pipeline_module(config, ps, SEED, partition_method=method)
     names = hf_names(module)
@@ -175,9 +176,11 @@ def test_stage_init_equals_one_stage_model(tp, pp, method):
 
 
 @pytest.mark.parametrize("tp,pp,extra", [(1, 2, None), (2, 2, None), (1, 4, None),
-                                         (2, 2, {"sequence_parallel": True}), (1, 2, {"activation_checkpointing": True})])
+                                         (2, 2, {"sequence_parallel": True}), (1, 2, {"activation_checkpointing": True}),
+                                         (2, 2, {"recompute_granularity": "selective"})])
 def test_one_pipeline_step_gradients_equal_reference_fp64(tp, pp, extra):
-    """Also with sequence parallelism (each TP rank sends its own tokens between stages) and full recomputation."""
+    """Also with sequence parallelism (each TP rank sends its own tokens between stages), full and selective
+    recomputation."""
     results = spawn(_stage, tp * pp, tp, pp, torch.float64, True, "uniform", extra)
     expected = reference_grads(1)
     got = merged(results, "grads")
@@ -247,3 +250,44 @@ def test_a_pipeline_run_takes_its_shapes_from_the_pretrained_directory(tmp_path)
     built = pipeline_model_config(config)
     assert (built.n_layer, built.n_embd, built.resid_pdrop) == (3, 64, 0.0)
     assert built.sequence_parallel and built.recompute_granularity == "selective"
+
+
+
+def _fp16_step(rank, world_size):
+    os.environ["LOCAL_RANK"] = str(rank)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    from zoo.models.families import param_groups
+    from zoo.models.gpt2_pipeline import gpt2_pipeline_module
+    from zoo.parallel import ParallelState, model_parallel_seed
+    from zoo.training.grad_norm import current_loss_scale
+    from zoo.training.pipeline import pipeline_ds_dict
+
+    # This CPU lacks native fp16 and DeepSpeed refuses it; torch still computes fp16 here, and the override runs
+    # DeepSpeed's real fp16 optimizer with dynamic loss scaling (DESIGN.md, "fp16 on this CPU").
+    get_accelerator().is_fp16_supported = lambda: True
+    deepspeed.init_distributed(dist_backend="gloo")
+    ps = ParallelState.initialize(1, pp_size=2)
+    model_parallel_seed(SEED, ps)
+    module = gpt2_pipeline_module(tiny_config(), ps, SEED)
+    ds = {"train_micro_batch_size_per_gpu": MICRO, "gradient_accumulation_steps": M, "train_batch_size": MICRO * M,
+          "steps_per_print": 10 ** 9, "fp16": {"enabled": True, "initial_scale_power": 8},
+          "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}}}
+    ds, clip = pipeline_ds_dict(ds, False)
+    engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, 0.01), config=ds)
+    loss = engine.train_batch(iter([(micro, micro) for micro in batches(1)]))
+    return {"loss": float(loss), "clip_by_zoo": clip, "dtype": str(next(module.parameters()).dtype),
+            "scale": current_loss_scale(engine.optimizer)}
+
+
+def test_an_fp16_pipeline_step_runs_deepspeeds_loss_scaling():
+    """fp16 with stages: DeepSpeed's fp16 optimizer (its own clipping, so zoo does not clip) and loss scale; the
+    first step's loss equals the fp32 reference's to fp16 rounding (<= 1e-3 relative)."""
+    results = spawn(_fp16_step, 2)
+    model, _ = reference(torch.float32)
+    with torch.no_grad():
+        expected = sum(model(micro, labels=micro).loss.item() for micro in batches(1)) / M
+    for result in results:
+        assert result["dtype"] == "torch.float16" and result["clip_by_zoo"] == 0.0 and result["scale"] == 2.0 ** 8
+        assert rel_err(result["loss"], expected) <= 1e-3, (result, expected)
