@@ -47,9 +47,14 @@ DS_CONFIG_CASES = {
 
 @pytest.mark.parametrize("case", sorted(DS_CONFIG_CASES))
 def test_pretrain_refuses_bad_ds_configs_before_anything_is_written(case, tmp_path, capsys):
+    content, needle = DS_CONFIG_CASES[case]
+    assert_pretrain_refuses(content, needle, tmp_path, capsys)
+
+
+def assert_pretrain_refuses(content, needle: str, tmp_path, capsys) -> None:
+    """launch/pretrain.py on a ds_config of ``content`` exits 2 with ``needle`` ({path}: the file) and writes nothing."""
     from zoo.cli.pretrain import main
 
-    content, needle = DS_CONFIG_CASES[case]
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(content))
     with pytest.raises(SystemExit) as exit_info:
@@ -277,21 +282,13 @@ PIPELINE_CASES = {
 
 @pytest.mark.parametrize("case", sorted(PIPELINE_CASES))
 def test_pretrain_refuses_impossible_pipeline_layouts(case, tmp_path, capsys):
-    from zoo.cli.pretrain import main
-
     changes, needle = PIPELINE_CASES[case]
     changes = dict(changes)
     config = json.loads(json.dumps(DEMO_DS_CONFIG))
     if "zero" in changes:
         config["zero_optimization"] = {"stage": changes.pop("zero")}
     config["zoo"].update(changes)
-    path = tmp_path / "ds.json"
-    path.write_text(json.dumps(config))
-    with pytest.raises(SystemExit) as exit_info:
-        main(["--deepspeed_config", str(path), "--save", str(tmp_path / "run")])
-    assert exit_info.value.code == 2
-    assert needle.format(path=path) in one_error_line(capsys, from_zoo=True)
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
+    assert_pretrain_refuses(config, needle, tmp_path, capsys)
 
 
 def test_pipeline_world_and_bubble_are_checked_at_launch():

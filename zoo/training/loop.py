@@ -47,7 +47,7 @@ from zoo.distributed import (
     loop_run_number,
     ranks_that_did_not_arrive,
 )
-from zoo.launcher_watch import current_watch
+from zoo.launcher_watch import CHECK_INTERVAL_S, current_watch
 from zoo.models.families import param_groups
 from zoo.parallel import ParallelState, model_parallel_seed
 from zoo.stop_report import report_stop
@@ -57,6 +57,9 @@ from zoo.training.loss_scaling import backward
 
 __all__ = ["LoopState", "StopConditions", "TrainingLoop", "LogWindow", "join", "setup_engine", "to_device",
            "pin_memory_here", "Validates", "Saves"]
+
+
+OWN_REASON_GRACE_S = 2 * CHECK_INTERVAL_S   # how long a rank waits to see for itself a stop another rank saw
 
 
 # ----------------------------------------------------------------------------------------------- setup
@@ -247,10 +250,19 @@ class StopConditions:
         needed = self.slowest_iteration_s + (self.last_save_s or self.slowest_iteration_s)
         return time.monotonic() - self.started + needed >= self.exit_duration_minutes * 60
 
+    def await_own_reason(self) -> None:
+        """A stop another rank asked for is usually one this rank sees too (the same launcher's exit, polled
+        every second by each rank's watch; a signal to the whole job): wait up to two polls for it, so that
+        every rank names the real cause, before settling for "a signal on another rank"."""
+        deadline = time.monotonic() + OWN_REASON_GRACE_S
+        while not self.received and time.monotonic() < deadline:
+            time.sleep(0.05)
+
     def reason(self, iteration: int) -> str | None:
         """Why every rank stops after ``iteration`` (None: go on). Collective over ``group``."""
         signalled, late = agree_max([bool(self.received), self.out_of_time()], self.group)
         if signalled:
+            self.await_own_reason()
             return self.received[0] if self.received else "a signal on another rank"
         if late:
             return f"--exit-duration-in-mins {self.exit_duration_minutes:g}"
