@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 @dataclass(frozen=True)
 class ParallelState:
-    """This rank's place in the tensor-parallel x data-parallel grid.
+    """This rank's place in the tensor-parallel x data-parallel (x pipeline-parallel) grid.
 
     Build it with :meth:`initialize` after ``torch.distributed`` (or ``deepspeed.init_distributed``)
     is up, or with :meth:`single` for a single process. :meth:`initialize` always creates real
