@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import socket
+import stat
 import sys
 import time
 from collections.abc import Callable
@@ -145,6 +146,7 @@ class RunDirectoryLock:
 
     def _acquire(self, check: Callable[[], None]) -> RunDirectoryLock:
         for _ in range(10):   # each round ends unless a holder removed the file while this run opened it
+            self._refuse_unless_regular_file()
             existed = self.path.exists()
             if not existed:
                 check()
@@ -179,10 +181,37 @@ class RunDirectoryLock:
                          "runs; make sure one run at a time uses this directory.")
 
     def _open(self, flags: int) -> int:
+        """Open the lock file itself, never what a symbolic link in its place points to (``O_NOFOLLOW``),
+        and only a regular file: the holder line is written into what is opened, so a link planted there
+        would make this run truncate and rewrite a file of the user's."""
         try:
-            return os.open(self.path, flags, default_file_mode())
+            fd = os.open(self.path, flags | os.O_NOFOLLOW, default_file_mode())
         except OSError as err:
+            if err.errno == errno.ELOOP:   # a link put there after the check
+                self._refuse_unless_regular_file()
             raise unwritable_directory(self.flag, self.run_dir, err) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            self._refuse_unless_regular_file()
+        return fd
+
+    def _refuse_unless_regular_file(self) -> None:
+        """Raise the sentence for a lock path that exists and is not a regular file (a symbolic link, a
+        directory, a device or pipe); zoo never writes its holder line into such a path."""
+        try:
+            found = os.lstat(self.path)
+        except FileNotFoundError:
+            return
+        if stat.S_ISREG(found.st_mode):
+            return
+        if stat.S_ISLNK(found.st_mode):
+            what = f"a symbolic link to {os.readlink(self.path)}"
+        elif stat.S_ISDIR(found.st_mode):
+            what = "a directory"
+        else:
+            what = "a special file"
+        raise ValueError(f"{self.flag} {self.run_dir}: its lock file {self.path} is {what}, not a regular file, and "
+                         f"zoo writes its lock only into a file of its own; remove {self.path} and run again.")
 
     def _names_this_file(self, fd: int) -> bool:
         try:
@@ -201,6 +230,7 @@ class RunDirectoryLock:
         """The lock where flock is refused: the lock file itself, created with O_EXCL."""
         self._flock = False
         for _ in range(10):
+            self._refuse_unless_regular_file()
             if self.path.exists():
                 holder = read_holder(self.path)
                 if holder is None or not holder.is_gone():
