@@ -23,7 +23,7 @@ import errno
 import fcntl
 import json
 import os
-import shutil
+import re
 import socket
 import stat
 import sys
@@ -328,9 +328,10 @@ def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, o
     * a resumed run's ``metrics.jsonl`` must read line by line: a corrupt line before the last one is a
       sentence naming the file and the line (a torn last line is dropped later, with a warning).
 
-    With ``overwrite``, the earlier
-    run's ``checkpoints/`` and ``metrics.jsonl`` are removed once the lock is held, said in one line; a
-    resumed run keeps them. Returns the held lock."""
+    With ``overwrite``, the earlier run's ``metrics.jsonl`` and what zoo wrote into ``checkpoints/``
+    (:func:`remove_earlier_checkpoints`) are removed once the lock is held, said in one line, and what was
+    left there (the user's files) in another; a ``checkpoints`` that is a symbolic link is refused in one
+    sentence instead. A resumed run keeps them. Returns the held lock."""
     from zoo.checkpoint.files import CHECKPOINT_SUBDIR  # local: zoo.checkpoint imports torch and transformers
 
     run_dir = Path(run_dir)
@@ -349,6 +350,7 @@ def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, o
         if resuming and metrics.is_file():
             read_metrics_file(metrics)
         if checkpoints is not None:
+            refuse_symlinked_checkpoints(run_dir)
             replaced.append(f"checkpoints ({checkpoints})")
         if not resuming and metrics.exists():
             replaced.append(METRICS_FILE)
@@ -356,15 +358,117 @@ def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, o
     lock = RunDirectoryLock(run_dir, "--save").acquire(check)
     if overwrite and replaced:
         try:
+            left: list[str] = []
             if any(item.startswith("checkpoints") for item in replaced):
-                shutil.rmtree(run_dir / CHECKPOINT_SUBDIR)
+                left = remove_earlier_checkpoints(run_dir / CHECKPOINT_SUBDIR)
             if METRICS_FILE in replaced:
                 metrics.unlink()
         except BaseException:
             lock.release()
             raise
         print(f"--overwrite: removed the earlier run's {' and '.join(replaced)} from {run_dir}", flush=True)
+        if left:
+            shown = ", ".join(left[:LEFT_SHOWN]) + (f" and {len(left) - LEFT_SHOWN} more" if len(left) > LEFT_SHOWN else "")
+            print(f"--overwrite: left what zoo did not write in {run_dir / CHECKPOINT_SUBDIR}: {shown}", flush=True)
     return lock
+
+
+def refuse_symlinked_checkpoints(run_dir: Path) -> None:
+    """``--overwrite`` removes only what a run wrote into ``run_dir``: a ``checkpoints`` that is a symbolic
+    link leads elsewhere, so it is one sentence rather than removals in the link's target."""
+    from zoo.checkpoint.files import CHECKPOINT_SUBDIR
+
+    checkpoints = run_dir / CHECKPOINT_SUBDIR
+    if checkpoints.is_symlink():
+        raise ValueError(f"--save {run_dir}: its checkpoints {checkpoints} is a symbolic link to "
+                         f"{os.readlink(checkpoints)}, whose contents --overwrite does not remove; remove the link "
+                         "(or what it points to) yourself, or pass another --save.")
+
+
+LEFT_SHOWN = 5
+ZOO_TAG = re.compile(r"iter_\d{7}")                        # zoo.training.checkpointer's tag names
+ATOMIC_TEMPORARY = re.compile(r"\..+\.[^.]+\.tmp")          # zoo.atomic's temporary names, beside the target
+
+
+def zoo_tag_file(name: str) -> bool:
+    """A file zoo's save writes into a tag: DeepSpeed's model, pipeline-layer and optimizer states, and the
+    completion marker (or its temporary)."""
+    from zoo.checkpoint.files import COMPLETE_MARKER, MODEL_STATES_RE
+    from zoo.checkpoint.zero_reshard import OPTIM_STATES_RE
+
+    return bool(name == COMPLETE_MARKER or MODEL_STATES_RE.fullmatch(name) or OPTIM_STATES_RE.fullmatch(name)
+                or re.fullmatch(r"layer_\d+-model_\d+-model_states\.pt", name)
+                or (ATOMIC_TEMPORARY.fullmatch(name) and name.startswith(f".{COMPLETE_MARKER}.")))
+
+
+def zoo_root_file(name: str) -> bool:
+    """A file zoo's save writes beside the tags: ``latest`` (or its temporary) and DeepSpeed's recovery
+    scripts."""
+    from zoo.checkpoint.deepspeed_tools import RECOVERY_SCRIPTS
+    from zoo.checkpoint.files import LATEST_FILE
+
+    return (name == LATEST_FILE or name in RECOVERY_SCRIPTS
+            or bool(ATOMIC_TEMPORARY.fullmatch(name) and name.startswith(f".{LATEST_FILE}.")))
+
+
+def zoo_resharded_file(name: str) -> bool:
+    """A file of a resharded copy (:mod:`zoo.checkpoint.reshard`): its source record and states files."""
+    from zoo.checkpoint.reshard import SOURCE_RECORD
+
+    return name == SOURCE_RECORD or (zoo_tag_file(name) and not name.startswith("."))
+
+
+def _remove_files(directory: Path, is_zoos: Callable[[str], bool], prefix: str) -> list[str]:
+    """Remove the regular files of ``directory`` that ``is_zoos`` names, then the directory if that emptied
+    it; returns what is left (``prefix`` + name), never following a symbolic link."""
+    left = []
+    for entry in sorted(directory.iterdir()):
+        if entry.is_file() and not entry.is_symlink() and is_zoos(entry.name):
+            entry.unlink()
+        else:
+            left.append(prefix + entry.name)
+    if not left:
+        directory.rmdir()
+    return left
+
+
+def remove_earlier_checkpoints(root: Path) -> list[str]:
+    """Remove what earlier zoo runs wrote into ``root`` (a run's ``checkpoints/``): the files zoo's saves
+    write into its tags (``iter_`` and seven digits), ``latest`` and DeepSpeed's recovery scripts beside them,
+    and resharded copies under ``resharded/``; a directory that this empties goes too, ``root`` included.
+    Anything else (the user's files and directories, symbolic links, a file of the user's inside a tag) is
+    left where it is; returns those paths relative to ``root``, sorted. Nothing is followed through a link."""
+    from zoo.checkpoint.reshard import RESHARDED_SUBDIR
+
+    left: list[str] = []
+    for entry in sorted(root.iterdir()):
+        if entry.is_symlink():
+            left.append(entry.name)
+        elif entry.is_dir() and ZOO_TAG.fullmatch(entry.name):
+            left += _remove_files(entry, zoo_tag_file, f"{entry.name}/")
+        elif entry.is_dir() and entry.name == RESHARDED_SUBDIR:
+            left += _remove_resharded(entry)
+        elif entry.is_file() and zoo_root_file(entry.name):
+            entry.unlink()
+        else:
+            left.append(entry.name)
+    if not left:
+        root.rmdir()
+    return left
+
+
+def _remove_resharded(resharded: Path) -> list[str]:
+    from zoo.checkpoint.reshard import SOURCE_RECORD
+
+    left = []
+    for copy in sorted(resharded.iterdir()):
+        if copy.is_dir() and not copy.is_symlink() and (copy / SOURCE_RECORD).is_file():
+            left += _remove_files(copy, zoo_resharded_file, f"{resharded.name}/{copy.name}/")
+        else:
+            left.append(f"{resharded.name}/{copy.name}")
+    if not left:
+        resharded.rmdir()
+    return left
 
 
 FINETUNING_OUTPUTS = (METRICS_FILE, "results.json")
