@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import types
 import typing
 from collections.abc import Iterable
@@ -158,9 +157,11 @@ def add_deepspeed_config_argument(parser: argparse.ArgumentParser, *, required: 
 
 
 def add_local_rank_argument(parser: argparse.ArgumentParser) -> None:
-    """``--local_rank`` / ``--local-rank``, passed by the deepspeed launcher (default: $LOCAL_RANK, else 0)."""
-    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int,
-                        default=int(os.environ.get("LOCAL_RANK", 0)), help=argparse.SUPPRESS)
+    """``--local_rank`` / ``--local-rank``, passed by the deepspeed launcher. Its default None lets joining
+    take the local rank from whichever launcher started the process
+    (:func:`zoo.distributed.launcher_local_rank`, the one place a local rank is read)."""
+    parser.add_argument("--local_rank", "--local-rank", dest="local_rank", type=int, default=None,
+                        help=argparse.SUPPRESS)
 
 
 def check_block_keys(block: Any, cls: type, source: str | None, unknown_fix: str | None = None) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 * :mod:`~zoo.distributed.joining`: join a launcher's group (or run as a world of one), refusing in one
   sentence what would fail obscurely; CPU ranks split the cores.
+* :mod:`~zoo.distributed.local_rank`: this rank's place on its node, from whichever launcher started it.
 * :mod:`~zoo.distributed.shared_memory`: DeepSpeed's CPU all-reduce workspaces, unlinked once mapped.
 * :mod:`~zoo.distributed.data_parallel`: this DP rank's block of items, DP sums and means.
 * :mod:`~zoo.distributed.host_agreement`: host-side flags on a gloo group, and work only the first
@@ -21,6 +22,7 @@ from zoo.distributed.host_agreement import (
     run_on_first_rank,
 )
 from zoo.distributed.joining import (
+    bind_launcher_device,
     check_accelerator_matches_machine,
     check_launched,
     join_deepspeed,
@@ -34,6 +36,7 @@ from zoo.distributed.joining import (
     single_process_env,
     visible_nvidia_gpus,
 )
+from zoo.distributed.local_rank import LOCAL_RANK_VARIABLES, launcher_local_rank, local_rank_or_none
 from zoo.distributed.roll_call import (
     COLLECTIVE_FAILURE_WORDS,
     default_store,
@@ -48,12 +51,14 @@ from zoo.parallel.agreement import agreed_failure, collective_device, raise_on_a
 
 __all__ = [
     "COLLECTIVE_FAILURE_WORDS",
+    "LOCAL_RANK_VARIABLES",
     "SHM_BUFFER_DIR",
     "SLOWEST_BYTES_PER_S",
     "USER_ERRORS",
     "WAIT_MARGIN",
     "agree_max",
     "agreed_failure",
+    "bind_launcher_device",
     "check_accelerator_matches_machine",
     "check_launched",
     "collective_device",
@@ -68,6 +73,8 @@ __all__ = [
     "join_deepspeed",
     "join_process_group",
     "launched_distributed",
+    "launcher_local_rank",
+    "local_rank_or_none",
     "loop_run_number",
     "master_port_in_use",
     "master_port_named",

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zoo.distributed.local_rank import launcher_local_rank
 from zoo.distributed.shared_memory import unlink_shared_memory_buffer
 from zoo.launcher_watch import watch_launchers
 from zoo.parallel.host_all_reduce import adopt_deepspeed_kernel, deepspeed_backend_exists
@@ -58,11 +59,15 @@ def launched_distributed(environ: dict[str, str] | None = None) -> bool:
     return "RANK" in environ and "WORLD_SIZE" in environ
 
 
-def join_process_group(local_rank: int, timeout: timedelta | None = None) -> str:
+def join_process_group(local_rank: int | None = None, timeout: timedelta | None = None) -> str:
     """Join the launcher's process group (NCCL on GPUs, gloo on CPU), bind this rank's device at once
     (before anything seeds or allocates on it) and return its name. ``timeout`` bounds every collective
     of the group (DeepSpeed's default, 10 minutes or ``$DEEPSPEED_TIMEOUT``, when None): a rank that
     never arrives ends the job with the backend's timeout error instead of a hang.
+
+    The device is ``local_rank`` (a ``--local_rank`` flag), by default the one the launcher named
+    (:func:`bind_launcher_device`), so ranks started by mpirun or srun bind their own device before
+    DeepSpeed's MPI discovery runs.
 
     Started without a launcher, or on a rendezvous port another job holds, it raises one sentence
     (:func:`check_launched`, :func:`master_port_named`). From here on the rank watches its launchers
@@ -73,14 +78,27 @@ def join_process_group(local_rank: int, timeout: timedelta | None = None) -> str
     watch_launchers()
     check_accelerator_matches_machine()
     accelerator = get_accelerator()
-    if accelerator.device_name() != "cpu":
-        accelerator.set_device(local_rank)
+    bind_launcher_device(accelerator, local_rank)
     with master_port_named():
         join_deepspeed(timeout)
     share_cpu_threads()
     if accelerator.device_name() == "cpu":
         unlink_shared_memory_buffer()
     return accelerator.current_device_name()
+
+
+def bind_launcher_device(accelerator, local_rank: int | None = None) -> int:
+    """Bind ``accelerator``'s device ``local_rank`` (None: the launcher's, :func:`launcher_local_rank`) on a
+    device other than the CPU, and return that local rank. ``LOCAL_RANK`` is set to it when no launcher set
+    it, so DeepSpeed (its engine and pipeline module read ``LOCAL_RANK``) binds the same device, and
+    ``init_distributed`` under srun with ``RANK``/``WORLD_SIZE`` exported needs no MPI discovery."""
+    on_cpu = accelerator.device_name() == "cpu"
+    if local_rank is None:
+        local_rank = launcher_local_rank(devices_on_node=1 if on_cpu else accelerator.device_count())
+    os.environ.setdefault("LOCAL_RANK", str(local_rank))
+    if not on_cpu:
+        accelerator.set_device(local_rank)
+    return local_rank
 
 
 def check_launched(environ: dict[str, str] | None = None, script: str | None = None) -> None:

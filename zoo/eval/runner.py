@@ -30,7 +30,14 @@ from zoo.atomic import check_writable_directory
 from zoo.checkpoint.deepspeed_export import export_checkpoint
 from zoo.checkpoint.files import tag_directory
 from zoo.data import load_gpt2_tokenizer
-from zoo.distributed import directory_bytes, join_process_group, launched_distributed, run_on_first_rank, single_device
+from zoo.distributed import (
+    directory_bytes,
+    join_process_group,
+    launched_distributed,
+    launcher_local_rank,
+    run_on_first_rank,
+    single_device,
+)
 from zoo.dtypes import torch_dtype
 from zoo.eval.lambada import evaluate_lambada
 from zoo.eval.sources import read_lambada, read_wikitext
@@ -83,7 +90,7 @@ def transformers_directory(load: str) -> str:
         return str(load)
     tag_dir = tag_directory(load)   # one-sentence error for a missing or incomplete checkpoint
     target = export_cache_path() / export_cache_key(tag_dir)
-    is_first = int(os.environ.get("LOCAL_RANK", 0)) == 0
+    is_first = launcher_local_rank() == 0
 
     def export_here() -> None:
         make_private_directory(target.parent)

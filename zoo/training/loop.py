@@ -26,7 +26,6 @@ which gets the final :class:`LoopState` back.
 
 from __future__ import annotations
 
-import os
 import signal
 import sys
 import time
@@ -76,7 +75,7 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
     from deepspeed.constants import default_pg_timeout  # local: DeepSpeed costs seconds to import
 
     timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
-    join_process_group(int(os.environ.get("LOCAL_RANK", 0)), timeout=timeout)
+    join_process_group(timeout=timeout)   # the device of the launcher's local rank (zoo.distributed.local_rank)
     ps = ParallelState.initialize(tensor_parallel_size or dist.get_world_size(), timeout=timeout or default_pg_timeout,
                                   pp_size=pipeline_parallel_size)
     model_parallel_seed(seed, ps)
