@@ -10,7 +10,8 @@ Two random streams per rank:
   rank's heads) acts on different data on every TP rank and must draw independent masks.
 
 The pipeline stage's offset (Megatron's ``100 * pp_rank``) gives every stage its own streams; with one
-stage it is 0. Weight init does not draw from these streams on a pipeline stage: the stage replays the
+stage it is 0. Both seeds come from :func:`rank_seeds`, at the start of a run and after a resume at another
+layout (:func:`seed_after_layout_change`), so no two stages or TP ranks ever share a TP stream. Weight init does not draw from these streams on a pipeline stage: the stage replays the
 init sequence of the whole model from the run's seed (:mod:`zoo.models.gpt2_pipeline`).
 
 Under sequence parallelism (Korthikanti et al. 2022) the regions between the TP GEMMs hold each
@@ -41,17 +42,40 @@ def _tracker():
     return deepspeed.checkpointing.get_cuda_rng_tracker()
 
 
+# A run resumed at another layout draws streams of its own, apart from the run's first ones by this much per
+# iteration (a prime, so that no iteration's seeds meet another stage's: 7919 k = 100 s has no solution with
+# s < 7919 stages).
+LAYOUT_CHANGE_SEED_STRIDE = 7919
+
+
+def rank_seeds(seed: int, parallel: ParallelState | None) -> tuple[int, int]:
+    """(default stream seed, TP tracker seed) of this rank: ``seed + 100 * pp_rank``, and that + 2718 +
+    tp_rank. Every stage has its own pair, and every TP rank of a stage its own tracker seed; the TP ranks
+    of a stage share the default seed. The one place the seeds of a rank are derived."""
+    parallel = as_state(parallel)
+    stage_seed = seed + PP_SEED_STRIDE * parallel.pp_rank
+    return stage_seed, stage_seed + TP_SEED_OFFSET + parallel.tp_rank
+
+
+def seed_after_layout_change(seed: int, iteration: int) -> int:
+    """The run seed a run resumed at another (tp, pp) layout after ``iteration`` seeds with
+    (:func:`model_parallel_seed`): the checkpoint holds no stream for this rank's new place in the grid, so
+    every rank starts fresh streams, derived as at the start (:func:`rank_seeds`) but apart from the run's
+    first ones and from a resume after any other iteration."""
+    return seed + LAYOUT_CHANGE_SEED_STRIDE * (iteration + 1)
+
+
 def model_parallel_seed(seed: int, parallel: ParallelState | None) -> None:
-    """Seed the default generator with ``seed + 100 * pp_rank`` and the TP tracker with that + 2718 + tp_rank."""
+    """Seed the default generator (torch's and the accelerator's) and the TP tracker with this rank's
+    :func:`rank_seeds` of ``seed``."""
     from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
 
-    parallel = as_state(parallel)
-    seed = seed + PP_SEED_STRIDE * parallel.pp_rank
-    torch.manual_seed(seed)
-    get_accelerator().manual_seed(seed)
+    default_seed, tp_seed = rank_seeds(seed, parallel)
+    torch.manual_seed(default_seed)
+    get_accelerator().manual_seed(default_seed)
     tracker = _tracker()
     tracker.reset()
-    tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + parallel.tp_rank)
+    tracker.add(TP_RNG_STATE_NAME, tp_seed)
 
 
 def tp_rng_fork(parallel: ParallelState | None):

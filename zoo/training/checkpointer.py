@@ -24,13 +24,13 @@ from zoo.checkpoint.files import CHECKPOINT_SUBDIR
 from zoo.checkpoint.safe_load import weights_only_loads
 from zoo.checkpoint.save import save_checkpoint
 from zoo.distributed import raise_on_any_rank
-from zoo.parallel.random import PP_SEED_STRIDE, TP_RNG_STATE_NAME, TP_SEED_OFFSET
+from zoo.parallel.random import model_parallel_seed, seed_after_layout_change
 from zoo.training.layout_change import load_at_new_layout, needs_layout_change, param_names_by_group
 from zoo.training.loop import LoopState
 from zoo.training.resume import check_rank_states, checkpoint_to_load, has_checkpoint, resume_tag_and_layout
 from zoo.training.run_config import RunConfig, lr_schedule, schedule_change_warning
 
-__all__ = ["Checkpointer", "rng_state", "set_rng_state", "reseed_tp_rng"]
+__all__ = ["Checkpointer", "rng_state", "set_rng_state"]
 
 
 def rng_state() -> dict[str, Any]:
@@ -51,33 +51,6 @@ def set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     deepspeed.accelerator.get_accelerator().set_rng_state(state["accelerator"])
     deepspeed.checkpointing.get_cuda_rng_tracker().set_states(state["tracker"])
-
-
-def reseed_tp_rng(seed: int, iteration: int, ps) -> None:
-    """After a tp change, give the TP RNG tracker a fresh stream per TP rank.
-
-    The tracker's stream is per TP rank (dropout inside TP regions); a checkpoint written at another tp
-    has no stream for this rank's heads, so none can be carried over exactly. The new seed mixes the
-    run's seed, the iteration and the TP rank, so the streams differ across ranks, across resumes at
-    different iterations, and from the ones the run started with (``seed + 2718 + tp_rank``).
-    """
-    import deepspeed  # local: DeepSpeed costs seconds to import
-
-    tracker = deepspeed.checkpointing.get_cuda_rng_tracker()
-    tracker.reset()
-    tracker.add(TP_RNG_STATE_NAME, seed + TP_SEED_OFFSET + ps.tp_rank + 7919 * (iteration + 1) * ps.tp_size)
-
-
-def reseed_stages(seed: int, iteration: int, ps) -> None:
-    """After a pipeline layout change, give every stage a fresh default stream (dropout outside TP regions):
-    the checkpoint's first rank's stream, restored on every rank, would otherwise repeat on each stage."""
-    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
-
-    if ps.pp_size == 1:
-        return
-    stage_seed = seed + PP_SEED_STRIDE * ps.pp_rank + 7919 * (iteration + 1)
-    torch.manual_seed(stage_seed)
-    get_accelerator().manual_seed(stage_seed)
 
 
 class Checkpointer:
@@ -130,14 +103,16 @@ class Checkpointer:
         return self.restore(self.load(load))
 
     def restore(self, client: dict[str, Any]) -> LoopState:
-        """The loop state of a :meth:`payload`, with every generator restored, the TP RNG reseeded after a
-        tp change, and a changed LR schedule warned about on the writer."""
+        """The loop state of a :meth:`payload`, with every generator restored (after a layout change, the
+        default and TP streams seeded afresh for this rank's stage and TP rank, as at the start of a run:
+        :func:`zoo.parallel.random.seed_after_layout_change`), and a changed LR schedule warned about on the
+        writer."""
         state = LoopState()
         state.load_state_dict(client)
         set_rng_state(client["rng"])
-        if "resharded_from" in client:
-            reseed_tp_rng(client.get("seed", self.config.seed), state.iteration, self.ps)
-            reseed_stages(client.get("seed", self.config.seed), state.iteration, self.ps)
+        if "resharded_from" in client:   # no stream of the checkpoint belongs to this rank's new place
+            model_parallel_seed(seed_after_layout_change(client.get("seed", self.config.seed), state.iteration),
+                                self.ps)
         change = schedule_change_warning(client.get("lr_schedule"), lr_schedule(self.ds_config), state.iteration)
         if self.is_writer and "lr_schedule" in client and change:
             print(f"warning: {change}", file=sys.stderr)
