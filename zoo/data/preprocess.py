@@ -25,6 +25,7 @@ from zoo.data.preprocess_pipeline import (
     SkippedDocumentsWarning,
     cached_corpus_prefix,
     default_cache_dir,
+    usable_workers,
 )
 from zoo.data.tokenizers import load_bert_tokenizer, load_gpt2_tokenizer
 
@@ -126,6 +127,7 @@ def run_preprocess(args: argparse.Namespace) -> list[PreprocessSummary]:
     if args.batch_size < 1:
         raise ValueError(f"--batch-size {args.batch_size} is invalid; use at least 1.")
     sources = expand_inputs(args.input, args.workers)
+    workers = usable_workers(args.workers)   # said once, not once per output
     outputs = output_prefixes(sources, args.output_prefix, args.merge)
     if args.model == "bert":
         tokenizer = load_bert_tokenizer(args.tokenizer)
@@ -136,6 +138,6 @@ def run_preprocess(args: argparse.Namespace) -> list[PreprocessSummary]:
     summaries = []
     for prefix, group in outputs:
         inputs = [source.label for source in group]
-        summaries.append(run(inputs, prefix, workers=args.workers, json_key=args.json_key, batch_size=args.batch_size))
+        summaries.append(run(inputs, prefix, workers=workers, json_key=args.json_key, batch_size=args.batch_size))
         print(summaries[-1])
     return summaries

@@ -9,7 +9,8 @@ pass between processes), so the output is byte-identical for every number of wor
 
 The output is written atomically by :class:`~zoo.data.indexed_dataset.IndexedDatasetBuilder`: a failure
 anywhere leaves no ``.bin``/``.idx`` behind, and a scratch directory for ``datasets``' Arrow copies
-lives beside the output only while the command runs.
+lives beside the output only while the command runs. A run killed outright (``kill -9``) cannot clean up:
+its temporaries are removed by the next run of the same output prefix (:func:`remove_stale_temporaries`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,10 @@ from __future__ import annotations
 import multiprocessing
 import os
 import queue
+import re
+import shutil
+import socket
+import sys
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -73,8 +78,9 @@ def scratch_directory(output_prefix: str | os.PathLike):
     try:
         with _output_directory_errors(output_prefix):
             out_dir.mkdir(parents=True, exist_ok=True)
-            scratch = tempfile.TemporaryDirectory(dir=out_dir, prefix=".zoo-preprocess-")
+            scratch = tempfile.TemporaryDirectory(dir=out_dir, prefix=scratch_prefix(output_prefix))
         with scratch as cache:
+            remove_stale_temporaries(output_prefix, keep=Path(cache).name)
             yield cache
     except BaseException:
         for directory in created:  # deepest first; kept if something else appeared in it
@@ -83,6 +89,84 @@ def scratch_directory(output_prefix: str | os.PathLike):
             except OSError:
                 break
         raise
+
+
+SCRATCH = ".zoo-preprocess-"
+SCRATCH_NAME_CHARS = 100   # of the output's name in a scratch directory's name, which stays under NAME_MAX
+
+
+def scratch_prefix(output_prefix: str | os.PathLike) -> str:
+    """The start of the scratch directory's name: the output's name, this host and this process, which
+    tell a later run of the same output whether the writer still runs (:func:`remove_stale_temporaries`)."""
+    name = Path(os.fspath(output_prefix)).name[:SCRATCH_NAME_CHARS]
+    return f"{SCRATCH}{name}@{socket.gethostname()}@{os.getpid()}@"
+
+
+def _writer_runs(host: str, pid: int) -> bool:
+    """Whether a scratch directory's writer may still run: always for another host (it cannot be checked
+    from here) or a pid that runs now (perhaps a reused one: then its temporaries wait for a later run)."""
+    if host != socket.gethostname():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_temporaries(output_prefix: str | os.PathLike, keep: str) -> list[str]:
+    """Remove what killed runs of ``output_prefix`` left beside it, and say so in one line on stderr:
+    the builder's ``<prefix>.bin.<hex>.tmp`` and ``.idx`` files, and scratch directories whose writer (named
+    in the scratch name) no longer runs on this host. The builder's temporaries are removed only when no
+    other writer of this prefix may still run (a scratch directory of a live process, or of another
+    host, keeps them all); other prefixes' files are never touched. ``keep`` is this run's own scratch.
+
+    The temporaries are listed before the scratch directories are: a writer that starts meanwhile creates
+    its scratch directory before its temporaries, so these are not among those listed or it is seen live.
+    Returns the names removed."""
+    out_dir = Path(os.fspath(output_prefix)).parent
+    name = Path(os.fspath(output_prefix)).name
+    builder_temporary = re.compile(re.escape(name) + r"\.(bin|idx)\.[0-9a-f]+\.tmp")
+    temporaries = sorted(p for p in out_dir.iterdir() if builder_temporary.fullmatch(p.name))
+    scratch_of_prefix = re.compile(re.escape(SCRATCH + name[:SCRATCH_NAME_CHARS]) + r"@([^@]+)@(\d+)@[^@]+")
+    stale, live = [], False
+    for path in sorted(out_dir.iterdir()):
+        match = scratch_of_prefix.fullmatch(path.name)
+        if match is None or path.name == keep or not path.is_dir() or path.is_symlink():
+            continue
+        if _writer_runs(match.group(1), int(match.group(2))):
+            live = True
+        else:
+            stale.append(path)
+    removed = []
+    for path in ([] if live else temporaries) + stale:
+        try:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+        except FileNotFoundError:
+            continue
+        removed.append(path.name)
+    if removed:
+        print(f"note: removed {len(removed)} temporaries of {os.fspath(output_prefix)} left by a preprocess that did "
+              f"not finish: {', '.join(sorted(removed))}", file=sys.stderr, flush=True)
+    return removed
+
+
+def usable_workers(workers: int) -> int:
+    """``workers``, capped at the CPUs this process may run on (its affinity, which a container or job
+    scheduler sets): more tokenizer processes than CPUs only compete for them, each holding a tokenizer.
+    A cap is said in one line on stderr."""
+    try:
+        cpus = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):   # no affinity on this platform
+        cpus = os.cpu_count() or 1
+    if workers <= cpus:
+        return workers
+    plural = "s" if cpus > 1 else ""
+    print(f"note: --workers {workers} is more than the {cpus} CPU{plural} this process may run on; tokenizing with "
+          f"{cpus} worker{plural}.", file=sys.stderr, flush=True)
+    return cpus
 
 
 @contextmanager
@@ -99,9 +183,19 @@ def _output_directory_errors(output_prefix):
 
 
 def _worker_loop(encode: Callable, tasks, results) -> None:
-    """One tokenizer process: encodes (number, batch) tasks until it receives None."""
+    """One tokenizer process: encodes (number, batch) tasks until it receives None, or until the main
+    process is gone (killed outright, it sends no None: the worker would otherwise wait forever)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker: N workers use N cores
-    while (task := tasks.get()) is not None:
+    parent = os.getppid()
+    while True:
+        try:
+            task = tasks.get(timeout=_RESULT_POLL_S)
+        except queue.Empty:
+            if os.getppid() != parent:
+                return
+            continue
+        if task is None:
+            return
         number, batch = task
         try:
             results.put((number, encode(batch), None))

@@ -22,7 +22,13 @@ from pathlib import Path
 import datasets
 
 from zoo.data.input_diagnosis import load_file_texts, loader_for, streamed_text_column
-from zoo.data.preprocess_pipeline import SkippedDocumentsWarning, encoded_in_order, scratch_directory, write_encoded
+from zoo.data.preprocess_pipeline import (
+    SkippedDocumentsWarning,
+    encoded_in_order,
+    scratch_directory,
+    usable_workers,
+    write_encoded,
+)
 
 HUB_PREFIX = "hub:"
 
@@ -195,6 +201,7 @@ def tokenize_sources(
     """
     start = time.perf_counter()
     sources = expand_inputs(inputs, workers)
+    workers = usable_workers(int(workers))
     with ExitStack() as stack:
         cache = stack.enter_context(scratch_directory(output_prefix))
         if not progress and datasets.is_progress_bar_enabled():  # silence datasets' own bars too
