@@ -8,17 +8,20 @@ import atexit
 import multiprocessing
 
 import torch
-import torch.distributed as dist
 
 from zoo.data.blend_cache import shared_blend_index
 from zoo.data.blending import BlendedDataset, check_data_path
 from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader, shut_down_workers
 from zoo.data.indexed_dataset import IndexedDataset
-from zoo.distributed import raise_on_any_rank
+from zoo.distributed import raise_on_any_rank, run_on_first_rank
 from zoo.training.families import build_dataset, default_corpus
 from zoo.training.run_config import RunConfig
 
 __all__ = ["PretrainingData", "can_start_workers"]
+
+# What the wait for rank 0's preprocessing of the bundled corpus is sized from (a Wikipedia sample of a few
+# MB): the waiting ranks give it zoo.distributed.first_rank_timeout of this, 10 minutes and a few seconds.
+BUNDLED_CORPUS_BYTES = 10_000_000
 
 
 class PretrainingData:
@@ -30,7 +33,9 @@ class PretrainingData:
     and so read the same samples. ``workers`` processes read (and mask, for BERT) the next micro-batches
     while the model trains; batches are pinned on an accelerator.
 
-    ``config.data_path`` is None (the bundled corpus), one prefix, or Megatron's ``W1 P1 W2 P2 ...``
+    ``config.data_path`` is None (the bundled corpus, preprocessed by rank 0 while the others wait on a gloo
+    group of the host whose timeout fits the work, never in a collective of the accelerator's group under its
+    watchdog: :func:`zoo.distributed.run_on_first_rank`), one prefix, or Megatron's ``W1 P1 W2 P2 ...``
     (:mod:`zoo.data.blending`). One corpus of positive weight is read exactly as a single prefix; several
     are blended through one index shared by every rank (:func:`zoo.data.blend_cache.shared_blend_index`),
     each split by its own documents. ``indexed`` is the single corpus's :class:`IndexedDataset` (None for
@@ -40,8 +45,8 @@ class PretrainingData:
     def __init__(self, config: RunConfig, model_config, ps, micro_batch: int, global_batch: int,
                  workers: int, pin_memory: bool, agreement_group=None):
         blend = raise_on_any_rank(lambda: check_data_path(config.data_path, config.split))
-        if blend is None:  # bundled corpus: preprocess once on rank 0, the others wait for its outcome
-            raise_on_any_rank(lambda: default_corpus(model_config, progress=True) if dist.get_rank() == 0 else None)
+        if blend is None:  # bundled corpus: preprocess once on rank 0 while the others wait on the host
+            run_on_first_rank(lambda: default_corpus(model_config, progress=True), work_bytes=BUNDLED_CORPUS_BYTES)
             blend = [(1.0, default_corpus(model_config, progress=False))]
         self.is_bundled_corpus = config.data_path is None
         self.blend = [(weight, prefix) for weight, prefix in blend if weight > 0]
