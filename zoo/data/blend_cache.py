@@ -1,10 +1,11 @@
-"""The blend index of a run, built once and shared: cached next to the data, built by one rank per node.
+"""The blend index of a run, built once and shared: cached next to the data, built once per filesystem.
 
 The cache file ``<first prefix>.blend-<digest>.npy`` lies beside the first corpus (or, when that
 directory is not writable, under ``$ZOO_CACHE/blends``). Its digest covers the format, the corpora's
 absolute prefixes, their normalised weights and the number of samples, so a different blend never
-reads another's index. It is written atomically (:func:`zoo.atomic.atomic_file`): a reader sees a
-complete index or none. Every rank maps it read-only, so the index costs one copy per node in the
+reads another's index. The first process to claim its lock file (``<index>.lock``) writes it, atomically
+(:func:`zoo.distributed.build_once`, :func:`zoo.atomic.atomic_file`): a reader sees a complete index or
+none, and ranks of every node and job sharing the filesystem wait for that one build. Every rank maps it read-only, so the index costs one copy per node in the
 page cache, and DataLoader workers receive only its path.
 """
 
@@ -14,6 +15,7 @@ import hashlib
 import json
 import os
 from collections.abc import Sequence
+from datetime import timedelta
 from pathlib import Path
 
 import numpy as np
@@ -21,7 +23,7 @@ import numpy as np
 from zoo.atomic import atomic_file
 from zoo.data import default_cache_dir
 from zoo.data.blending import blend_index
-from zoo.distributed import raise_on_any_rank, run_on_first_rank
+from zoo.distributed import build_once, first_rank_timeout, raise_on_any_rank, run_on_every_rank
 
 CACHE_FORMAT = 1
 BLEND_DTYPE = np.dtype([("corpus", "<u2"), ("sample", "<i8")])
@@ -68,37 +70,50 @@ def blend_cache_path(blend: Sequence[tuple[float, str]], num_samples: int) -> Pa
 
 
 def build_blend_cache(blend: Sequence[tuple[float, str]], num_samples: int) -> bool:
-    """Writes the index's cache file unless it exists; True when this call wrote it."""
+    """Writes the index's cache file unless it exists, once per filesystem: the process that claims its lock
+    file builds it, any other (a rank of this job or of a job on another node) waits for it, at most
+    :func:`blend_wait` (:func:`zoo.distributed.build_once`). True when this call wrote it."""
     path = blend_cache_path(blend, num_samples)
     if path.is_file():
         return False
-    corpus, sample = blend_index([weight for weight, _ in blend], num_samples)
-    table = np.empty(len(corpus), dtype=BLEND_DTYPE)
-    table["corpus"], table["sample"] = corpus, sample
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with atomic_file(path) as tmp:
-            with open(tmp, "wb") as out:
-                np.save(out, table, allow_pickle=False)
+        return build_once(path, lambda target: write_blend_index(blend, num_samples, target),
+                          blend_wait(num_samples))
     except OSError as err:
         why = "permission denied" if isinstance(err, PermissionError) else err.strerror
         raise ValueError(f"the blend index of --data-path cannot be written to {path.parent} ({why}); make the "
                          "first corpus's directory or $ZOO_CACHE writable.") from None
-    return True
 
 
-def local_rank() -> int:
-    """This process's rank on its node, as the launcher (or the test harness) sets ``LOCAL_RANK``."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+def write_blend_index(blend: Sequence[tuple[float, str]], num_samples: int, path: Path) -> None:
+    """The index of ``blend`` for ``num_samples`` samples, written to ``path`` atomically."""
+    corpus, sample = blend_index([weight for weight, _ in blend], num_samples)
+    table = np.empty(len(corpus), dtype=BLEND_DTYPE)
+    table["corpus"], table["sample"] = corpus, sample
+    with atomic_file(path) as tmp:
+        with open(tmp, "wb") as out:
+            np.save(out, table, allow_pickle=False)
+
+
+def index_bytes(num_samples: int) -> int:
+    return int(num_samples) * BLEND_DTYPE.itemsize
+
+
+def blend_wait(num_samples: int) -> timedelta:
+    """How long a process waits for another to build an index of ``num_samples`` samples: the time rank 0's
+    own work of that many bytes is given (:func:`zoo.distributed.first_rank_timeout`: 10 minutes plus its
+    bytes written at 20 MB/s twice; about 15 minutes for the 3 GB index of a 20B-parameter run)."""
+    return first_rank_timeout(index_bytes(num_samples))
 
 
 def shared_blend_index(blend: Sequence[tuple[float, str]], num_samples: int) -> BlendIndex:
-    """The blend index of ``blend`` for ``num_samples`` samples: local rank 0 of each node builds the cache
-    file when it is missing while the other ranks wait, then every rank maps it. A failure on any rank
-    reaches every rank as the same sentence. Collective: every rank calls it with the same arguments;
+    """The blend index of ``blend`` for ``num_samples`` samples: built once per filesystem when its cache
+    file is missing (:func:`build_blend_cache`; every rank takes part, whatever its local rank, and the
+    filesystem decides who builds), then mapped by every rank. A failure on any rank reaches every rank as
+    the same sentence; the ranks that wait do so on a host group sized from the work
+    (:func:`zoo.distributed.run_on_every_rank`). Collective: every rank calls it with the same arguments;
     without a process group it builds (or reads) the file in this process."""
-    work_bytes = int(num_samples) * BLEND_DTYPE.itemsize
-    built = run_on_first_rank(lambda: build_blend_cache(blend, num_samples), work_bytes,
-                              first=lambda: local_rank() == 0)
+    built = run_on_every_rank(lambda: build_blend_cache(blend, num_samples), index_bytes(num_samples))
     path = blend_cache_path(blend, num_samples)
     return raise_on_any_rank(lambda: BlendIndex(path, num_samples, len(blend), built_here=bool(built)))

@@ -7,10 +7,13 @@
 * :mod:`~zoo.distributed.data_parallel`: this DP rank's block of items, DP sums and means.
 * :mod:`~zoo.distributed.host_agreement`: host-side flags on a gloo group, and work only the first
   rank does while the others wait under a timeout sized from the work.
+* :mod:`~zoo.distributed.build_once`: a file built once per filesystem (an exclusive lock file beside
+  it), the other processes waiting for it, bounded.
 * :mod:`~zoo.distributed.roll_call`: after a collective failed, the ranks that never came.
 * :mod:`zoo.parallel.agreement` (re-exported here): a failure on one rank raised on every rank.
 """
 
+from zoo.distributed.build_once import build_once
 from zoo.distributed.data_parallel import dp_block, dp_sum, means_over_dp
 from zoo.distributed.host_agreement import (
     SLOWEST_BYTES_PER_S,
@@ -19,6 +22,7 @@ from zoo.distributed.host_agreement import (
     directory_bytes,
     first_rank_timeout,
     host_group,
+    run_on_every_rank,
     run_on_first_rank,
 )
 from zoo.distributed.joining import (
@@ -59,6 +63,7 @@ __all__ = [
     "agree_max",
     "agreed_failure",
     "bind_launcher_device",
+    "build_once",
     "check_accelerator_matches_machine",
     "check_launched",
     "collective_device",
@@ -82,6 +87,7 @@ __all__ = [
     "process_group_left_on_success",
     "raise_on_any_rank",
     "ranks_that_did_not_arrive",
+    "run_on_every_rank",
     "run_on_first_rank",
     "share_cpu_threads",
     "shared_memory_buffer_path",

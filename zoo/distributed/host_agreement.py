@@ -2,8 +2,8 @@
 
 :func:`host_group` is a gloo group next to NCCL, so small flags agreed every iteration (:func:`agree_max`)
 never synchronise the accelerator. :func:`run_on_first_rank` runs rank 0's work (resharding, exporting a
-checkpoint) while the others wait, under a timeout sized from the work (:func:`first_rank_timeout`,
-:func:`directory_bytes`).
+checkpoint) while the others wait, and :func:`run_on_every_rank` work of uneven length on every rank, both
+under a timeout sized from the work (:func:`first_rank_timeout`, :func:`directory_bytes`).
 """
 
 from __future__ import annotations
@@ -67,9 +67,20 @@ def run_on_first_rank(fn: Callable[[], T], work_bytes: int, first=None) -> T | N
     if not dist.is_available() or not dist.is_initialized():
         return fn()
     runs_here = first() if first is not None else dist.get_rank() == 0
+    return run_on_every_rank(lambda: fn() if runs_here else None, work_bytes)
+
+
+def run_on_every_rank(fn: Callable[[], T], work_bytes: int) -> T:
+    """``fn()`` on every rank, then an agreement on its outcome (a failure reaches every rank as in
+    :func:`raise_on_any_rank`) on a fresh gloo group whose timeout fits ``work_bytes`` of work
+    (:func:`first_rank_timeout`): ranks whose ``fn`` returns at once (a failure, or nothing to do) wait
+    there for the ones still working, never under the run group's timeout. Collective: every rank calls
+    it with the same ``work_bytes``."""
+    if not dist.is_available() or not dist.is_initialized():
+        return fn()
     group = dist.new_group(backend="gloo", timeout=first_rank_timeout(work_bytes))
     try:
-        return raise_on_any_rank(lambda: fn() if runs_here else None, group=group)
+        return raise_on_any_rank(fn, group=group)
     finally:
         dist.destroy_process_group(group)
 
