@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -89,6 +90,30 @@ def generation_config(args: argparse.Namespace):
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=args.use_cache).validate()
 
 
+def greedy_note(args: argparse.Namespace) -> str | None:
+    """The line that says ``--temperature 0`` decodes greedily (there is nothing to divide by), so the
+    sampling flags and the seed do not change the tokens; None for any other setting."""
+    if args.greedy or args.temperature != 0:
+        return None
+    return ("note: --temperature 0 is greedy decoding (the most likely token at every step), so --seed, --top-k "
+            "and --top-p do not change the completions.")
+
+
+def context_note(results, max_new_tokens: int, n_positions: int) -> str | None:
+    """The line that names the completions stopped where prompt and completion filled the model's context
+    (``n_positions``) before ``--max-new-tokens``, and how many tokens each got; None when none did."""
+    from zoo.inference.generate import FINISH_CONTEXT  # local: torch import cost, after parsing
+
+    stopped = [(index, len(result.tokens)) for index, result in enumerate(results)
+               if result.finish_reason == FINISH_CONTEXT]
+    if not stopped:
+        return None
+    where = ", ".join(f"[{index}] after {count}" for index, count in stopped)
+    return (f"note: {len(stopped)} completion{'s' if len(stopped) > 1 else ''} stopped where the prompt and "
+            f"completion filled the model's context of {n_positions} tokens, before --max-new-tokens "
+            f"{max_new_tokens}: {where} new tokens.")
+
+
 def check_output(output: str | None) -> None:
     """Refuse an --output that could not be written, before any model is loaded or token generated."""
     if output is None:
@@ -112,7 +137,8 @@ def write_jsonl_atomic(path: str | os.PathLike, rows: list[dict]) -> None:
 
 
 def generate_from_checkpoint(args: argparse.Namespace, texts: list[str], config):
-    """Load, generate (collective), and return every prompt's TextCompletion on every rank."""
+    """Load, generate (collective), and return every prompt's TextCompletion on every rank, with the model's
+    context length (``n_positions``)."""
     import torch.distributed as dist  # local: torch import cost, after parsing
 
     from zoo.data import load_gpt2_tokenizer  # local: torch import cost, after parsing
@@ -129,7 +155,7 @@ def generate_from_checkpoint(args: argparse.Namespace, texts: list[str], config)
     hf_dir = transformers_directory(args.load)
     model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=torch_dtype(args.dtype)).to(device).eval()
     tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
-    return generate_text(model, tokenizer, texts, config, ps, batch_size=args.batch_size)
+    return generate_text(model, tokenizer, texts, config, ps, batch_size=args.batch_size), model.config.n_positions
 
 
 def main(argv: list[str] | None = None):
@@ -139,11 +165,18 @@ def main(argv: list[str] | None = None):
     def work():
         import torch.distributed as dist  # local: torch import cost, after parsing
 
+        from zoo.training.run_config import launched_as_writer  # local: torch import cost, after parsing
+
         texts = read_prompts(args)
         config = generation_config(args)
         check_output(args.output)
-        results = generate_from_checkpoint(args, texts, config)
-        if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
+        if (note := greedy_note(args)) and launched_as_writer():
+            print(note, file=sys.stderr, flush=True)
+        results, n_positions = generate_from_checkpoint(args, texts, config)
+        is_writer = not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+        if is_writer:
+            if note := context_note(results, config.max_new_tokens, n_positions):
+                print(note, file=sys.stderr, flush=True)
             for index, result in enumerate(results):
                 print(f"--- [{index}] ({len(result.tokens)} tokens, {result.finish_reason})")
                 print(result.prompt + result.completion)

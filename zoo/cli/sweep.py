@@ -10,11 +10,14 @@ own directory under --out; prints and saves the table of settings with the media
 from __future__ import annotations
 
 import argparse
+import sys
 
 from zoo.cli.runner import run_command
-from zoo.finetune.sweep import DEFAULT_PROJECT, run_sweep
+from zoo.finetune.sweep import DEFAULT_PROJECT, failed_runs_sentence, run_sweep
 from zoo.finetune.sweep_overrides import SweepOverrides
 from zoo.options import add_groups, group_of
+
+FAILED_RUNS_EXIT_CODE = 1   # the runs failed, not the sweep's own settings (those exit 2)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,7 +58,11 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     overrides = SweepOverrides(pretrained=args.pretrained, data_dir=args.data_dir,
                                deepspeed_config=args.deepspeed_config)
-    run_command(lambda: run_sweep(args.sweep, args.out, args.count, args.dry_run, args.launcher, args.project,
-                                  in_process=args.in_process, overrides=overrides, entity=args.entity,
-                                  overwrite=args.overwrite, track_wandb=not args.no_wandb),
-                teardown=False)
+    result = run_command(lambda: run_sweep(args.sweep, args.out, args.count, args.dry_run, args.launcher,
+                                           args.project, in_process=args.in_process, overrides=overrides,
+                                           entity=args.entity, overwrite=args.overwrite,
+                                           track_wandb=not args.no_wandb),
+                         teardown=False)
+    if (failed := failed_runs_sentence(result)) is not None:
+        print(f"error: {failed}", file=sys.stderr, flush=True)
+        sys.exit(FAILED_RUNS_EXIT_CODE)

@@ -85,6 +85,31 @@ def parse_data_path(data_path: None | str | os.PathLike | Sequence) -> list[tupl
     return [(value / total, prefix) for value, prefix in zip(values, prefixes)]
 
 
+def blend_warnings(data_path: None | str | os.PathLike | Sequence) -> list[str]:
+    """One sentence for each blend that is accepted but probably not what was meant: a corpus named twice
+    (each entry draws from the same documents, so it is one corpus of the summed weight) and a corpus of
+    weight 0 (it serves no sample). ``data_path`` must parse (:func:`parse_data_path`)."""
+    items = data_path_items(data_path)
+    if items is None or len(items) < 2:
+        return []
+    weights, prefixes = items[0::2], items[1::2]
+    warnings, seen = [], {}
+    for weight, prefix in zip(weights, prefixes):
+        same = os.path.realpath(prefix)
+        if same in seen:
+            first_weight, first_prefix = seen[same]
+            warnings.append(f"--data-path names the corpus {prefix} twice (weights {first_weight} and {weight}"
+                            f"{'' if first_prefix == prefix else f', the first as {first_prefix}'}), so both entries "
+                            f"draw from the same documents; give it once with the summed weight "
+                            f"{float(first_weight) + float(weight):g}.")
+        else:
+            seen[same] = (weight, prefix)
+        if float(weight) == 0:
+            warnings.append(f"--data-path gives {prefix} weight {weight}, so no sample comes from it (its files are "
+                            "still checked); drop it, or give it a positive weight.")
+    return warnings
+
+
 def check_data_path(data_path, split: str | Sequence[float] = "969,30,1") -> list[tuple[float, str]] | None:
     """Everything about ``--data-path`` and ``--split`` that can be checked before training starts:
     :func:`parse_data_path`, :func:`open_corpora` (files, dtype, vocabulary) and

@@ -16,7 +16,8 @@ object with ``article``, ``questions``, ``options`` and ``answers`` (lists of on
 directory without any split raises ``FileNotFoundError``/``ValueError`` naming it; a question
 without exactly four options, with an answer letter outside A-D or with a text (article, question,
 option) longer than :data:`~zoo.finetune.examples.MAX_TEXT_CHARS` is skipped and counted, with one
-:class:`~zoo.finetune.skips.MalformedExampleWarning` per split directory.
+:class:`~zoo.finetune.skips.MalformedExampleWarning` per split directory; a split directory whose every
+question is skipped is a ``ValueError`` saying why (not a split found empty).
 """
 
 from __future__ import annotations
@@ -91,6 +92,8 @@ def read_race(data_dir: str | os.PathLike) -> dict[str, list[RaceExample]]:
         for level, level_dir in level_dirs:
             for path in sorted(level_dir.glob("*.txt")):
                 examples.extend(read_race_file(path, split, level, skipped))
+        if not examples and skipped.count:
+            raise ValueError(every_question_skipped(directory / split, skipped))
         skipped.warn()
         splits[split] = examples
     if splits:
@@ -103,6 +106,15 @@ def read_race(data_dir: str | os.PathLike) -> dict[str, list[RaceExample]]:
         f"no RACE split found in '{directory}'; it needs train|dev|test/middle|high/*.txt or a "
         "Hugging Face race layout (a save_to_disk directory or parquet files)."
     )
+
+
+def every_question_skipped(split_dir: Path, skipped: SkippedExamples) -> str:
+    """The sentence for a split whose every question was skipped: it was found, and why it has no example
+    (the multiple-choice head scores exactly four options, A-D, per question)."""
+    why = "; ".join(f"{n} {reason}" for reason, n in skipped.reasons.most_common())
+    return (f"all {skipped.count} questions in {split_dir} were skipped ({why}), because zoo's RACE head scores "
+            f"exactly {len(ANSWER_LETTERS)} options (A-D) per question; give every question {len(ANSWER_LETTERS)} "
+            "text options and an answer letter A-D.")
 
 
 def question_with_option(question: str, option: str) -> str:

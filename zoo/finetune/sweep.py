@@ -415,7 +415,19 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     print(table)
     print(f"{len(rows)} runs; table in {out_dir / 'summary.md'}, plot in {out_dir / 'sweep.png'}; "
           f"{tracking_note(env, spec, track_wandb)}")
-    return {"rows": rows, "summary": summary, "spec": spec}
+    return {"rows": rows, "summary": summary, "spec": spec, "out": out_dir}
+
+
+def failed_runs_sentence(result: dict[str, Any]) -> str | None:
+    """The sentence a sweep with failed runs ends on (its exit code is then non-zero, so a script or CI
+    job that runs the sweep sees it): how many of the runs did not finish, their names and where their logs
+    are; None when every run finished."""
+    rows = result["rows"]
+    failed = [row["run"] for row in rows if row["exit_code"] != 0 or row["score"] is None]
+    if not failed:
+        return None
+    return (f"{len(failed)} of {len(rows)} sweep runs did not finish ({', '.join(failed)}); their logs are "
+            f"{result['out']}/<run>.log, fix what they report and run the sweep again.")
 
 
 def tracking_note(env: dict[str, str], spec: SweepSpec, track_wandb: bool) -> str:

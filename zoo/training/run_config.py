@@ -36,6 +36,9 @@ import argparse
 import copy
 import json
 import math
+import os
+import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -220,7 +223,42 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     block = check_block_keys(block, RunConfig, path)
     config = RunConfig(**merged_settings(RunConfig, block, args), ds_config=copy.deepcopy(ds_config),
                        ds_config_path=str(path))
-    return check_input_paths(validate_static(config))
+    config = check_input_paths(validate_static(config))
+    if launched_as_writer():
+        for warning in data_warnings(config):
+            print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return config
+
+
+LAUNCHER_RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")   # torchrun/DeepSpeed, mpirun, srun
+
+
+def launched_as_writer(environ: Mapping[str, str] | None = None) -> bool:
+    """Whether this process is global rank 0 as its launcher numbers it (a single process is), so that a
+    warning found from the configuration alone is printed once, before any process group exists."""
+    environ = os.environ if environ is None else environ
+    for name in LAUNCHER_RANK_VARIABLES:
+        if name in environ:
+            return environ[name].strip() == "0"
+    return True
+
+
+def data_warnings(config: RunConfig) -> list[str]:
+    """Sentences for data settings that are accepted but probably not meant: a ``--data-path`` corpus named
+    twice or of weight 0 (:func:`zoo.data.blending.blend_warnings`), a ``--split`` of fewer than three
+    numbers (the missing ones are 0: no validation or no test documents)."""
+    from zoo.data.blending import blend_warnings  # local: torch import cost (the parser is built without torch)
+
+    warnings = blend_warnings(config.data_path)
+    if isinstance(config.split, str):
+        numbers = [part for part in config.split.replace("/", ",").split(",") if part.strip()]
+        if 0 < len(numbers) < 3:
+            read_as = ",".join(numbers + ["0"] * (3 - len(numbers)))
+            missing = "valid and test" if len(numbers) == 1 else "test"
+            warnings.append(f"--split {config.split} has {len(numbers)} number{'s' if len(numbers) > 1 else ''} "
+                            f"of train,valid,test, read as {read_as}: no {missing} documents; give all three, e.g. "
+                            f"{read_as}, to say so.")
+    return warnings
 
 
 def check_input_paths(config: RunConfig) -> RunConfig:
