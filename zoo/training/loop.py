@@ -10,8 +10,8 @@ The skeleton owns what every job shares, each step a small function:
   all-reduce over the DP ranks and one synchronisation, never per micro-step);
 * :meth:`TrainingLoop.maybe_evaluate`, :meth:`TrainingLoop.maybe_save`;
 * :class:`StopConditions`: ``--exit-interval``, ``--exit-duration-in-mins`` and SIGTERM/SIGUSR1, agreed
-  by all ranks at each iteration boundary with one all-reduce of two host flags on a gloo group (no
-  accelerator synchronisation);
+  by all ranks at an iteration boundary with one all-reduce of three host integers on a gloo group (no
+  accelerator synchronisation), at most once per :data:`STOP_AGREEMENT_PERIOD_S` of training;
 * a collective of an iteration that fails because a peer never came (``--distributed-timeout-minutes``)
   or went away ends the run with one sentence naming the ranks that did not arrive
   (:func:`zoo.distributed.ranks_that_did_not_arrive`, a roll call through the store that costs nothing
@@ -59,6 +59,10 @@ __all__ = ["LoopState", "StopConditions", "TrainingLoop", "LogWindow", "join", "
 
 
 OWN_REASON_GRACE_S = 2 * CHECK_INTERVAL_S   # how long a rank waits to see for itself a stop another rank saw
+# How often, at most, the ranks agree on a stop: a world-wide collective costs every rank a chain of messages
+# through the whole world (docs/design-notes.md), so short iterations share one; a stop asked for waits at most
+# this much longer (and one iteration) for its checkpoint.
+STOP_AGREEMENT_PERIOD_S = 2.0
 
 
 # ----------------------------------------------------------------------------------------------- setup
@@ -203,9 +207,13 @@ class StopConditions:
 
     ``received`` holds the reasons this rank saw, first first ("signal SIGTERM", ...).
 
-    Ranks agree with one all-reduce (MAX) of two host flags per iteration on a gloo group, so a signal
-    or a clock that reaches one rank stops every rank at the same iteration, and the agreement never
-    synchronises the accelerator.
+    Ranks agree with one all-reduce (MAX) of host integers on a gloo group, so a signal or a clock that
+    reaches one rank stops every rank at the same iteration, and the agreement never synchronises the
+    accelerator. They agree at the first iteration, then every n iterations, n the number of iterations at
+    the slowest rank's recent pace that fit in ``agreement_period_s`` (at least 1; the n is agreed with
+    the flags, so every rank agrees at the same iterations). ``--exit-duration-in-mins`` counts the n
+    iterations to the next agreement, and ``--exit-interval`` needs no agreement (every rank counts the
+    same iterations). Without a process group every call decides at once.
     """
 
     exit_interval: int = 0
@@ -216,7 +224,10 @@ class StopConditions:
     slowest_iteration_s: float = 0.0
     last_save_s: float = 0.0
     group: Any = None
+    agreement_period_s: float = STOP_AGREEMENT_PERIOD_S
     _previous_handlers: dict[int, Any] = field(default_factory=dict)
+    _next_agreement: int = 0                            # the first iteration at which the ranks agree next
+    _last_agreement: tuple[int, float] | None = None    # (iteration, time.monotonic()) of the last agreement
 
     SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 
@@ -243,11 +254,25 @@ class StopConditions:
             raise KeyboardInterrupt
         self.received.append(reason)
 
-    def out_of_time(self) -> bool:
+    def out_of_time(self, iterations: int = 1) -> bool:
+        """Whether ``iterations`` more (the slowest so far) and a save would pass ``--exit-duration-in-mins``."""
         if self.exit_duration_minutes is None:
             return False
-        needed = self.slowest_iteration_s + (self.last_save_s or self.slowest_iteration_s)
+        needed = iterations * self.slowest_iteration_s + (self.last_save_s or self.slowest_iteration_s)
         return time.monotonic() - self.started + needed >= self.exit_duration_minutes * 60
+
+    def agreement_due(self, iteration: int) -> bool:
+        """Whether the ranks agree on a stop after ``iteration`` (always, without a process group)."""
+        return iteration >= self._next_agreement or not (dist.is_available() and dist.is_initialized())
+
+    def iterations_per_agreement(self, iteration: int) -> int:
+        """How many iterations at this rank's pace since the last agreement fit in ``agreement_period_s``
+        (1 at the first agreement, whose pace includes the set-up)."""
+        if self._last_agreement is None:
+            return 1
+        since_iteration, since = self._last_agreement
+        pace = (time.monotonic() - since) / max(iteration - since_iteration, 1)
+        return max(1, int(self.agreement_period_s / max(pace, 1e-6)))
 
     def await_own_reason(self) -> None:
         """A stop another rank asked for is usually one this rank sees too (the same launcher's exit, polled
@@ -258,13 +283,18 @@ class StopConditions:
             time.sleep(0.05)
 
     def reason(self, iteration: int) -> str | None:
-        """Why every rank stops after ``iteration`` (None: go on). Collective over ``group``."""
-        signalled, late = agree_max([bool(self.received), self.out_of_time()], self.group)
-        if signalled:
-            self.await_own_reason()
-            return self.received[0] if self.received else "a signal on another rank"
-        if late:
-            return f"--exit-duration-in-mins {self.exit_duration_minutes:g}"
+        """Why every rank stops after ``iteration`` (None: go on). Collective over ``group`` at the
+        iterations :meth:`agreement_due` names, the same on every rank."""
+        if self.agreement_due(iteration):
+            proposed = self.iterations_per_agreement(iteration)
+            signalled, late, fewest = agree_max([bool(self.received), self.out_of_time(proposed), -proposed],
+                                                self.group)
+            self._next_agreement, self._last_agreement = iteration - fewest, (iteration, time.monotonic())
+            if signalled:
+                self.await_own_reason()
+                return self.received[0] if self.received else "a signal on another rank"
+            if late:
+                return f"--exit-duration-in-mins {self.exit_duration_minutes:g}"
         if self.exit_interval and iteration % self.exit_interval == 0:
             return f"--exit-interval {self.exit_interval}"
         return None
