@@ -175,3 +175,48 @@ def test_overwrite_through_a_symlinked_checkpoints_exits_2_from_the_script(tmp_p
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
     assert len(errors) == 1 and "is a symbolic link to" in errors[0], proc.stderr[-2000:]
     assert (elsewhere / "iter_0000002" / "mp_rank_00_model_states.pt").is_file()
+
+
+# ----------------------------------------------------------------------------- 6. metrics.jsonl in bounded memory
+HUGE_LINE_BYTES = 24 << 20
+
+
+def _metrics_with_a_huge_line(run: Path, last: bool) -> Path:
+    """metrics.jsonl with one line of HUGE_LINE_BYTES (no event zoo logs is near that long)."""
+    run.mkdir(parents=True, exist_ok=True)
+    path = run / "metrics.jsonl"
+    with path.open("wb") as out:
+        out.write(b'{"iteration": 1, "loss": 2.0}\n')
+        out.write(b'{"iteration": 2, "note": "' + b"x" * HUGE_LINE_BYTES + b'"}\n')
+        if not last:
+            out.write(b'{"iteration": 3, "loss": 1.0}\n')
+    return path
+
+
+@pytest.mark.parametrize("last", [False, True], ids=["inside", "last"])
+def test_a_huge_metrics_line_is_one_sentence_read_in_bounded_memory(tmp_path, last):
+    """Resuming reads metrics.jsonl (the claim's check, then the cut to the checkpoint's iteration) in pieces:
+    a line far longer than any event is a sentence naming it, and Python's allocations stay under 8 MiB
+    (reading the whole file held it three times over)."""
+    import tracemalloc
+
+    import zoo.checkpoint.files  # noqa: F401 - imported here, not while allocations are traced
+    from zoo.training.metrics import truncate_metrics_after
+    from zoo.training.run_directory import claim_pretraining_directory
+
+    run = tmp_path / "run"
+    path = _metrics_with_a_huge_line(run, last)
+    expected = (f"{path} line 2 is {HUGE_LINE_BYTES + 28} bytes long, longer than any event zoo logs (at most "
+                f"1048576 bytes), so it is not one; delete or repair that line, then run again.")
+    for read in (lambda: claim_pretraining_directory(run, resuming=True, overwrite=False),
+                 lambda: truncate_metrics_after(path, 1)):
+        tracemalloc.start()
+        try:
+            with pytest.raises(ValueError) as refused:
+                read()
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert _one_sentence(str(refused.value)) == expected
+        assert peak < 8 << 20, f"peak {peak / 2**20:.1f} MiB"
+    assert path.stat().st_size == 30 + HUGE_LINE_BYTES + 29 + (0 if last else 30)   # untouched

@@ -7,16 +7,17 @@ drops it with a warning; any other line that is not a JSON object is named with 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zoo.atomic import atomic_file, write_text_atomic
+from zoo.atomic import atomic_file
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -149,28 +150,78 @@ class MetricsFile:
     torn_line: int | None = None
 
 
-def read_metrics_file(path: str | os.PathLike) -> MetricsFile:
-    """Every event of ``path`` (blank lines skipped). A last line that is not a whole JSON object is an
-    append cut short (a full disk, a killed writer): it is left out and its number kept in ``torn_line``.
-    Any other line that is not a JSON object raises ``ValueError`` naming the file and the line."""
+MAX_EVENT_BYTES = 1 << 20   # far above any event zoo logs (a few hundred bytes); the most a reader holds per line
+
+
+def metrics_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
+    """(line number, text without its newline) of every line of ``path``, read one line at a time and at
+    most :data:`MAX_EVENT_BYTES` at once, so memory stays bounded however long a line or the file is. A longer
+    line is no event zoo logged: ``ValueError`` naming the file, the line and its length."""
     path = Path(path)
-    lines = path.read_bytes().decode("utf-8", errors="replace").split("\n")
-    while lines and not lines[-1].strip():
-        lines.pop()
-    content = MetricsFile(path)
-    for number, text in enumerate(lines, start=1):
-        if not text.strip():
-            continue
-        event = _event(text)
-        if event is not None:
-            content.events.append((text, event))
-        elif number == len(lines):
-            content.torn_line = number
-        else:
-            shown = text if len(text) <= 60 else text[:57] + "..."
-            raise ValueError(f"{path} line {number} is not a JSON object ({shown!r}); delete or repair that line "
-                             "(every line holds one logged event), then run again.")
+    with path.open("rb") as handle:
+        for number in itertools.count(1):
+            raw = handle.readline(MAX_EVENT_BYTES + 1)
+            if not raw:
+                return
+            if len(raw) > MAX_EVENT_BYTES and not raw.endswith(b"\n"):
+                length = len(raw) + _skip_rest_of_line(handle)
+                raise ValueError(f"{path} line {number} is {length} bytes long, longer than any event zoo logs (at "
+                                 f"most {MAX_EVENT_BYTES} bytes), so it is not one; delete or repair that line, then "
+                                 "run again.")
+            yield number, raw.decode("utf-8", errors="replace").removesuffix("\n")
+
+
+def _skip_rest_of_line(handle) -> int:
+    """Read past the rest of the current line in bounded pieces; the bytes skipped (without the newline)."""
+    skipped = 0
+    while piece := handle.readline(MAX_EVENT_BYTES):
+        if piece.endswith(b"\n"):
+            return skipped + len(piece) - 1
+        skipped += len(piece)
+    return skipped
+
+
+class MetricsScan:
+    """The whole events of a ``metrics.jsonl``, as (text, event), streamed (:func:`metrics_lines`); blank lines
+    are skipped. A line that is not a JSON object is an append cut short (a full disk, a killed writer) when
+    it is the last non-blank line: it is left out and, once the iteration ends, its number is in
+    ``torn_line``. Before any other line it raises ``ValueError`` naming the file and the line."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.torn_line: int | None = None
+
+    def __iter__(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        pending: tuple[int, str] | None = None   # (number, text shown) of a line that is no event
+        for number, text in metrics_lines(self.path):
+            if not text.strip():
+                continue
+            if pending is not None:
+                raise self._corrupt(*pending)
+            event = _event(text)
+            if event is None:
+                pending = (number, text if len(text) <= 60 else text[:57] + "...")
+                continue
+            yield text, event
+        self.torn_line = pending[0] if pending is not None else None
+
+    def _corrupt(self, number: int, shown: str) -> ValueError:
+        return ValueError(f"{self.path} line {number} is not a JSON object ({shown!r}); delete or repair that line "
+                          "(every line holds one logged event), then run again.")
+
+
+def read_metrics_file(path: str | os.PathLike) -> MetricsFile:
+    """Every event of ``path`` with its text, and the number of a torn last line (:class:`MetricsScan`)."""
+    scan = MetricsScan(path)
+    content = MetricsFile(Path(path), events=list(scan))
+    content.torn_line = scan.torn_line
     return content
+
+
+def check_metrics_file(path: str | os.PathLike) -> None:
+    """Read ``path`` as :func:`read_metrics_file` does, keeping nothing: raises the same sentences."""
+    for _ in MetricsScan(path):
+        pass
 
 
 def _event(text: str) -> dict[str, Any] | None:
@@ -183,21 +234,24 @@ def _event(text: str) -> dict[str, Any] | None:
 
 def truncate_metrics_after(path: str | os.PathLike, iteration: int) -> None:
     """On resume, keep the events up to ``iteration`` (the checkpoint's; later ones are logged again) and drop
-    a torn last line with a warning naming the file. Rewritten atomically, and only when something goes."""
+    a torn last line with a warning naming the file. Rewritten atomically, and only when something goes;
+    the file is streamed twice (what goes, then the rewrite), never held whole."""
     path = Path(path)
     if not path.exists():
         return
-    content = read_metrics_file(path)
-    if content.torn_line is not None:
-        print(f"warning: {path} ends in a partial line (line {content.torn_line}, an append cut short); "
+    scan = MetricsScan(path)
+    later = sum(1 for _, event in scan if event.get("iteration", 0) > iteration)
+    if scan.torn_line is not None:
+        print(f"warning: {path} ends in a partial line (line {scan.torn_line}, an append cut short); "
               "dropping it.", file=sys.stderr, flush=True)
-    kept = [text for text, event in content.events if event.get("iteration", 0) <= iteration]
-    if content.torn_line is not None or len(kept) != len(content.events):
-        try:
-            write_text_atomic(path, "".join(text + "\n" for text in kept))
-        except OSError as err:
-            raise ValueError(f"rewriting {path} to the checkpoint's iteration {iteration} failed ({err.strerror}); "
-                             f"free space in {path.parent}, then resume again.") from None
+    if scan.torn_line is None and not later:
+        return
+    try:
+        with atomic_file(path) as tmp, tmp.open("w", encoding="utf-8") as out:
+            out.writelines(text + "\n" for text, event in MetricsScan(path) if event.get("iteration", 0) <= iteration)
+    except OSError as err:
+        raise ValueError(f"rewriting {path} to the checkpoint's iteration {iteration} failed ({err.strerror}); "
+                         f"free space in {path.parent}, then resume again.") from None
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -34,7 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from zoo.atomic import check_writable_directory, default_file_mode, unwritable_directory
-from zoo.training.metrics import METRICS_FILE, read_metrics_file
+from zoo.training.metrics import METRICS_FILE, check_metrics_file
 
 __all__ = ["LOCK_FILE", "Holder", "RunDirectoryLock", "claim_pretraining_directory", "claim_finetuning_directory"]
 
@@ -348,7 +348,7 @@ def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, o
             raise ValueError(f"--save {run_dir} already holds the {METRICS_FILE} of an earlier run; use --load "
                              f"{run_dir} to resume, or another --save, or --overwrite to replace it.")
         if resuming and metrics.is_file():
-            read_metrics_file(metrics)
+            check_metrics_file(metrics)
         if checkpoints is not None:
             refuse_symlinked_checkpoints(run_dir)
             replaced.append(f"checkpoints ({checkpoints})")
