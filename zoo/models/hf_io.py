@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import tempfile
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,6 +47,7 @@ SHARD_FILE_RE = re.compile(r"model-\d+-of-\d+\.safetensors")
 TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
                         "special_tokens_map.json", "added_tokens.json")
 EXPORT_KIND = "Hugging Face export"
+GENERATION_CONFIG_FILE = "generation_config.json"
 
 
 @dataclass(frozen=True)
@@ -257,7 +259,7 @@ def is_hf_export(directory: Path) -> bool:
         return False
     names = {entry.name for entry in entries}
     shards = {name for name in names if SHARD_FILE_RE.fullmatch(name)}
-    known = {"config.json", "generation_config.json", SINGLE_FILE, INDEX_FILE, *TOKENIZER_FILE_NAMES} | shards
+    known = {"config.json", GENERATION_CONFIG_FILE, SINGLE_FILE, INDEX_FILE, *TOKENIZER_FILE_NAMES} | shards
     has_weights = SINGLE_FILE in names or (INDEX_FILE in names and bool(shards))
     return "config.json" in names and has_weights and names <= known
 
@@ -354,19 +356,44 @@ def stream_pretrained(directory: str | os.PathLike, config_dict: dict, outputs: 
     it is itself a Hugging Face export (:func:`is_hf_export`).
 
     Files follow :func:`plan_files` (model.safetensors, or transformers' shards
-    ``model-0000k-of-0000n.safetensors`` plus model.safetensors.index.json), with config.json and the
-    tokenizer files. Returns the writer's error (None on success) once every entry was produced.
+    ``model-0000k-of-0000n.safetensors`` plus model.safetensors.index.json), with config.json, the
+    tokenizer files and, for a model transformers can generate with, generation_config.json
+    (:func:`generation_config_json`). Returns the writer's error (None on success) once every entry was produced.
     """
     split = plan_files(outputs, max_shard_size)
     by_key = {entry.key: entry for entry in outputs}
     files = [(name, safetensors_order([by_key[key] for key in keys])) for name, keys in
              split.filename_to_tensors.items()]
     text_files = {"config.json": json.dumps(config_dict, indent=2, sort_keys=True) + "\n"}
+    if is_writer and (generation := generation_config_json(config_dict)) is not None:
+        text_files[GENERATION_CONFIG_FILE] = generation
     if split.is_sharded:
         index = {"metadata": dict(split.metadata), "weight_map": dict(split.tensor_to_filename)}
         text_files[INDEX_FILE] = json.dumps(index, indent=2, sort_keys=True) + "\n"
     return stream_directory(directory, files, produce, text_files, tokenizer_files, is_hf_export, EXPORT_KIND,
                             is_writer)
+
+
+def generation_config_json(config_dict: dict) -> str | None:
+    """generation_config.json exactly as transformers' ``save_pretrained`` writes it for the model that
+    ``config_dict`` (config.json's contents) describes, or None where transformers writes none.
+
+    transformers writes the file only for an architecture that can generate (GPT2LMHeadModel: yes; BERT's
+    pretraining and task models: no), with the values ``GenerationConfig.from_model_config`` takes from the
+    model config (for GPT-2: bos_token_id = eos_token_id = 50256, no pad token), through
+    ``GenerationConfig.save_pretrained``. Both are called here, so the file follows the installed
+    transformers and ``GenerationConfig.from_pretrained`` reads it back."""
+    import transformers  # local: only the writer of an export needs transformers' generation classes
+
+    architectures = config_dict.get("architectures") or []
+    model_classes = [getattr(transformers, name, None) for name in architectures]
+    if not model_classes or not all(cls is not None and cls.can_generate() for cls in model_classes):
+        return None
+    model_config = transformers.AutoConfig.for_model(**config_dict)
+    generation = transformers.GenerationConfig.from_model_config(model_config)
+    with tempfile.TemporaryDirectory(prefix="zoo-generation-config-") as scratch:
+        generation.save_pretrained(scratch)
+        return (Path(scratch) / GENERATION_CONFIG_FILE).read_text(encoding="utf-8")
 
 
 def hf_rows(pieces: list[torch.Tensor], param: torch.Tensor, hf: HFParam, entry: OutputTensor) -> list[torch.Tensor]:
