@@ -251,3 +251,26 @@ def test_window_larger_than_the_model(zoo_model, tokenizer):
     with pytest.raises(ValueError, match=r"overlap 40 is outside 1..32") as err:
         evaluate_wikitext(zoo_model, LONG_WIKITEXT, tokenizer, seq_length=32, overlap=40)
     _one_sentence(err)
+
+
+# --------------------------------------------------------------------------- the cost, said at start
+def test_cost_line_names_windows_tokens_per_window_and_total(zoo_model, tokenizer, capsys):
+    from zoo.eval import evaluate_wikitext, wikitext_detokenize
+
+    num_tokens = len(tokenizer(wikitext_detokenize(LONG_WIKITEXT))["input_ids"])
+    result = evaluate_wikitext(zoo_model, LONG_WIKITEXT, tokenizer, seq_length=32, overlap=8, progress=True)
+    lines = [line for line in capsys.readouterr().out.splitlines() if line.startswith("wikitext:")]
+    windows = 1 + math.ceil((num_tokens - 1 - 32) / 8)
+    positions = 32 * (windows - 1) + min(32, num_tokens - 1 - 8 * (windows - 1))
+    assert result.num_windows == windows
+    assert lines == [f"wikitext: {windows:,} window(s) of up to 32 tokens (the first scores 32, the others their "
+                     f"last 8): {num_tokens - 1:,} tokens scored, {positions:,} token positions run "
+                     f"({positions / (num_tokens - 1):.1f} per scored token; a larger --overlap runs fewer windows "
+                     "with less context)"]
+
+
+def test_no_cost_line_off_the_writer(zoo_model, tokenizer, capsys):
+    from zoo.eval import evaluate_wikitext
+
+    evaluate_wikitext(zoo_model, LONG_WIKITEXT, tokenizer, seq_length=32, overlap=8, progress=False)
+    assert "wikitext:" not in capsys.readouterr().out

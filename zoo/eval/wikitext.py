@@ -160,7 +160,7 @@ def score_windows(model, tokens: torch.Tensor, windows: Sequence[Window], parall
     device = model_device(model)
     loss_sum, count = 0.0, 0
     batches = window_batches(tokens, windows, batch_size)
-    with tqdm(total=len(windows), desc="wikitext windows", unit="win", disable=not progress) as bar:
+    with scoring_bar(sum(scored_targets(w) for w in windows), progress) as bar:
         for input_ids, targets in batches:
             input_ids, targets = input_ids.to(device), targets.to(device)
             local_logits = model(input_ids).logits                                        # (b, s, V_pad/p)
@@ -169,9 +169,33 @@ def score_windows(model, tokens: torch.Tensor, windows: Sequence[Window], parall
             token_loss = vocab_parallel_cross_entropy(                                    # (b, s - first)
                 local_logits[:, first:], targets[:, first:], parallel, vocab_size=model.config.vocab_size)
             loss_sum += token_loss.double().sum().item()
-            count += int((targets != IGNORE_INDEX).sum())
-            bar.update(input_ids.shape[0])
+            scored = int((targets != IGNORE_INDEX).sum())
+            count += scored
+            bar.update(scored)
     return loss_sum, count
+
+
+def scored_targets(window: Window) -> int:
+    return window.length - window.first_scored
+
+
+def scoring_bar(total_tokens: int, progress: bool) -> tqdm:
+    """A progress bar over the tokens scored, so its rate reads as tokens/s; shown only where ``progress``
+    (the writer rank) and stderr is a terminal (tqdm's ``disable=None``), so a redirected log never gets
+    its carriage returns. :func:`cost_line` says the same cost in one line wherever the bar is off."""
+    return tqdm(total=total_tokens, desc="wikitext", unit="tok", unit_scale=True, disable=None if progress else True)
+
+
+def cost_line(windows: Sequence[Window], seq_length: int, overlap: int) -> str:
+    """What the evaluation will compute, in one line: the windows, the tokens each scores, the tokens scored
+    in all and the token positions run through the model (every window runs all its positions, the
+    context included, so the cost grows as seq_length / overlap per scored token)."""
+    scored = sum(scored_targets(w) for w in windows)
+    positions = sum(w.length for w in windows)
+    later = f", the others their last {overlap}" if len(windows) > 1 else ""
+    return (f"wikitext: {len(windows):,} window(s) of up to {seq_length} tokens (the first scores "
+            f"{scored_targets(windows[0])}{later}): {scored:,} tokens scored, {positions:,} token positions run "
+            f"({positions / scored:.1f} per scored token; a larger --overlap runs fewer windows with less context)")
 
 
 @dataclass(frozen=True)
@@ -201,7 +225,8 @@ def evaluate_wikitext(model, raw_text: str, tokenizer, *, seq_length: int | None
 
     ``seq_length`` defaults to the model's n_positions. Collective over the grid: every rank calls
     it; the windows are split disjointly over DP ranks and the sums all-reduced, so every rank
-    returns the same result.
+    returns the same result. ``progress`` (the writer rank only): print the cost first
+    (:func:`cost_line`), then show a bar of this rank's scored tokens with their rate (tokens/s).
     """
     n_positions = model.config.n_positions
     seq_length = n_positions if seq_length is None else seq_length
@@ -215,6 +240,8 @@ def evaluate_wikitext(model, raw_text: str, tokenizer, *, seq_length: int | None
     ids = tokenizer(wikitext_detokenize(raw_text), add_special_tokens=False, verbose=False)["input_ids"]
     tokens = torch.tensor(ids, dtype=torch.long)
     windows = plan_windows(len(tokens), seq_length, overlap)
+    if progress:
+        print(cost_line(windows, seq_length, overlap), flush=True)
     mine = [windows[i] for i in dp_block(len(windows), parallel)]
     local_sum, local_count = score_windows(model, tokens, mine, parallel, batch_size, progress)
     loss_sum, count = dp_sum([local_sum, local_count], parallel, model_device(model))
