@@ -4,9 +4,9 @@ Every import counts, function-local ones included: a function-local upward impor
 only waits for the function to be called. The layers, lowest first (a package may import its own
 layer's package and any package of a lower layer; packages of one layer are independent):
 
-    zoo.atomic | zoo.dtypes | zoo.assets | zoo.errors | zoo.launcher_watch | zoo.options
+    zoo.atomic | zoo.dtypes | zoo.assets | zoo.errors | zoo.output_guard | zoo.stop_report | zoo.options
                                                                     (import nothing from zoo)
-    zoo.parallel | zoo.stop_report | zoo.safetensors_io
+    zoo.parallel | zoo.launcher_watch | zoo.safetensors_io
     zoo.distributed
     zoo.models | zoo.data
     zoo.checkpoint
@@ -29,8 +29,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[set[str]] = [
-    {"zoo.atomic", "zoo.dtypes", "zoo.assets", "zoo.errors", "zoo.launcher_watch", "zoo.options"},
-    {"zoo.parallel", "zoo.stop_report", "zoo.safetensors_io"},
+    {"zoo.atomic", "zoo.dtypes", "zoo.assets", "zoo.errors", "zoo.output_guard", "zoo.stop_report", "zoo.options"},
+    {"zoo.parallel", "zoo.launcher_watch", "zoo.safetensors_io"},
     {"zoo.distributed"},
     {"zoo.models", "zoo.data"},
     {"zoo.checkpoint"},

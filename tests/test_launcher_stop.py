@@ -92,6 +92,57 @@ def test_a_watch_without_listener_ends_its_process_with_sigterm(tmp_path):
     assert marker.read_text() == "SIGTERM"
 
 
+GUARDED = """
+import os, sys, time
+from tqdm import tqdm
+from zoo.output_guard import guard_output, keep_output_in
+guard_output()
+keep_output_in(sys.argv[1])
+print("before", flush=True)
+open(sys.argv[1] + "/ready", "w").close()
+while not os.path.exists(sys.argv[1] + "/broken"):
+    time.sleep(0.01)
+bar = tqdm(total=3, file=sys.stdout)
+for _ in range(3):
+    print("a log line", flush=True)
+    bar.update(1)
+bar.close()
+print("an error line", file=sys.stderr, flush=True)
+open(sys.argv[1] + "/survived", "w").close()
+"""
+
+
+def test_a_rank_survives_losing_its_stdout_and_stderr(tmp_path):
+    """A guarded process whose stdout and stderr pipe loses its reader (sshd closing the session) goes on:
+    its progress bar and prints land in the run directory's output-rank<R>.log, and it exits 0."""
+    env = dict(os.environ, RANK="3")
+    proc = subprocess.Popen([sys.executable, "-c", GUARDED, str(tmp_path)], cwd=REPO, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    assert proc.stdout.readline() == b"before\n"
+    _wait_for(tmp_path / "ready")
+    proc.stdout.close()                              # the reader is gone: the next write fails with EPIPE
+    (tmp_path / "broken").touch()
+    assert proc.wait(timeout=60) == 0
+    assert (tmp_path / "survived").exists()
+    log = (tmp_path / "output-rank3.log").read_text()
+    assert "rank 3: the launcher's stdout/stderr pipe broke (EPIPE)" in log
+    assert log.count("a log line") >= 2 and "an error line" in log and "3/3" in log, log
+
+
+def test_pdsh_and_ssh_are_no_per_node_launchers():
+    """pdsh and ssh carry the per-node launcher's command line as arguments; only the interpreter running
+    the module is the launcher (zoo's rank finder signalled the ssh clients as ranks)."""
+    from zoo.launcher_watch import runs_module
+
+    python = "/venv/bin/python"
+    launch = [python, "-u", "-m", "deepspeed.launcher.launch", "--world_info=x", "--node_rank=%n"]
+    assert runs_module(launch, "deepspeed.launcher.launch")
+    assert not runs_module(["pdsh", "-S", "-f", "1024", "-w", "a,b", "export A=1;", "cd /x;", *launch],
+                           "deepspeed.launcher.launch")
+    assert not runs_module(["ssh", "-2", "a", " ".join(launch)], "deepspeed.launcher.launch")
+    assert not runs_module([python, "script.py", "-m", "deepspeed.launcher.launch"], "deepspeed.launcher.launch")
+
+
 def test_a_process_under_no_launcher_watches_nothing():
     from zoo.launcher_watch import LAUNCHER_PID_VARIABLE, is_launcher
 
@@ -220,9 +271,9 @@ from zoo.launcher import run
 print("code", run([], runner_command=[sys.executable, "-c", sys.argv[1]], orphan_grace_s=float(sys.argv[2])),
       flush=True)
 """
-REPORT = ("import json, os, signal, sys\n"
-          "open(os.environ['ZOO_STOP_REPORT'], 'w').write(json.dumps({'stopped_by': 'signal SIGTERM', "
-          "'iteration': 7}))\n")
+REPORT = ("import os, signal, sys\n"
+          "from zoo.stop_report import report_stop\n"
+          "assert report_stop('signal SIGTERM', 7)\n")
 
 
 def _fake_job(runner: str, grace_s: float, timeout_s: float = 30) -> tuple[int, str, str]:
@@ -267,12 +318,19 @@ def test_zoo_launcher_kills_what_outlives_the_job_after_the_grace():
             f"pid {orphan} (sleep 1000)") in err
 
 
-def test_zoo_launcher_waits_for_a_rank_beyond_the_grace():
-    rank = REPORT.replace("import json", "import time, json").replace("open(", "time.sleep(3.5); open(", 1)
-    per_node = ("import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', sys.argv[1]]); "
-                "time.sleep(1.5)")             # it exits first: its rank is orphaned, still writing
-    runner = (f"import subprocess, sys; subprocess.Popen([sys.executable, '-c', {per_node!r}, {rank!r}, "
-              f"'deepspeed.launcher.launch'])")
+def test_zoo_launcher_waits_for_a_rank_beyond_the_grace(tmp_path):
+    rank = REPORT.replace("import os", "import time, os").replace("assert", "time.sleep(3.5); assert", 1)
+    # a per-node launcher as the process table shows it: `python -m deepspeed.launcher.launch`, here a
+    # stand-in module on PYTHONPATH; it exits first, so its rank is orphaned, still writing
+    package = tmp_path / "deepspeed" / "launcher"
+    package.mkdir(parents=True)
+    for init in (tmp_path / "deepspeed", package):
+        (init / "__init__.py").write_text("")
+    (package / "launch.py").write_text("import subprocess, sys, time\n"
+                                       "subprocess.Popen([sys.executable, '-c', sys.argv[1]])\ntime.sleep(1.5)\n")
+    env = f"dict(os.environ, PYTHONPATH={str(tmp_path)!r} + os.pathsep + {str(REPO)!r})"
+    runner = (f"import os, subprocess, sys; subprocess.Popen([sys.executable, '-m', 'deepspeed.launcher.launch', "
+              f"{rank!r}], env={env})")
     code, _, err = _fake_job(runner, 0.5)
     assert code == STOPPED_AND_CHECKPOINTED, err
     assert "killed" not in err
@@ -309,7 +367,10 @@ def test_a_stop_report_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch
         def save(self, state: LoopState) -> None:
             saved.append(state)
 
-    monkeypatch.setenv("ZOO_STOP_REPORT", str(tmp_path / "missing" / "stop.json"))
+    from tests.spawn import free_port
+
+    monkeypatch.setenv("ZOO_LAUNCHER_STORE", f"127.0.0.1:{free_port()}")    # no launcher listens there
+    monkeypatch.setattr("zoo.stop_report.CONNECT_TIMEOUT_S", 0.5)
     state = LoopState(iteration=5, stopped_by="signal SIGTERM")
     TrainingLoop(None, None, None, checkpointer=RecordingCheckpointer(), stop=StopConditions(),
                  is_writer=True).maybe_save(state)

@@ -1,47 +1,54 @@
-"""zoo's launcher: DeepSpeed's ``deepspeed`` runner, waited for to the last rank.
+"""zoo's launcher: DeepSpeed's ``deepspeed`` runner, waited for to the last rank, on one node or many.
 
     python launch/run.py --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json
+    python launch/run.py --hostfile hosts launch/pretrain.py ...             # many nodes, through pdsh
 
-(the command is :mod:`zoo.cli.run`, also ``python -m zoo.cli.run`` with the same arguments) takes exactly ``deepspeed``'s arguments and runs
-DeepSpeed's runner as its child. What it adds is what a scheduler that waits on the job's first process
-needs:
+(the command is :mod:`zoo.cli.run`, also ``python -m zoo.cli.run`` with the same arguments) takes exactly
+``deepspeed``'s arguments and runs DeepSpeed's runner as its child, in a process group of its own. What
+it adds is what a scheduler that waits on the job's first process needs:
 
-* SIGTERM to the job's whole process group (``scancel``, a batch system, a supervisor) makes the plain
-  ``deepspeed`` command return at once (rc -15) while the ranks are still writing their checkpoint. This
-  launcher is a child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): every process of the job that loses
+* SIGTERM to the job's whole process group (a batch system, a supervisor) makes the plain ``deepspeed``
+  command return at once (rc -15) while the ranks are still writing their checkpoint. This launcher is a
+  child subreaper (``prctl(PR_SET_CHILD_SUBREAPER)``): every process of the job on this node that loses
   its parent becomes its child, and it returns only after every one of them has exited. It waits
   without limit while the runner, a per-node launcher or a rank lives (a rank may be writing its
   checkpoint); what outlives the last of them (a W&B service, a stuck DataLoader worker) gets
   :data:`ORPHAN_GRACE_S` (30 s), then SIGKILL, named in one line on stderr;
-* a SIGTERM, SIGINT or SIGUSR1 sent to this process alone reaches the ranks (the processes DeepSpeed's
-  per-node launcher started) as SIGTERM (SIGUSR1 as SIGUSR1): they stop at the next iteration boundary
-  with a checkpoint. When the whole group was signalled they receive it twice, which changes nothing.
-  Before any rank has started, every process of the job gets SIGTERM instead;
+* a SIGTERM, SIGINT or SIGUSR1 sent to this process (or its group, or a Ctrl-C: the runner's own group
+  does not get it) reaches exactly this job's ranks: those on this node (the processes DeepSpeed's
+  per-node launcher started) as that signal (SIGINT as SIGINT, so a second Ctrl-C is the immediate stop),
+  and every rank on every node as a stop request through the launcher's store (:mod:`zoo.stop_report`).
+  They stop at the next iteration boundary with a checkpoint. The runner itself is never sent SIGTERM or
+  SIGINT once it started pdsh: its handler would run DeepSpeed's kill command, ``pdsh ... pkill -f
+  '<python> -u -m deepspeed.launcher.launch'``, which kills every DeepSpeed launcher of that Python on
+  every node, other jobs' included; the runner ends when its ranks have. Before any rank or per-node
+  launcher exists on this node, and before the runner started anything, every process of the job gets
+  SIGTERM instead;
+* when the runner exits (``kill -9``) while processes of the job remain, the ranks are asked to stop;
 * its exit code says how the job ended:
 
   - :data:`STOPPED_AND_CHECKPOINTED` (75, ``EX_TEMPFAIL`` of sysexits.h): the run stopped before its last
     iteration (a signal, its launcher's exit, ``--exit-interval``, ``--exit-duration-in-mins``) and
     ``latest`` names the checkpoint of that stop: resubmit with ``--load`` the same run directory. Only
-    when the runner's code agrees (:func:`stopped_cleanly`): 0, or death by the signal sent to the
-    group (SIGTERM, or the SIGINT of a Ctrl-C); a rank that fails after the report was written (the
-    final barrier, teardown) gets its failure code, with a line saying the checkpoint is there;
+    when the runner's code agrees (:func:`stopped_cleanly`): 0, or death by a signal (SIGTERM, or the
+    SIGINT of a Ctrl-C); a rank that fails after the report was written (the final barrier, teardown)
+    gets its failure code, with a line saying the checkpoint is there;
   - otherwise the runner's own code (0 when the run finished; DeepSpeed's code of a failed rank, 2 for a
     user error; 128 + N when the runner itself was killed by signal N).
 
-The ranks tell it through the file ``$ZOO_STOP_REPORT`` (:mod:`zoo.stop_report`), which the training loop's
-writer rank writes only after the stop's ``latest``; ``$ZOO_LAUNCHER_PID`` names this process to the
-ranks' launcher watch (:mod:`zoo.launcher_watch`), so that killing it (even with SIGKILL) also stops them.
-The report is a file on this host, so the code 75 is a single-node guarantee: DeepSpeed's multi-node
-runners pass only some variables to the other hosts (not these two), and there the runner's code is
-returned.
+The ranks find the launcher's store in ``$ZOO_LAUNCHER_STORE`` (``host:port``; the host is
+``$ZOO_LAUNCHER_ADDR`` when set, else this node's address on the route to ``--master_addr``, else its host
+name), which reaches other nodes through DeepSpeed's environment file: the launcher points ``DS_ENV_FILE``
+at a copy of the user's ``.deepspeed_env`` files (``~`` and ``.``) with that variable added. Every rank
+reports a stop with a checkpoint there once ``latest`` names it; ``$ZOO_LAUNCHER_PID`` names this process
+to the ranks of this node (:mod:`zoo.launcher_watch`), so that killing it (even with SIGKILL) also stops
+them; ranks on other nodes see the store's connection fail.
 
-DeepSpeed's per-node launcher, when it gets SIGTERM itself, gives its ranks 30 s to exit and then kills
-them; a stop whose checkpoint takes longer needs the signal sent to this process alone (``scancel
---signal=TERM --batch``, ``kill <pid>``), which the per-node launcher never sees.
-
-Ctrl-C in the launcher's terminal sends SIGINT to the whole foreground group: the ranks take a first
-SIGINT as the same checkpointing stop as SIGTERM (with the per-node launcher's 30 s), and the launcher
-returns 75 once ``latest`` names it; a second Ctrl-C is the immediate stop, without checkpoint.
+Under SLURM, one launcher runs on each node (``--no_ssh --node_rank R``, launch/slurm_pretrain.sbatch):
+each waits for its node's ranks and returns 75 after their clean stop, so the step ends only then.
+DeepSpeed's per-node launcher, when it gets SIGTERM itself (SLURM signals every process of the step),
+gives its ranks 30 s to exit and then kills them; a stop whose checkpoint takes longer needs the signal
+sent to this process alone (``scancel --signal=TERM --batch``, ``kill <pid>``).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -56,8 +64,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
-from zoo.launcher_watch import LAUNCHER_PID_VARIABLE, command_line, parent_of
-from zoo.stop_report import STOP_REPORT_VARIABLE, read_stop_report
+from zoo.launcher_watch import LAUNCHER_PID_VARIABLE, command_line, parent_of, runs_module
+from zoo.stop_report import STORE_VARIABLE, read_stop_report, request_stop, serve
 
 __all__ = ["run", "wait_for_job", "stopped_cleanly", "STOPPED_AND_CHECKPOINTED", "ORPHAN_GRACE_S"]
 
@@ -67,7 +75,9 @@ PER_NODE_LAUNCHER = "deepspeed.launcher.launch"
 RUNNER_COMMAND = (sys.executable, "-m", "deepspeed.launcher.runner")
 ORPHAN_GRACE_S = 30.0     # what a process of the job may outlive the last rank by (a W&B service's upload)
 POLL_S = 0.5               # a rank lives far longer than this: it is seen under its per-node launcher
-FORWARDED = {signal.SIGTERM: signal.SIGTERM, signal.SIGINT: signal.SIGTERM, signal.SIGUSR1: signal.SIGUSR1}
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+ADDRESS_VARIABLE = "ZOO_LAUNCHER_ADDR"   # the address other nodes reach this launcher's store at
+DEEPSPEED_ENV_NAME = ".deepspeed_env"   # DeepSpeed's runner exports its lines to every node (DS_ENV_FILE)
 
 
 def become_subreaper() -> bool:
@@ -105,24 +115,37 @@ def process_start(pid: int) -> int | None:
     return int(stat[stat.rindex(")") + 2:].split()[19])
 
 
+def is_per_node_launcher(pid: int) -> bool:
+    """Whether ``pid`` is DeepSpeed's per-node launcher (``python -m deepspeed.launcher.launch``); pdsh and
+    ssh, which carry its command line as their arguments, are not."""
+    return runs_module(command_line(pid), PER_NODE_LAUNCHER)
+
+
 def ranks_of(root: int, job: list[int] | None = None) -> list[int]:
-    """The ranks below ``root``: the processes whose parent is DeepSpeed's per-node launcher. ``job`` is
-    :func:`descendants` of ``root`` when the caller has it (one pass over the process table either way)."""
+    """The ranks below ``root`` on this node: the processes whose parent is DeepSpeed's per-node launcher.
+    ``job`` is :func:`descendants` of ``root`` when the caller has it (one pass over the process table)."""
     job = descendants(root) if job is None else job
-    launchers = {pid for pid in job if PER_NODE_LAUNCHER in command_line(pid)}
+    launchers = {pid for pid in job if is_per_node_launcher(pid)}
     return [pid for pid in job if parent_of(pid) in launchers]
 
 
-def forward_to_ranks(signum: int) -> None:
-    """Send the ranks below this process the signal that stops them cleanly for ``signum``. Before any
-    rank exists there is nothing to checkpoint: every process of the job gets SIGTERM, and ends."""
+def forward_to_ranks(signum: int, runner: subprocess.Popen | None, store) -> None:
+    """Stop exactly this job's ranks cleanly for ``signum``: a stop request through ``store`` (every rank,
+    every node) and ``signum`` to the ranks of this node. Before any rank or per-node launcher exists here
+    there is nothing to checkpoint on this node: every process of the job gets SIGTERM, unless the runner
+    has started a multi-node launch (pdsh), whose handler would run DeepSpeed's kill command; the request
+    then stops the ranks as they come up, and the runner ends with them. ``runner`` is None while it is
+    being started."""
+    request_stop(store, f"signal {signal.Signals(signum).name}")
     job = descendants(os.getpid())
     targets = ranks_of(os.getpid(), job)
     if not targets:
-        targets, signum = job, signal.SIGTERM
+        remote = runner is not None and any(parent_of(pid) == runner.pid and not is_per_node_launcher(pid)
+                                            for pid in job)
+        targets, signum = ([] if remote else job), signal.SIGTERM
     for pid in targets:
         try:
-            os.kill(pid, FORWARDED[signum])
+            os.kill(pid, signum)
         except ProcessLookupError:
             pass
 
@@ -155,22 +178,26 @@ def kill_orphans(job: list[int], grace_s: float) -> None:
               f"last rank exited: {', '.join(named)}", file=sys.stderr, flush=True)
 
 
-def wait_for_job(runner: subprocess.Popen, orphan_grace_s: float = ORPHAN_GRACE_S) -> int:
+def wait_for_job(runner: subprocess.Popen, orphan_grace_s: float = ORPHAN_GRACE_S, store=None) -> int:
     """Wait for the runner and every process of the job (as a subreaper, orphaned descendants are this
     process's children); the runner's exit code.
 
     While the runner, a per-node launcher or a rank (a process seen as a child of a per-node launcher,
     identified by pid and start time) lives, it waits without limit: a rank may be writing its
-    checkpoint. Processes left after that (a W&B service, a stuck DataLoader worker, anything a rank
-    started and left behind) get ``orphan_grace_s``, then SIGKILL (:func:`kill_orphans`)."""
+    checkpoint. When the runner has exited and processes of the job remain, every rank is asked to stop
+    through ``store`` (when given). Processes left after that (a W&B service, a stuck DataLoader worker,
+    pdsh and ssh of ranks on other nodes that stopped) get ``orphan_grace_s``, then SIGKILL
+    (:func:`kill_orphans`)."""
     statuses: dict[int, int] = {}
     ranks: set[tuple[int, int | None]] = set()
     idle_since: float | None = None
     while reap_finished(statuses):
         job = descendants(os.getpid())
         ranks.update((pid, process_start(pid)) for pid in ranks_of(os.getpid(), job))
+        if runner.pid in statuses and store is not None:
+            request_stop(store, f"the exit of the launcher (pid {runner.pid}, deepspeed)")
         holding = runner.pid not in statuses or any(
-            PER_NODE_LAUNCHER in command_line(pid) or (pid, process_start(pid)) in ranks for pid in job)
+            is_per_node_launcher(pid) or (pid, process_start(pid)) in ranks for pid in job)
         if holding:
             idle_since = None
         elif idle_since is None:
@@ -190,18 +217,21 @@ def run(argv: list[str], runner_command: Sequence[str] = RUNNER_COMMAND,
     (``deepspeed``'s arguments), wait for every process of the job and return the exit code documented
     in the module."""
     become_subreaper()
+    store = serve()
+    address = f"{launcher_address(argv)}:{store.port}"
     with tempfile.TemporaryDirectory(prefix="zoo-launcher-") as scratch:
-        report = Path(scratch) / "stop.json"
-        env = dict(os.environ, **{STOP_REPORT_VARIABLE: str(report), LAUNCHER_PID_VARIABLE: str(os.getpid())})
-        previous = {signum: signal.signal(signum, lambda signum, frame: forward_to_ranks(signum))
-                    for signum in FORWARDED}
+        env = dict(os.environ, **{STORE_VARIABLE: address, LAUNCHER_PID_VARIABLE: str(os.getpid()),
+                                  "DS_ENV_FILE": str(deepspeed_env_file(Path(scratch), {STORE_VARIABLE: address}))})
+        started: list[subprocess.Popen] = []
+        previous = {signum: signal.signal(signum, lambda signum, frame: forward_to_ranks(
+            signum, started[0] if started else None, store)) for signum in FORWARDED}
         try:
-            runner = subprocess.Popen([*runner_command, *argv], env=env)
-            runner_code = wait_for_job(runner, orphan_grace_s)
+            started.append(subprocess.Popen([*runner_command, *argv], env=env, process_group=0))
+            runner_code = wait_for_job(started[0], orphan_grace_s, store)
         finally:
             for signum, handler in previous.items():
                 signal.signal(signum, handler)
-        stopped = read_stop_report(report)
+    stopped = read_stop_report(store)
     if stopped is not None and stopped_cleanly(runner_code):
         print(f"zoo launcher: the run stopped by {stopped['stopped_by']} after iteration {stopped['iteration']} "
               f"with a checkpoint; exit code {STOPPED_AND_CHECKPOINTED}", file=sys.stderr, flush=True)
@@ -213,9 +243,58 @@ def run(argv: list[str], runner_command: Sequence[str] = RUNNER_COMMAND,
     return runner_code
 
 
+def launcher_address(argv: Sequence[str], environ: dict[str, str] | None = None) -> str:
+    """The address the ranks reach this launcher at: ``$ZOO_LAUNCHER_ADDR``; else this node's address on
+    the route to the runner's ``--master_addr`` (loopback for a local master); else the host name."""
+    environ = os.environ if environ is None else environ
+    if environ.get(ADDRESS_VARIABLE):
+        return environ[ADDRESS_VARIABLE]
+    master = option_value(argv, "--master_addr")
+    if master is not None:
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as probe:
+                probe.connect((master, 9))       # a UDP connect sends nothing: it only picks the route
+                return probe.getsockname()[0]
+        except OSError:
+            pass
+    return socket.gethostname()
+
+
+def option_value(argv: Sequence[str], flag: str) -> str | None:
+    """The value of ``flag`` (``--flag V`` or ``--flag=V``) among the runner's own arguments, before the
+    script."""
+    for index, arg in enumerate(argv):
+        if arg == flag and index + 1 < len(argv):
+            return argv[index + 1]
+        if arg.startswith(flag + "="):
+            return arg.split("=", 1)[1]
+        if not arg.startswith("-") and (index == 0 or not argv[index - 1].startswith("--")):
+            return None                          # the user's script: its arguments are not the runner's
+    return None
+
+
+def deepspeed_env_file(directory: Path, extra: dict[str, str], environ: dict[str, str] | None = None) -> Path:
+    """A file for ``DS_ENV_FILE``: the lines of the environment files DeepSpeed's runner would read (the
+    name in ``$DS_ENV_FILE`` or ``.deepspeed_env``, in ``~`` and in the current directory), then ``extra``.
+    DeepSpeed exports its lines to every node of a multi-node launch."""
+    environ = os.environ if environ is None else environ
+    name = environ.get("DS_ENV_FILE", DEEPSPEED_ENV_NAME)
+    lines: list[str] = []
+    seen: set[str] = set()
+    for folder in (os.path.expanduser("~"), "."):
+        path = os.path.realpath(os.path.join(folder, name))
+        if path not in seen and os.path.isfile(path):
+            seen.add(path)
+            lines += [line.rstrip("\n") for line in Path(path).read_text().splitlines() if line.strip()]
+    lines += [f"{key}={value}" for key, value in extra.items()]
+    target = directory / "deepspeed_env"
+    target.write_text("".join(line + "\n" for line in lines))
+    return target
+
+
 def stopped_cleanly(runner_code: int) -> bool:
     """Whether the job ended as its stop report says, given the runner's exit code: 0 (every rank
-    exited 0), or negative: the runner itself died by the signal sent to the whole group (SIGTERM; or
-    SIGINT, of which Python re-raises an unhandled KeyboardInterrupt). A positive code is a rank that
-    failed after the report was written (the final barrier, teardown)."""
+    exited 0), or negative: the runner itself died by a signal (SIGTERM from a batch system that signals
+    every process; or SIGINT, of which Python re-raises an unhandled KeyboardInterrupt). A positive code
+    is a rank that failed after the report was written (the final barrier, teardown)."""
     return runner_code <= 0

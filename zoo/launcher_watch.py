@@ -1,31 +1,46 @@
-"""Ranks do not outlive their launcher.
+"""Ranks do not outlive their launcher, on any node.
 
-``deepspeed`` (the runner) starts ``python -m deepspeed.launcher.launch`` on each node, which starts the
-ranks. Killing the runner alone (``kill -9``, or ``kill -TERM``, which it does not handle on one node)
-leaves the per-node launcher and every rank running: they would train on and write checkpoints into a
-run directory whose job has ended. A rank therefore watches the launchers above it, as they were when it
-started, from a daemon thread (:class:`LauncherWatch`, one check a second, a few ``/proc`` reads):
+``deepspeed`` (the runner) starts ``python -m deepspeed.launcher.launch`` on each node (locally, or through
+pdsh and ssh on other nodes), which starts the ranks. Killing the runner alone (``kill -9``, or ``kill
+-TERM``, which it does not handle on one node) leaves the per-node launchers and every rank running: they
+would train on and write checkpoints into a run directory whose job has ended. A rank therefore watches,
+from a daemon thread (:class:`LauncherWatch`, one check a second, a few ``/proc`` reads):
 
-* the launchers are the consecutive ancestors, from the parent up, that are a launcher: DeepSpeed's
-  per-node launcher or runner, torchrun, or zoo's own wrapper (:mod:`zoo.launcher`, named by
-  ``$ZOO_LAUNCHER_PID``). A process whose parent is none of these (a test harness, a shell, ``wandb
-  agent``, ``nohup``) watches nothing: its parent's exit is not a reason to stop;
-* a launcher is gone when the link recorded at start-up breaks: this process's parent changed, or a
+* the launchers above it, as they were when it started: the consecutive ancestors, from the parent up,
+  that are a launcher: DeepSpeed's per-node launcher or runner, torchrun, or zoo's own wrapper
+  (:mod:`zoo.launcher`, named by ``$ZOO_LAUNCHER_PID``). A process whose parent is none of these (a test
+  harness, a shell, ``wandb agent``, ``nohup``) watches nothing: its parent's exit is not a reason to stop;
+* on the node where a multi-node runner runs, the job's head: a per-node launcher started over ssh is no
+  descendant of the runner, so the rank finds the job's pdsh by its arguments (:func:`job_head`) and
+  watches it and the launchers above it. One rank that sees the runner go is enough: the training loop's
+  stop agreement stops every rank of every node at the same iteration;
+* zoo's launcher, when it started the job (``$ZOO_LAUNCHER_STORE``, :mod:`zoo.stop_report`), on any node:
+  its stop request, and its exit (the store's connection fails);
+* a launcher is gone when a link recorded at start-up breaks: this process's parent changed, or a
   launcher's parent did (the kernel reparents the children of a process that exits);
 * then a listener, when one is set (the training loop's stop conditions, while the loop runs), turns it
   into the same clean stop as SIGTERM: a checkpoint at the next iteration boundary, then the exit; with
   no listener (set-up, evaluation, generation) the process sends itself SIGTERM and ends at once.
 
-This module imports nothing from zoo: every layer may use it.
+A rank under a launcher also survives losing its stdout and stderr (:mod:`zoo.output_guard`).
+What runs on a node where no rank of the job runs (a runner on a login node) is seen only through zoo's
+launcher's store.
+
+This module imports nothing from zoo but :mod:`zoo.output_guard` and :mod:`zoo.stop_report`: every layer
+may use it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from zoo.output_guard import guard_output
+from zoo.stop_report import LauncherLink, store_address
 
 __all__ = ["LauncherWatch", "LAUNCHER_PID_VARIABLE", "watch_launchers", "current_watch", "launcher_ancestors",
            "parent_of", "command_line"]
@@ -38,6 +53,7 @@ CHECK_INTERVAL_S = 1.0
 LAUNCHER_MODULES = ("deepspeed.launcher.launch", "deepspeed.launcher.runner", "torch.distributed.run",
                     "zoo.cli.run")
 LAUNCHER_SCRIPTS = ("deepspeed", "ds", "torchrun", "run.py")
+PER_NODE_MODULE = "deepspeed.launcher.launch"
 
 
 def parent_of(pid: int) -> int | None:
@@ -60,12 +76,25 @@ def command_line(pid: int) -> list[str]:
     return [part.decode(errors="replace") for part in raw.split(b"\0") if part]
 
 
+def runs_module(argv: Sequence[str], module: str) -> bool:
+    """Whether ``argv`` is a Python interpreter running ``module`` (``python [options] -m module ...``).
+    A program that only carries such a command line as its arguments (pdsh, ssh, a shell) does not."""
+    if not argv or not os.path.basename(argv[0]).startswith("python"):
+        return False
+    index = 1
+    while index < len(argv) - 1 and argv[index].startswith("-"):
+        if argv[index] == "-m":
+            return argv[index + 1] == module
+        index += 2 if argv[index] in ("-X", "-W") else 1
+    return False
+
+
 def is_launcher(pid: int, argv: Sequence[str], wrapper_pid: int | None) -> bool:
     """Whether ``pid`` (started as ``argv``) is a launcher of ranks: zoo's wrapper, DeepSpeed's runner or
     per-node launcher, or torchrun. ``run.py`` counts only as zoo's ``launch/run.py``."""
     if wrapper_pid is not None and pid == wrapper_pid:
         return True
-    if any(module in argv for module in LAUNCHER_MODULES):
+    if any(runs_module(argv, module) for module in LAUNCHER_MODULES):
         return True
     for arg in argv[:2]:     # the program, or the script an interpreter runs
         name = os.path.basename(arg)
@@ -89,64 +118,129 @@ def launcher_ancestors(pid: int | None = None, environ: dict[str, str] | None = 
 
 
 class LauncherWatch(threading.Thread):
-    """A daemon thread that checks every ``interval_s`` that the launchers of ``chain`` are all there.
+    """A daemon thread that checks every ``interval_s`` that this process's launchers are all there and
+    that zoo's launcher, when it started the job, neither asked for a stop nor went away.
 
-    ``exited`` is None until the first one is found gone, then a phrase naming it ("the exit of the
-    launcher (pid 123, deepspeed)"). At that moment the watch calls its listener with the phrase, or,
-    with none set, sends this process SIGTERM (whose default action ends it). It stops after firing."""
+    ``chain`` are the launchers above this process, nearest first (:func:`launcher_ancestors`); ``head``
+    the job's multi-node runner on this node, when this rank's per-node launcher came over ssh
+    (:func:`job_head`: pdsh, then the launchers above it); ``link`` None, or an
+    ``(host, port)`` of zoo's launcher's store (:mod:`zoo.stop_report`), connected from this thread.
 
-    def __init__(self, chain: Sequence[int], interval_s: float = CHECK_INTERVAL_S):
+    ``exited`` is None until the watch fires, then the reason: a phrase naming the launcher found gone
+    ("the exit of the launcher (pid 123, deepspeed)"), or the stop zoo's launcher asked for ("signal
+    SIGTERM"). At that moment the watch calls its listener with it, or, with none set, sends this process
+    SIGTERM (whose default action ends it). It stops after firing."""
+
+    def __init__(self, chain: Sequence[int], interval_s: float = CHECK_INTERVAL_S, head: Sequence[int] = (),
+                 link: tuple[str, int] | None = None):
         super().__init__(name=THREAD_NAME, daemon=True)
         self.chain = list(chain)
-        self.names = {pid: launcher_name(command_line(pid)) for pid in self.chain}
+        self.head = list(head)
+        self.names = {pid: launcher_name(command_line(pid)) for pid in self.chain + self.head[1:]}
+        self.names.update({pid: os.path.basename(command_line(pid)[0]) for pid in self.head[:1]})   # pdsh
         self.interval_s = interval_s
+        self.link_address = link
         self.exited: str | None = None
         self.listener: Callable[[str], None] | None = None
         self._stopped = threading.Event()
 
     def listen(self, listener: Callable[[str], None] | None) -> None:
-        """Hand a launcher's exit to ``listener`` from now on (None: end the process with SIGTERM); a
+        """Hand the watch's reason to ``listener`` from now on (None: end the process with SIGTERM); a
         listener set after the watch fired is called at once."""
         self.listener = listener
         if listener is not None and self.exited is not None:
             listener(self.exited)
 
-    def gone(self) -> int | None:
-        """The pid of the nearest launcher of the chain that has exited, or None while all are there.
+    def links(self) -> list[tuple[int, int]]:
+        """The (child, parent) pairs recorded at start-up: this process and its launchers, then the head."""
+        chain = list(zip([os.getpid(), *self.chain], self.chain))
+        return chain + list(zip(self.head, self.head[1:]))
 
-        Only the links between this process and its launchers are checked, never the parent of the
-        topmost launcher (a shell that exits under ``nohup deepspeed ...`` ends nothing)."""
-        if not self.chain:
+    def gone(self) -> int | None:
+        """The pid of the nearest watched launcher that has exited, or None while all are there.
+
+        Only the recorded links are checked (a child's parent changes when its parent exits), and that
+        the topmost launchers still exist, never their parents (a shell that exits under ``nohup
+        deepspeed ...`` ends nothing)."""
+        for child, parent in self.links():
+            now = parent_of(child)
+            if now != parent:
+                return child if now is None else parent
+        for top in (self.chain[-1:] + self.head[-1:]):
+            if parent_of(top) is None:
+                return top
+        return None
+
+    def reason(self, link) -> str | None:
+        """Why this process should stop now, or None: a launcher gone, or zoo's launcher's request."""
+        pid = self.gone()
+        if pid is not None:
+            name = self.names.get(pid)
+            return f"the exit of the launcher (pid {pid}{', ' + name if name else ''})"
+        if link is None:
             return None
-        if os.getppid() != self.chain[0]:
-            return self.chain[0]
-        for launcher, above in zip(self.chain, self.chain[1:]):
-            if parent_of(launcher) != above:
-                return launcher if parent_of(launcher) is None else above
-        return self.chain[-1] if parent_of(self.chain[-1]) is None else None
+        try:
+            return link.requested_stop()
+        except OSError:
+            return link.describe_exit()
 
     def run(self) -> None:
+        link = self.connect()
         while not self._stopped.wait(self.interval_s):
-            pid = self.gone()
-            if pid is None:
+            reason = self.reason(link)
+            if reason is None:
                 continue
-            name = self.names.get(pid)
-            self.exited = f"the exit of the launcher (pid {pid}{', ' + name if name else ''})"
+            self.exited = reason
             listener = self.listener
             if listener is not None:
-                listener(self.exited)
+                listener(reason)
             else:
                 os.kill(os.getpid(), signal.SIGTERM)
             return
+
+    def connect(self):
+        """The link to zoo's launcher, or None (none named, or unreachable: said once on stderr)."""
+        if self.link_address is None:
+            return None
+        try:
+            return LauncherLink(self.link_address)
+        except OSError as err:
+            print(f"warning: {err}; this rank goes on without its stop requests, and the launcher returns "
+                  f"DeepSpeed's exit code instead of 75", file=sys.stderr, flush=True)
+            return None
 
     def stop(self) -> None:
         self._stopped.set()
 
 
+def job_head(chain: Sequence[int], environ: dict[str, str] | None = None) -> list[int]:
+    """On the node where DeepSpeed's multi-node runner runs, when this rank's per-node launcher was started
+    over ssh (its parent is no launcher): the job's pdsh (the process whose arguments carry the per-node
+    launcher's ``--world_info`` and ``--master_port`` and whose parent is a launcher, the runner), then the
+    launchers above it (the runner, zoo's launcher). Empty on every other node, and for a local launch.
+
+    One pass over the process table, once per rank."""
+    if not chain or not runs_module(command_line(chain[-1]), PER_NODE_MODULE):
+        return []
+    marks = {arg for arg in command_line(chain[-1]) if arg.startswith(("--world_info=", "--master_port="))}
+    if len(marks) < 2:
+        return []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) in chain:
+            continue
+        pid = int(entry.name)
+        argv = command_line(pid)
+        if marks <= set(argv) and not runs_module(argv, PER_NODE_MODULE):
+            above = launcher_ancestors(pid, environ)
+            if above:
+                return [pid, *above]
+    return []
+
+
 def launcher_name(argv: Sequence[str]) -> str:
     """A launcher's short name for messages: the module it runs, or its script's file name."""
     for module in LAUNCHER_MODULES:
-        if module in argv:
+        if runs_module(argv, module):
             return module
     for arg in argv[:2]:
         if os.path.basename(arg) in LAUNCHER_SCRIPTS:
@@ -161,14 +255,16 @@ def current_watch() -> LauncherWatch | None:
 
 
 def watch_launchers(interval_s: float = CHECK_INTERVAL_S) -> LauncherWatch | None:
-    """Start watching the launchers above this process (once per process: a running watch is returned
-    as it is); None when no launcher started this process."""
+    """Start watching the launchers above this process, the job's head on this node and zoo's launcher
+    (once per process: a running watch is returned as it is), and guard its output against a broken pipe
+    (:mod:`zoo.output_guard`); None when no launcher started this process."""
     running = current_watch()
     if running is not None:
         return running
     chain = launcher_ancestors()
     if not chain:
         return None
-    watch = LauncherWatch(chain, interval_s)
+    guard_output()
+    watch = LauncherWatch(chain, interval_s, head=job_head(chain), link=store_address())
     watch.start()
     return watch

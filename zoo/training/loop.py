@@ -370,7 +370,7 @@ class TrainingLoop:
 
     def maybe_save(self, state: LoopState) -> None:
         """The save of a save step, and of an early stop; after the stop's save (its ``latest`` written),
-        the writer tells zoo's launcher that the run stopped with a checkpoint (:mod:`zoo.stop_report`)."""
+        every rank tells zoo's launcher of its node that the run stopped with a checkpoint (:mod:`zoo.stop_report`)."""
         if self.checkpointer is None:
             return
         if self.checkpointer.is_save_step(state.iteration) or state.stopped_by is not None:
@@ -378,7 +378,7 @@ class TrainingLoop:
             self.checkpointer.save(state)
             if self.stop is not None:
                 self.stop.last_save_s = time.perf_counter() - start
-            if state.stopped_by is not None and self.is_writer:
+            if state.stopped_by is not None:      # every rank: each node's launcher hears it
                 try:
                     report_stop(state.stopped_by, state.iteration)
                 except OSError as err:       # the checkpoint is saved; only the launcher's report is missing

@@ -21,6 +21,7 @@ from zoo.checkpoint.files import CHECKPOINT_SUBDIR
 from zoo.distributed import host_group, raise_on_any_rank
 from zoo.models import model_config as build_model_config
 from zoo.models.families import build_model, shape_of
+from zoo.output_guard import keep_output_in
 from zoo.training.baselines import unigram_perplexity
 from zoo.training.checkpointer import Checkpointer
 from zoo.training.families import pretrained_model
@@ -197,6 +198,7 @@ def open_metrics(config: RunConfig, ds_config: dict[str, Any], iteration: int, i
     run_dir = Path(config.save)
     # every rank writes checkpoint files there: prove it can, before training
     raise_on_any_rank(lambda: check_writable_directory(run_dir, "--save"))
+    keep_output_in(run_dir)      # where this rank's output goes if its launcher's pipes break
     resuming = continues_save_directory(config)
     logger = raise_on_any_rank(lambda: MetricsLogger(
         run_dir, is_writer, config.wandb_project, resume=resuming, group=host,
