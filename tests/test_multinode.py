@@ -75,7 +75,7 @@ def test_two_nodes_on_loopback_equal_one_four_rank_launch(tmp_path_factory):
 @pytest.mark.parametrize("needle", [
     "#SBATCH --nodes", "#SBATCH --ntasks-per-node=1", "#SBATCH --signal=", "srun", "--no_ssh",
     "--node_rank \"$SLURM_NODEID\"", "--master_addr \"$HEAD\"", "--save \"$RUN\"", "--load \"$RUN\"",
-    "--exit-duration-in-mins", "--exit-signal-handler", "launch/pretrain.py"])
+    "--exit-duration-in-mins", "--exit-signal-handler", "launch/pretrain.py", "python launch/run.py"])
 def test_slurm_script_uses_the_per_node_form(needle):
     text = (REPO / "launch" / "slurm_pretrain.sbatch").read_text()
     assert needle in text
