@@ -7,7 +7,8 @@ rows random, so a padding row left in would show), an argparse Namespace holding
 numpy and torch RNG states and an optimizer state, and the tracker file.
 
 * tp=2 x pp=2 (version 3.0, newest names), tp=2 (version 1.0) and tp=1 (version 0, oldest names, release/)
-  import to exactly the weights of zoo's own save_pretrained of the same model (bit-equal), and
+  and a Megatron Core GPTModel (tp=2 x pp=2, its flat names, Transformer Engine's fused LayerNorm names and
+  extra states) import to exactly the weights of zoo's own save_pretrained of the same model (bit-equal), and
   transformers' and zoo's GPT2LMHeadModel logits on the import equal the original's.
 * A file naming an unknown pickled global, a missing rank file, a non-empty --out: one sentence each,
   nothing written, the CLI exits 2.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import enum
+import io
 import json
 import random
 import sys
@@ -139,6 +141,49 @@ def megatron_model(hf: dict, tp: int, tp_rank: int, pp: int, pp_rank: int, versi
     return model
 
 
+# Megatron Core's names of a layer (Transformer Engine's spec: each LayerNorm fused into the next linear layer).
+MCORE_LAYER_NAMES = {
+    "input_norm.weight": "self_attention.linear_qkv.layer_norm_weight",
+    "input_norm.bias": "self_attention.linear_qkv.layer_norm_bias",
+    "self_attention.query_key_value.weight": "self_attention.linear_qkv.weight",
+    "self_attention.query_key_value.bias": "self_attention.linear_qkv.bias",
+    "self_attention.dense.weight": "self_attention.linear_proj.weight",
+    "self_attention.dense.bias": "self_attention.linear_proj.bias",
+    "post_attention_norm.weight": "mlp.linear_fc1.layer_norm_weight",
+    "post_attention_norm.bias": "mlp.linear_fc1.layer_norm_bias",
+    "mlp.dense_h_to_4h.weight": "mlp.linear_fc1.weight",
+    "mlp.dense_h_to_4h.bias": "mlp.linear_fc1.bias",
+    "mlp.dense_4h_to_h.weight": "mlp.linear_fc2.weight",
+    "mlp.dense_4h_to_h.bias": "mlp.linear_fc2.bias",
+}
+
+
+def mcore_model(hf: dict, tp: int, tp_rank: int, pp: int, pp_rank: int) -> dict:
+    """``state['model']`` of one rank of a Megatron Core GPTModel (flat names, Transformer Engine's extra states,
+    the last stage's tied ``output_layer.weight``), from the legacy layout of the same weights."""
+    legacy = flat(megatron_model(hf, tp, tp_rank, pp, pp_rank, 3.0, NEWEST_NAMES))
+    model = {}
+    for name, tensor in legacy.items():
+        name = name.removeprefix("language_model.").replace("encoder.", "decoder.")
+        if name.startswith("decoder.layers."):
+            _, _, layer, local = name.split(".", 3)
+            model[f"decoder.layers.{layer}.{MCORE_LAYER_NAMES[local]}"] = tensor
+            model[f"decoder.layers.{layer}.self_attention.core_attention._extra_state"] = io.BytesIO()
+            model[f"decoder.layers.{layer}.mlp.linear_fc1._extra_state"] = io.BytesIO(b"fp8 meta\xff")
+        elif name == "decoder.final_norm.weight" or name == "decoder.final_norm.bias":
+            model[name.replace("final_norm", "final_layernorm")] = tensor
+        else:
+            model[name.replace("word_embeddings_for_head", "output_layer")] = tensor
+    return model
+
+
+def flat(tree: dict, prefix: str = "") -> dict:
+    out = {}
+    for key, value in tree.items():
+        out.update(flat(value, f"{prefix}{key}.") if isinstance(value, dict) else {f"{prefix}{key}": value})
+    return out
+
+
 def fake_megatron_enums():
     """Megatron's enums under their module paths, as its args pickle them (Megatron is not installed)."""
     modules = {name: types.ModuleType(name) for name in ("megatron", "megatron.core", "megatron.core.enums")}
@@ -160,7 +205,7 @@ def megatron_args(tp: int, pp: int, model_type) -> argparse.Namespace:
 
 
 def write_megatron_checkpoint(root: Path, hf: dict, tp: int, pp: int, version: float, names: dict,
-                              release: bool = False, **args_changes) -> Path:
+                              release: bool = False, mcore: bool = False, **args_changes) -> Path:
     """``root`` laid out as Megatron-LM's --save directory, one model_optim_rng.pt per (tp, pp) rank; the args
     Namespace takes ``args_changes``."""
     modules, model_type = fake_megatron_enums()
@@ -175,7 +220,8 @@ def write_megatron_checkpoint(root: Path, hf: dict, tp: int, pp: int, version: f
                 args = megatron_args(tp, pp, model_type)
                 vars(args).update(args_changes)
                 state = {"args": args, "iteration": 10,
-                         "model": megatron_model(hf, tp, tp_rank, pp, pp_rank, version, names),
+                         "model": mcore_model(hf, tp, tp_rank, pp, pp_rank) if mcore else
+                                  megatron_model(hf, tp, tp_rank, pp, pp_rank, version, names),
                          "optimizer": {"optimizer": {"state": {}, "param_groups": [{"lr": 1e-4, "params": [0]}]},
                                        "grad_scaler": {"scale": torch.tensor(65536.0)}},
                          "rng_state": [{"random_rng_state": random.getstate(), "np_rng_state": np.random.get_state(),
@@ -196,20 +242,22 @@ def hf_weights(original) -> dict[str, torch.Tensor]:
 
 # ----------------------------------------------------------------------------- round trips
 LAYOUTS = [
-    pytest.param(2, 2, 3.0, NEWEST_NAMES, False, id="tp2-pp2-v3"),
-    pytest.param(2, 1, 1.0, NEWEST_NAMES, False, id="tp2-v1"),
-    pytest.param(1, 1, 0, OLDEST_NAMES, True, id="tp1-v0-release"),
+    pytest.param(2, 2, 3.0, NEWEST_NAMES, False, False, id="tp2-pp2-v3"),
+    pytest.param(2, 1, 1.0, NEWEST_NAMES, False, False, id="tp2-v1"),
+    pytest.param(1, 1, 0, OLDEST_NAMES, True, False, id="tp1-v0-release"),
+    pytest.param(2, 2, 3.0, None, False, True, id="tp2-pp2-mcore"),
 ]
 
 
-@pytest.mark.parametrize("tp, pp, version, names, release", LAYOUTS)
+@pytest.mark.parametrize("tp, pp, version, names, release, mcore", LAYOUTS)
 def test_import_writes_zoo_export_of_the_same_weights(tmp_path, original, zoo_reference, tp, pp, version, names,
-                                                      release):
+                                                      release, mcore):
     from safetensors.torch import load_file
 
     from zoo.checkpoint.megatron_import import import_megatron
 
-    load = write_megatron_checkpoint(tmp_path / "megatron", hf_weights(original), tp, pp, version, names, release)
+    load = write_megatron_checkpoint(tmp_path / "megatron", hf_weights(original), tp, pp, version, names, release,
+                                     mcore)
     result = import_megatron(load, tmp_path / "hf")
     assert (result.tp_size, result.pp_size, result.checkpoint_version) == (tp, pp, version)
     imported = load_file(tmp_path / "hf" / "model.safetensors")

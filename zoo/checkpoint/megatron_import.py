@@ -14,7 +14,8 @@ Each file holds ``args`` (the run's argparse Namespace: the model's shape and pa
 2. reads each with torch's weights-only unpickler and a named allow-list (:func:`megatron_safe_globals`):
    anything else a file names is refused in one sentence before any of it is built,
 3. names every tensor by its transformers GPT-2 key (:func:`gpt2_target`), whichever generation of
-   Megatron's names it carries, with layer numbers made global (each pipeline stage numbers its layers
+   Megatron's names it carries (legacy ``language_model.{transformer,encoder}...``, and Megatron Core's
+   ``decoder...`` in its per-rank "torch" format), with layer numbers made global (each pipeline stage numbers its layers
    from 0: stage s adds the layers of stages 0 .. s-1),
 4. merges the tp shards (column-parallel weights on dim 0, row-parallel ones on dim 1, the vocab on dim 0
    then cut to the real vocabulary; the fused QKV is put back from Megatron's per-rank interleaving, which
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import io
 import math
 import pickle
 import re
@@ -96,14 +98,25 @@ def megatron_safe_globals() -> list:
     * numpy's array reconstruction, for the numpy RNG state in ``rng_state`` (an empty array of a numpy
       dtype whose state sets shape and bytes), under numpy 2's module name and numpy 1's;
     * Megatron's enums (:data:`MEGATRON_ENUMS`), each a factory of :class:`MegatronEnumValue` that stores the
-      value it is given.
+      value it is given;
+    * ``io.BytesIO``, Transformer Engine's ``_extra_state`` in Megatron Core checkpoints: an in-memory byte
+      buffer whose state is its bytes and position; with the two ways pickle's protocol 2 writes its bytes,
+      ``bytes()`` and ``_codecs.encode(text, "latin1")``, the latter by :func:`latin1_bytes`, which encodes
+      latin-1 only.
 
     Built per call and passed to ``torch.serialization.safe_globals`` for one load, so the allow-list of
     other ``torch.load`` calls in the process is never widened."""
     enums = [(functools.partial(MegatronEnumValue, name), name) for name in MEGATRON_ENUMS]
-    return [argparse.Namespace, np.ndarray, np.dtype, type(np.dtype(np.uint32)),
+    return [argparse.Namespace, io.BytesIO, bytes, (latin1_bytes, "_codecs.encode"), np.ndarray, np.dtype, type(np.dtype(np.uint32)),
             (_reconstruct, "numpy._core.multiarray._reconstruct"),
             (_reconstruct, "numpy.core.multiarray._reconstruct"), *enums]
+
+
+def latin1_bytes(text: str, encoding: str) -> bytes:
+    """``_codecs.encode(text, "latin1")``, how pickle's protocol 2 stores bytes; any other codec is refused."""
+    if encoding not in ("latin1", "latin-1") or not isinstance(text, str):
+        raise pickle.UnpicklingError(f"WeightsUnpickler error: _codecs.encode with encoding {encoding!r}")
+    return text.encode("latin1")
 
 
 def load_rank_file(path: Path) -> dict:
@@ -235,28 +248,51 @@ LAYER_TARGETS = {
     "mlp.dense_4h_to_h.weight": Target("mlp.c_proj.weight", ROW, transposed=True),
     "mlp.dense_4h_to_h.bias": Target("mlp.c_proj.bias", REPLICATED),
 }
+# Megatron Core's names (GPTModel saved in the per-rank "torch" format; Transformer Engine fuses each
+# LayerNorm into the linear layer after it) -> the legacy ones above.
+MCORE_LAYER_NAMES = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_norm.weight",
+    "self_attention.linear_qkv.layer_norm_bias": "input_norm.bias",
+    "self_attention.linear_qkv.weight": "self_attention.query_key_value.weight",
+    "self_attention.linear_qkv.bias": "self_attention.query_key_value.bias",
+    "self_attention.linear_proj.weight": "self_attention.dense.weight",
+    "self_attention.linear_proj.bias": "self_attention.dense.bias",
+    "mlp.linear_fc1.layer_norm_weight": "post_attention_norm.weight",
+    "mlp.linear_fc1.layer_norm_bias": "post_attention_norm.bias",
+    "mlp.linear_fc1.weight": "mlp.dense_h_to_4h.weight",
+    "mlp.linear_fc1.bias": "mlp.dense_h_to_4h.bias",
+    "mlp.linear_fc2.weight": "mlp.dense_4h_to_h.weight",
+    "mlp.linear_fc2.bias": "mlp.dense_4h_to_h.bias",
+}
 MODEL_TARGETS = {
     "embedding.word_embeddings.weight": Target("transformer.wte.weight", VOCAB),
     "embedding.position_embeddings.weight": Target("transformer.wpe.weight", REPLICATED),
     "encoder.final_norm.weight": Target("transformer.ln_f.weight", REPLICATED),
     "encoder.final_norm.bias": Target("transformer.ln_f.bias", REPLICATED),
 }
-# The last stage's copy of the word embeddings (pipeline runs): tied to them, so GPT-2 stores it once.
-TIED_COPIES = ("word_embeddings_for_head.weight",)
+# The last stage's copy of the word embeddings (pipeline runs; legacy and Megatron Core names): tied to them
+# (the args were checked to say so), so GPT-2 stores it once.
+TIED_COPIES = ("word_embeddings_for_head.weight", "output_layer.weight")
 LAYER_NAME = re.compile(r"encoder\.layers\.(\d+)\.(.+)")
 # Older Megatron names -> the newest legacy ones, applied to each dotted component of a name.
-RENAMED_COMPONENTS = {"transformer": "encoder", "attention": "self_attention", "input_layernorm": "input_norm",
-                      "post_attention_layernorm": "post_attention_norm", "final_layernorm": "final_norm"}
+RENAMED_COMPONENTS = {"transformer": "encoder", "decoder": "encoder", "attention": "self_attention",
+                      "input_layernorm": "input_norm", "post_attention_layernorm": "post_attention_norm",
+                      "pre_mlp_layernorm": "post_attention_norm", "final_layernorm": "final_norm"}
 
 
 def normalized_name(name: str) -> str:
     """A Megatron parameter name in the newest legacy spelling: without the ``module.`` / ``language_model.``
-    prefixes, with ``transformer`` -> ``encoder``, ``attention`` -> ``self_attention`` and ``*_layernorm`` ->
-    ``*_norm`` (the names of Megatron-LM releases from 2019 on)."""
+    prefixes, with ``transformer`` / ``decoder`` -> ``encoder``, ``attention`` -> ``self_attention``,
+    ``*_layernorm`` -> ``*_norm`` and Megatron Core's layer names (:data:`MCORE_LAYER_NAMES`) -> the legacy
+    ones: the names of Megatron-LM releases from 2019 on."""
     parts = name.split(".")
     while parts and parts[0] in ("module", "language_model"):
         parts = parts[1:]
-    return ".".join(RENAMED_COMPONENTS.get(part, part) for part in parts)
+    normal = ".".join(RENAMED_COMPONENTS.get(part, part) for part in parts)
+    match = LAYER_NAME.fullmatch(normal)
+    if match and match.group(2) in MCORE_LAYER_NAMES:
+        return f"encoder.layers.{match.group(1)}.{MCORE_LAYER_NAMES[match.group(2)]}"
+    return normal
 
 
 def gpt2_target(name: str, layer_offset: int, path: Path) -> Target | None:
@@ -272,21 +308,19 @@ def gpt2_target(name: str, layer_offset: int, path: Path) -> Target | None:
         target = LAYER_TARGETS[match.group(2)]
         return Target(f"transformer.h.{layer_offset + int(match.group(1))}.{target.key}", target.merge,
                       target.transposed)
-    if normal.startswith("output_layer."):
-        raise ValueError(f"{path} holds {name!r}, an output layer untied from the word embeddings, and GPT-2 ties "
-                         "them; import only checkpoints trained without --untie-embeddings-and-output-weights.")
     raise ValueError(f"{path} holds {name!r}, which a GPT-2 model does not have; zoo imports Megatron-LM GPT "
                      "checkpoints of GPT-2's architecture (learned positions, LayerNorm, GeLU, biases) only.")
 
 
 def flat_tensors(tree: dict, prefix: str = "") -> dict[str, torch.Tensor]:
     """The tensors of Megatron's nested ``model`` dict by dotted path (``language_model.embedding.
-    word_embeddings.weight``); entries that are not tensors (extra states, None) are left out."""
+    word_embeddings.weight``); entries that are not parameters (Transformer Engine's ``_extra_state``, None)
+    are left out."""
     out = {}
     for key, value in tree.items():
         if isinstance(value, dict):
             out.update(flat_tensors(value, f"{prefix}{key}."))
-        elif isinstance(value, torch.Tensor):
+        elif isinstance(value, torch.Tensor) and not str(key).endswith("_extra_state"):
             out[f"{prefix}{key}"] = value
     return out
 
@@ -372,6 +406,7 @@ UNSUPPORTED_ARGS = (
     ("apply_residual_connection_post_layernorm", lambda v: not v, "residuals taken before the LayerNorm"),
     ("untie_embeddings_and_output_weights", lambda v: not v, "the output layer tied to the word embeddings"),
     ("virtual_pipeline_model_parallel_size", lambda v: v in (None, 1), "one model chunk per pipeline stage"),
+    ("apply_layernorm_1p", lambda v: not v, "LayerNorm weights stored as they are, not as 1 + weight"),
 )
 
 
@@ -458,6 +493,7 @@ def read_checkpoint(iteration_dir: Path) -> MegatronCheckpoint:
     if not isinstance(args, argparse.Namespace):
         raise ValueError(f"{first_path} holds no args Namespace, which gives the model's shape and layout; import a "
                          "checkpoint saved by Megatron-LM's training (it saves args in every file).")
+    check_gpt2_architecture(args, first_path)   # first: it also says the output layer is a tied copy
     tp_size = arg(args, "tensor_model_parallel_size", default=1)
     pp_size = arg(args, "pipeline_model_parallel_size", default=1)
     version = float(first.get("checkpoint_version", 0))
