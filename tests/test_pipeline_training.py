@@ -132,10 +132,22 @@ def test_pipeline_checkpoint_exports_to_transformers(runs, tmp_path):
 
 
 def _resume_elsewhere(rank, world_size, data_path, source, save, pp):
+    """Resume ``source`` at tp1 x ``pp``; returns the files of ``source`` this rank opened (an audit hook
+    sees every ``open``, torch.load's included), in order."""
     os.environ["LOCAL_RANK"] = str(rank)
     from zoo.training.pretrain import pretrain
 
+    root, opened = os.path.realpath(source) + os.sep, []
+
+    def record_opens(event, args):
+        if event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+            path = os.path.realpath(os.fsdecode(args[0]))
+            if path.startswith(root):
+                opened.append(path[len(root):])
+
+    sys.addaudithook(record_opens)   # this rank's process ends with the spawn
     pretrain(pipeline_config(data_path, save, 1, pp, load=source))
+    return opened
 
 
 def checkpoint_of_iteration(run_dir: Path, iteration: int, root: Path) -> Path:
@@ -153,7 +165,8 @@ def checkpoint_of_iteration(run_dir: Path, iteration: int, root: Path) -> Path:
 def test_a_checkpoint_resumes_at_another_pipeline_layout(runs, corpus_prefix, tmp_path, source, pp):  # noqa: F811
     """P -> 1 and P -> P' (with a tp change) from the tp2 x pp2 run, 1 -> P from the one-stage run."""
     checkpoint = checkpoint_of_iteration(runs / source, 3, tmp_path)
-    spawn(_resume_elsewhere, pp, corpus_prefix, str(checkpoint), str(tmp_path / "resumed"), pp)
+    opened = spawn(_resume_elsewhere, pp, corpus_prefix, str(checkpoint), str(tmp_path / "resumed"), pp)
+    assert_reads_only_its_own_files(opened, checkpoint, source, pp)
     uninterrupted = {e["iteration"]: e for e in train_events(runs / source)}
     resumed = train_events(tmp_path / "resumed")
     assert [e["iteration"] for e in resumed] == [4, 5]
@@ -161,3 +174,18 @@ def test_a_checkpoint_resumes_at_another_pipeline_layout(runs, corpus_prefix, tm
         reference = uninterrupted[event["iteration"]]
         for key in ("loss", "grad_norm", "lr"):
             assert rel_err(event[key], reference[key]) <= RTOL, (pp, key, event, reference)
+
+
+def assert_reads_only_its_own_files(opened: list[list[str]], checkpoint: Path, source: str, pp: int) -> None:
+    """In the 4-rank move (tp2 x pp2 -> tp1 x pp4) each rank opens only the files that hold its own parameters
+    and the first rank's client state (4 to 9 of the tag's 18: 4 model-states, 14 layer files), plus its
+    share (4-5) of the weights-only check of the tag's files; rank 0 alone looks through the tags. Every rank
+    opened all 18, and the first rank's states three times more, when a rank read the whole checkpoint:
+    .pt opens per rank [25, 25, 24, 24] then, [11, 13, 13, 8] now."""
+    tag = next((checkpoint / "checkpoints").glob("iter_*"))
+    checkpoint_files = sorted(p.name for p in tag.glob("*.pt"))
+    per_rank = [sum(1 for path in files if path.endswith(".pt")) for files in opened]
+    print(f"{source} -> tp1 x pp{pp}: .pt opens per rank {per_rank} of {len(checkpoint_files)} files in the tag")
+    if (source, pp) == ("tp2-pp2", 4):
+        share = -(-len(checkpoint_files) // pp)      # check_tag_files: every rank loads its share, weights-only
+        assert max(per_rank) <= share + 10, per_rank

@@ -11,6 +11,7 @@ memory-mapped, so the exporter and the resharders read a pipeline checkpoint lik
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -28,11 +29,13 @@ def layer_path(tag_dir: Path, index: int, tp_rank: int) -> Path:
     return Path(tag_dir) / LAYER_FILE.format(index=index, tp_rank=tp_rank)
 
 
-def pipeline_module_states(tag_dir: Path, tp_rank: int, n_layer: int) -> dict[str, torch.Tensor]:
+def pipeline_module_states(tag_dir: Path, tp_rank: int, n_layer: int,
+                           entries: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
     """TP rank ``tp_rank``'s module state dict under ``GPT2LMHeadModel`` names, from the tag's layer files
-    (entries 0 ... n_layer + 2: embeddings, layers, final norm), memory-mapped and loaded weights-only."""
+    (entries 0 ... n_layer + 2: embeddings, layers, final norm; or only ``entries``), memory-mapped and
+    loaded weights-only."""
     states: dict[str, torch.Tensor] = {}
-    for index in range(n_layer + 3):
+    for index in range(n_layer + 3) if entries is None else entries:
         path = layer_path(tag_dir, index, tp_rank)
         if not path.is_file():
             raise FileNotFoundError(f"{path} is missing from a pipeline checkpoint of {n_layer} layers; copy every "

@@ -16,7 +16,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from zoo.parallel.agreement import collective_device, raise_on_any_rank
+from zoo.parallel.agreement import collective_device, raise_on_any_rank, same_error_everywhere
 
 T = TypeVar("T")
 
@@ -95,3 +95,23 @@ def directory_bytes(path: str | os.PathLike) -> int:
             except OSError:
                 continue
     return total
+
+
+def first_rank_result(fn: Callable[[], T], group=None) -> T:
+    """``fn()`` run on the group's first rank only, its result handed to every rank of ``group`` (default:
+    the world); its failure is raised on every rank (:func:`zoo.parallel.agreement.same_error_everywhere`).
+    For what every rank would otherwise find out alike from a shared filesystem (which checkpoint to resume,
+    its layout): one rank reads, instead of every rank of the world. Collective over ``group``."""
+    if not dist.is_available() or not dist.is_initialized():
+        return fn()
+    first = dist.get_global_rank(group, 0) if group is not None else 0
+    result, error = None, None
+    if dist.get_rank() == first:
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - every rank must reach the agreement, whatever happened
+            error = err
+    same_error_everywhere(error, src=first, group=group)
+    box = [result]
+    dist.broadcast_object_list(box, src=first, group=group, device=collective_device(group))
+    return box[0]

@@ -23,7 +23,7 @@ import torch
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR
 from zoo.checkpoint.safe_load import weights_only_loads
 from zoo.checkpoint.save import save_checkpoint
-from zoo.distributed import raise_on_any_rank
+from zoo.distributed import first_rank_result, raise_on_any_rank
 from zoo.parallel.random import model_parallel_seed, seed_after_layout_change
 from zoo.training.layout_change import load_at_new_layout, needs_layout_change, param_names_by_group
 from zoo.training.loop import LoopState
@@ -84,6 +84,9 @@ class Checkpointer:
         return {**state.state_dict(), "rng": rng_state(), "zoo_model": config.model,
                 "model_config": self.model_config, "tensor_parallel_size": self.ps.tp_size,
                 "pipeline_model_parallel_size": self.ps.pp_size,
+                # DeepSpeed's stage bounds over the layer sequence: a run at another layout reads only the stages
+                # that held its parameters (zoo.training.layout_change.SourceCheckpoint)
+                "pipeline_parts": [int(bound) for bound in getattr(self.engine.module, "parts", None) or []] or None,
                 "param_names": param_names_by_group(self.engine.module),   # the optimizer state's order, by name
                 "seed": config.seed, "split": config.split, "seq_length": config.seq_length,
                 "lr_schedule": lr_schedule(self.ds_config)}
@@ -119,13 +122,14 @@ class Checkpointer:
         return state
 
     def load(self, load: str) -> dict[str, Any]:
-        """Load the engine from ``--load``: the checkpoint is located and checked on every rank (readable,
-        same model), then loaded; its client state is returned. A failure on any rank is raised on all. A
+        """Load the engine from ``--load``: the checkpoint is located and checked (readable, same model; by the
+        first rank where every rank would read the same files), then loaded; its client state is returned. A failure on any rank is raised on all. A
         checkpoint written at another (tp, pp) with pipeline stages on either side is moved into the engine
         (:mod:`zoo.training.layout_change`)."""
-        tag_dir, source = raise_on_any_rank(lambda: resume_tag_and_layout(load))
+        # one rank looks through the tags and reads the first rank's states; every rank gets what it found
+        tag_dir, source = first_rank_result(lambda: resume_tag_and_layout(load))
         if needs_layout_change(source, self.ps):
-            raise_on_any_rank(lambda: check_rank_states(tag_dir, 0, self.model_config, load))
+            first_rank_result(lambda: check_rank_states(tag_dir, 0, self.model_config, load))
             return load_at_new_layout(self.engine, tag_dir, source, self.ps, load)
         load_dir, tag = checkpoint_to_load(load, self.ps, self.model_config)
 

@@ -8,7 +8,7 @@ for each parameter this rank holds, merge the checkpoint's TP shards of that nam
 held it), re-pad the vocabulary for this tp and keep this rank's slice; the same for the Adam moments
 (``exp_avg``, ``exp_avg_sq``, shaped like the parameter), and the step count. The LR schedule, DeepSpeed's
 step counters and zoo's client state come from the checkpoint's first rank. Each rank reads only the
-memory-mapped tensors of the names it holds.
+files that hold the names it holds (:class:`SourceCheckpoint`), memory-mapped.
 
 It supports what the optimizer files of an fp32 run without ZeRO hold (the torch optimizer's state per
 parameter in ``mp_rank_XX_model_states.pt``); other checkpoints are refused in one sentence.
@@ -55,28 +55,65 @@ def param_names_by_group(module) -> list[list[str]]:
     return [[by_id[id(p)] for p in group["params"]] for group in param_groups(module, 0.0)]
 
 
-class SourceCheckpoint:
-    """The tensors of a (tp, pp) checkpoint by ``GPT2LMHeadModel`` name: weights and Adam moments per TP rank,
-    read from the first stage that holds the name."""
+def entry_of(name: str, n_layer: int) -> int:
+    """The index, in the pipeline's layer sequence (:mod:`zoo.models.gpt2_pipeline`: wte, wpe, the layers,
+    ln_f, the tied head), of the entry that holds ``GPT2LMHeadModel`` parameter ``name``."""
+    parts = name.split(".")
+    if parts[:2] == ["transformer", "h"]:
+        return int(parts[2]) + 2
+    fixed = {"wte": 0, "wpe": 1, "ln_f": n_layer + 2}
+    if parts[0] == "transformer" and parts[1] in fixed:
+        return fixed[parts[1]]
+    raise ValueError(f"{name} is not a parameter of zoo's GPT-2 pipeline stages; only GPT-2 checkpoints move to "
+                     "another pipeline layout.")
 
-    def __init__(self, tag_dir: Path, tp: int, pp: int):
+
+def stage_of_entry(entry: int, parts: list[int]) -> int:
+    """The source stage that held layer-sequence ``entry``, from DeepSpeed's stage bounds ``parts``."""
+    return next(stage for stage in range(len(parts) - 1) if parts[stage] <= entry < parts[stage + 1])
+
+
+def recorded_parts(first: dict[str, Any], pp: int) -> list[int] | None:
+    """The source's stage bounds as its checkpoint recorded them (``pipeline_parts``), or None when it did not
+    (an older zoo): then every stage's file is read."""
+    parts = first.get("pipeline_parts")
+    if isinstance(parts, list) and len(parts) == pp + 1 and all(isinstance(p, int) for p in parts):
+        return parts
+    return None
+
+
+class SourceCheckpoint:
+    """The tensors a rank needs of a (tp, pp) checkpoint, by ``GPT2LMHeadModel`` name: weights and Adam
+    moments per TP rank of the names in ``wanted`` (this rank's parameters at the new layout), read from the
+    first stage that holds the name.
+
+    A rank reads the first rank's file (its client state) and, for each of the source's TP ranks, only the
+    files that hold a wanted name: with stages, the layer files of the entries those names live in and the
+    model-states files of the stages that held them (from the recorded stage bounds, ``pipeline_parts``);
+    without stages, each TP rank's model-states file. In a 4-rank tp2 x pp2 -> tp1 x pp4 move of 4 layers that
+    is 4 to 9 of the tag's 18 files a rank, where every rank read all of them (tests/test_pipeline_training.py;
+    docs/design-notes.md states the 20B config's figures)."""
+
+    def __init__(self, tag_dir: Path, tp: int, pp: int, wanted: set[str]):
         from zoo.checkpoint.pipeline_files import pipeline_module_states
 
         self.tag_dir, self.tp, self.pp = tag_dir, tp, pp
         self.first = read_model_states(model_states_path(tag_dir, 0))
         n_layer = self.first["model_config"]["n_layer"]
-        self.weights: list[dict[str, torch.Tensor]] = []
+        self.weights: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
         self.moments: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
         self.step: Any = None
-        for tp_rank in range(tp):
-            if pp > 1:
-                self.weights.append(pipeline_module_states(tag_dir, tp_rank, n_layer))
-        for stage in range(pp):
+        entries = sorted({entry_of(name, n_layer) for name in wanted}) if pp > 1 else []
+        if pp > 1:
+            self.weights = [pipeline_module_states(tag_dir, tp_rank, n_layer, entries) for tp_rank in range(tp)]
+        parts = recorded_parts(self.first, pp)
+        stages = range(pp) if parts is None else sorted({stage_of_entry(entry, parts) for entry in entries} or {0})
+        for stage in stages:
             for tp_rank in range(tp):
                 path = model_states_path(tag_dir, stage * tp + tp_rank)
                 states = self.first if stage * tp + tp_rank == 0 else read_model_states(path)
                 if pp == 1:
-                    self.weights.append(states["module"])
+                    self.weights[tp_rank] = states["module"]
                 self.add_moments(states, tp_rank, path)
 
     def add_moments(self, states: dict[str, Any], tp_rank: int, path: Path) -> None:
@@ -123,18 +160,19 @@ def local_slice(master: torch.Tensor, spec, param: torch.Tensor, ps) -> torch.Te
 @torch.no_grad()
 def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load: str) -> dict[str, Any]:
     """Fill the engine's module and optimizer state from a checkpoint written at (tp, pp) ``source``; returns its
-    client state (marked ``resharded_from``). Collective: every rank reads its own names; a failure anywhere
-    is raised on every rank."""
+    client state (marked ``resharded_from``). Collective: every rank reads the files of its own names; a
+    failure anywhere is raised on every rank."""
     raise_on_any_rank(lambda: check_tag_files(tag_dir, ps.rank, ps.world_size))
     if engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled():
         raise ValueError(f"--load {load} was written at tp={source[0]} x pp={source[1]}, and zoo moves checkpoints "
                          "to another pipeline layout for fp32 runs without ZeRO only; resume it at its own layout, "
                          "or export it (launch/export.py) and start the new layout with --pretrained.")
-    source_files = raise_on_any_rank(lambda: SourceCheckpoint(tag_dir, *source))
+    names = one_stage_names(engine.module)
+    source_files = raise_on_any_rank(lambda: SourceCheckpoint(tag_dir, *source, wanted=set(names.values())))
 
     def fill() -> None:
         module, optimizer = engine.module, engine.optimizer
-        names, specs = one_stage_names(module), partition_specs(module)
+        specs = partition_specs(module)
         for local_name, param in module.named_parameters():
             name, spec = names[local_name], specs[local_name]
             param.copy_(local_slice(source_files.master(name, spec), spec, param, ps))

@@ -1,6 +1,8 @@
 """Finding and checking the checkpoint a ``--load`` run resumes from, before DeepSpeed reads it.
 
-Every check runs on every rank and is agreed across ranks (:func:`zoo.distributed.raise_on_any_rank`),
+Which tag to resume and its layout are found once, by the first rank (every rank would stat the same files
+of a shared filesystem), and handed to every rank (:func:`zoo.distributed.first_rank_result`); every check
+of a rank's own files runs on that rank and is agreed across ranks (:func:`zoo.distributed.raise_on_any_rank`),
 so a checkpoint that one rank cannot read (a truncated ``mp_rank_01_model_states.pt``) or that holds
 another model shape ends the run with the same sentence on every rank, never with one rank's traceback
 and a transport error on the others.
@@ -31,7 +33,7 @@ from zoo.checkpoint.files import (
 from zoo.checkpoint.reshard import ensure_resharded, resharded_directory
 from zoo.checkpoint.safe_load import check_tag_files
 from zoo.checkpoint.zero_reshard import partition_files
-from zoo.distributed import directory_bytes, raise_on_any_rank, run_on_first_rank
+from zoo.distributed import directory_bytes, first_rank_result, raise_on_any_rank, run_on_first_rank
 
 __all__ = ["checkpoint_to_load", "check_rank_states", "has_checkpoint", "model_config_differences",
            "resume_tag_and_layout"]
@@ -57,7 +59,8 @@ def has_checkpoint(load: str | os.PathLike) -> bool:
 
 def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any] | None = None,
                        engine=None) -> tuple[Path, str]:
-    """The (DeepSpeed load directory, tag) to resume from at this run's layout, checked on every rank.
+    """The (DeepSpeed load directory, tag) to resume from at this run's layout (found by the first rank,
+    handed to all), checked on every rank.
 
     The checkpoint is the tag ``latest`` names when that save finished, else the newest complete tag
     (:func:`zoo.checkpoint.files.resume_tag_directory`, said in one line on rank 0). Every ``.pt`` file it
@@ -80,7 +83,7 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
             check_optimizer_files(partitions, engine_optimizer_files(engine), load)
         return root, tag_dir, source_tp, source_pp, partitions
 
-    root, tag_dir, source_tp, source_pp, partitions = raise_on_any_rank(locate)
+    root, tag_dir, source_tp, source_pp, partitions = first_rank_result(locate)   # one rank reads the tags
     # Every .pt of the tag loads with the weights-only unpickler (each rank a share, agreed) before
     # DeepSpeed's load_checkpoint, which unpickles with weights_only=False, reads any of them.
     raise_on_any_rank(lambda: check_tag_files(tag_dir, *rank_and_world()))
