@@ -6,7 +6,7 @@ other than 0 only when the tensor carries the model-parallel attribute; untagged
 left out and the clip coefficient is too mild (a norm of 4.77 instead of 6.08 was seen at tp=2). The test
 takes one SGD step (the update is the clipped gradient itself, where Adam's would hide the coefficient) and
 compares the fp32 master weights' change with -lr * g * clip / (||g|| + 1e-6), ||g|| zoo's norm over
-every TP rank.
+every TP rank. fp16 runs with oneDNN on and off (CPUs with native fp16 round differently through oneDNN).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ LR = 10.0
 UPDATE_RTOL = 1e-4
 
 
-def _one_clipped_step(rank, world_size, precision):
+def _one_clipped_step(rank, world_size, precision, onednn):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
@@ -34,6 +34,7 @@ def _one_clipped_step(rank, world_size, precision):
     from zoo.training.grad_norm import current_loss_scale, global_grad_norm
     from zoo.training.loss_scaling import backward
 
+    torch.backends.mkldnn.enabled = onednn
     if precision == "fp16":
         # This CPU lacks native fp16 and DeepSpeed refuses it; torch still computes fp16 here, and the
         # override runs DeepSpeed's real fp16 optimizer (DESIGN.md, "fp16 on this CPU").
@@ -67,8 +68,9 @@ def _one_clipped_step(rank, world_size, precision):
             "applied/expected": (applied.norm() / expected.norm()).item()}
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16"])
-def test_the_clip_coefficient_uses_the_norm_over_every_tp_rank(precision):
-    for out in spawn(_one_clipped_step, 2, precision):
+@pytest.mark.parametrize("precision,onednn", [("bf16", True), ("fp16", False), ("fp16", True)],
+                         ids=["bf16", "fp16-onednn-off", "fp16-onednn-on"])
+def test_the_clip_coefficient_uses_the_norm_over_every_tp_rank(precision, onednn):
+    for out in spawn(_one_clipped_step, 2, precision, onednn):
         assert out["true norm"] > 2 * CLIP, out      # the clip fires: its coefficient is what is compared
         assert out["error"] <= UPDATE_RTOL, out

@@ -12,6 +12,14 @@ What zoo adds to DeepSpeed's engine:
   in a step pre-hook of the optimizer with :func:`zoo.training.grad_norm.global_grad_norm` over every stage
   and TP rank, with DeepSpeed's rule (coefficient max_norm / (norm + 1e-6), applied when below 1); that norm
   is the one logged. fp16/bf16 and ZeRO-1 runs keep DeepSpeed's own clipping and its norm.
+* **The fp16 loss scale, once.** DeepSpeed's pipeline engine calls its own ``backward`` on the last stage's
+  loss, which (DeepSpeed 0.19, without ZeRO) leaves the loss scale S out while both fp16 optimizers divide by
+  it: zoo hooks the loss function's losses to apply S where DeepSpeed did not
+  (:func:`zoo.training.loss_scaling.scale_pipeline_losses_once`).
+* **FP16_UnfusedOptimizer's clip norm over every stage and TP rank.** That optimizer measures its norm on
+  the gradient tensors, so each gradient is tagged as its parameter is, whenever autograd accumulates into it
+  (:func:`zoo.training.grad_norm.keep_gradients_tagged`): the tied embedding counted once, the sharded
+  gradients of every TP rank counted. Its norm still carries S (DeepSpeed#8588): zoo logs it divided by S.
 * **Sequence parallelism.** Under SP the activation sent between stages is this TP rank's own tokens, so
   DeepSpeed's partitioning of stage activations across the TP group (which assumes they are replicated)
   is turned off.
@@ -25,13 +33,20 @@ from typing import Any
 import torch
 
 from zoo.distributed import raise_on_any_rank
-from zoo.training.grad_norm import global_grad_norm
+from zoo.training.grad_norm import (
+    current_loss_scale,
+    deepspeed_reports_true_norm,
+    global_grad_norm,
+    keep_gradients_tagged,
+)
+from zoo.training.loss_scaling import scale_pipeline_losses_once
 from zoo.training.pretraining_data import PretrainingData
 from zoo.training.run_config import RunConfig
 from zoo.training.tasks import PretrainTask
 
 __all__ = ["pipeline_ds_dict", "build_pipeline_model", "setup_pipeline_engine", "StageGradClipping",
-           "PipelinePretrainTask", "pipeline_validation_means", "is_pipeline_engine"]
+           "PipelinePretrainTask", "pipeline_validation_means", "is_pipeline_engine", "pipeline_grad_norm",
+           "stage_pairs"]
 
 CLIP_EPS = 1e-6   # DeepSpeed's clip_grad_norm_: coefficient max_norm / (norm + 1e-6)
 
@@ -94,7 +109,8 @@ def build_pipeline_model(config: RunConfig, model_config, ps, device):
 
 def setup_pipeline_engine(module, ds_config: dict[str, Any], ps, weight_decay: float, sequence_parallel: bool):
     """DeepSpeed's pipeline engine over ``module`` (its mpu is the module's grid, built from ``ps.topology``),
-    with zoo's fp32 clipping hooked to the optimizer; returns (engine, clipping)."""
+    with zoo's fp32 clipping hooked to the optimizer, the fp16 loss scale applied once and the gradients tagged
+    for FP16_UnfusedOptimizer's norm (see the module doc); returns (engine, clipping)."""
     import deepspeed  # local: DeepSpeed costs seconds to import
 
     from zoo.models.families import param_groups
@@ -107,6 +123,8 @@ def setup_pipeline_engine(module, ds_config: dict[str, Any], ps, weight_decay: f
                                            config=ds)
     check_same_grid(engine, ps)
     refresh_fp32_master_weights(engine)
+    scale_pipeline_losses_once(engine)
+    keep_gradients_tagged(engine)
     clipping = StageGradClipping(module, ps, clip) if zoo_clips(ds) else None
     if clipping is not None:
         engine.optimizer.register_step_pre_hook(clipping)
@@ -148,33 +166,59 @@ def is_pipeline_engine(engine) -> bool:
     return hasattr(engine, "train_batch") and hasattr(engine, "is_last_stage")
 
 
-def stage_pairs(batches: list[dict[str, torch.Tensor]]):
-    """The iterator the pipeline engine reads: (inputs for the first stage, labels for the last), per micro-batch."""
-    return iter([(batch["input_ids"], batch["labels"]) for batch in batches])
+def stage_pairs(batches: list[dict[str, torch.Tensor]], device):
+    """The iterator the pipeline engine reads: (inputs for the first stage, labels for the last), per micro-batch,
+    already on the engine's ``device`` (:func:`on_device`): every copy is queued before the schedule starts."""
+    return iter([(on_device(batch["input_ids"], device), on_device(batch["labels"], device)) for batch in batches])
+
+
+def on_device(tensor: torch.Tensor, device) -> torch.Tensor:
+    """``tensor`` on ``device``: as it is when it is there; from the host to an accelerator through pinned memory
+    and without blocking the host (the copy is ordered before the kernels that read it on the device)."""
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
+
+    device = torch.device(device)
+    if tensor.device == device:
+        return tensor
+    if device.type != "cpu" and tensor.device.type == "cpu":
+        tensor = get_accelerator().pin_memory(tensor)
+    return tensor.to(device, non_blocking=True)
+
+
+def pipeline_grad_norm(engine, clipping: StageGradClipping | None):
+    """The last step's gradient norm over every stage and TP rank, unscaled: zoo's where zoo clips (fp32), else
+    DeepSpeed's clipping norm, FP16_UnfusedOptimizer's divided by the loss scale it still carries
+    (:func:`zoo.training.grad_norm.deepspeed_reports_true_norm`). None before the first step."""
+    if clipping is not None:
+        return clipping.norm
+    norm = engine.get_global_grad_norm()
+    if norm is None or deepspeed_reports_true_norm(engine):
+        return norm
+    return float(norm) / current_loss_scale(engine.optimizer)
 
 
 class PipelinePretrainTask(PretrainTask):
     """GPT-2 pretraining over pipeline stages: an iteration is one ``engine.train_batch`` over its m
     micro-batches; the loss DeepSpeed returns is already the mean over them and over the DP replicas (and
-    is the same on every stage). The logged grad norm is zoo's (fp32) or DeepSpeed's."""
+    is the same on every stage). The logged grad norm is :func:`pipeline_grad_norm`."""
 
     def __init__(self, config: RunConfig, data: PretrainingData, engine, ps, gas: int, shape,
                  clipping: StageGradClipping | None):
         super().__init__(config, data, engine, ps, gas, shape)
         self.clipping = clipping
-        self.uses_own_norm = clipping is not None
+        self.uses_own_norm = clipping is not None or not deepspeed_reports_true_norm(engine)
 
     def train_iteration(self, engine, batches: list[dict[str, torch.Tensor]]) -> tuple[dict[str, torch.Tensor], int]:
-        loss = engine.train_batch(stage_pairs(batches))
+        loss = engine.train_batch(stage_pairs(batches, engine.device))
         return {"loss": loss.detach().double()}, 1
 
-    def own_grad_norm(self, engine) -> torch.Tensor | None:
-        return self.clipping.norm if self.clipping is not None else None
+    def own_grad_norm(self, engine):
+        return pipeline_grad_norm(engine, self.clipping) if self.uses_own_norm else None
 
 
 def pipeline_validation_means(engine, data: PretrainingData, config: RunConfig) -> dict[str, float]:
     """The validation loss over ``eval_iters`` micro-batches and the DP replicas, through the pipeline."""
     batches = data.valid_micro_batches(config.eval_iters)
-    loss = engine.eval_batch(stage_pairs(batches), num_micro_batches=len(batches))
+    loss = engine.eval_batch(stage_pairs(batches, engine.device), num_micro_batches=len(batches))
     engine.train()
     return {"loss": float(loss)}
