@@ -1,6 +1,8 @@
 """launch/smoke.py, the acceptance run, through the real ``deepspeed`` launcher at 2 CPU ranks (gloo):
-every check passes, fp16 is reported as skipped (DeepSpeed refuses it on this CPU), MFU is n/a, and the
-temporary checkpoint directory is gone afterwards. A failed check makes the run exit 1.
+every check passes, fp16 is reported as skipped where DeepSpeed refuses it (CPUs without native fp16) and
+trained with its loss scale checked where the CPU has native fp16, MFU is n/a, and the temporary checkpoint
+directory is gone afterwards. A failed check makes the run exit 1. The loss-scale check passes on correct
+fp16 training and fails when the scale is not applied.
 """
 
 from __future__ import annotations
@@ -28,10 +30,57 @@ def test_smoke_script_passes_every_check_through_the_deepspeed_launcher(tmp_path
     for name in CHECKS:
         assert f"PASS {name}:" in out, (name, out[-3000:])
     assert "FAIL" not in out
-    assert "skipped: fp16 not supported on cpu" in out
+    if native_fp16():
+        assert "PASS train fp16:" in out and "PASS loss scale:" in out, out[-3000:]
+    else:
+        assert "skipped: fp16 not supported on cpu" in out
     assert "MFU n/a" in out
     assert "smoke: all checks passed" in out
     assert not list(tmp_path.glob("zoo-smoke-*")), "the temporary checkpoint directory was left behind"
+
+
+def native_fp16() -> bool:
+    """Whether DeepSpeed's CPU accelerator runs fp16 here (its own test: oneDNN's fp16 kernels)."""
+    import torch
+
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def _loss_scale_verdicts(rank, world_size):
+    """The loss-scale check after fp16 and bf16 training: as zoo trains, then with the defect it exists for
+    (DeepSpeed 0.19's ``engine.backward`` alone, which leaves the fp16 loss scale out at ZeRO stage 0)."""
+    from deepspeed.accelerator import get_accelerator
+
+    import zoo.training.loop
+    from zoo import smoke
+    from zoo.cli.smoke import parse_args
+
+    # Where this CPU lacks native fp16 DeepSpeed refuses it; torch still computes fp16 here, and the override runs
+    # DeepSpeed's real fp16 optimizer with dynamic loss scaling (DESIGN.md, "fp16 on CPU").
+    get_accelerator().is_fp16_supported = lambda: True
+    args = parse_args(["--steps", "2"])
+    smoke.validate(args)
+    state = smoke.setup(args)
+    ids = smoke.train_batch(state, smoke.gpt2_config(state).vocab_size)
+    verdicts = {}
+    for name, backward in (("zoo", zoo.training.loop.backward), ("defect", lambda engine, loss: engine.backward(loss))):
+        zoo.training.loop.backward = backward
+        state.first_grad_norms = {}
+        for precision in ("fp16", "bf16"):
+            smoke.check_training(state, precision, ids)
+        verdicts[name] = (smoke.check_loss_scale(state), dict(state.first_grad_norms))
+    return verdicts
+
+
+def test_the_loss_scale_check_passes_on_correct_fp16_training_and_fails_on_the_defect():
+    """The check compares the unscaled first-step norms (zoo's where DeepSpeed's FP16_UnfusedOptimizer still
+    reports its norm times S), so it passes when zoo applies the scale and fails when nobody does."""
+    (verdicts,) = spawn(_loss_scale_verdicts, 1)
+    assert verdicts["zoo"][0], verdicts
+    assert not verdicts["defect"][0], verdicts
 
 
 def _smoke_exit_code(rank, world_size, argv):

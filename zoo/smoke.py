@@ -49,7 +49,7 @@ from zoo.models import gpt2_config as preset_config
 from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS, bert_config
 from zoo.parallel import ParallelState, model_parallel_seed
 from zoo.training.families import forward_with_metrics
-from zoo.training.grad_norm import current_loss_scale
+from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm
 from zoo.training.loop import LoopState, TrainingLoop, setup_engine
 from zoo.training.metrics import megatron_flops_per_iteration
 from zoo.training.planner import peak_tflops_of  # the one table of GPU peaks (zoo.training.planner.GPUS)
@@ -70,7 +70,7 @@ class Smoke:
     device: torch.device
     is_writer: bool
     started: float = field(default_factory=time.perf_counter)
-    first_grad_norms: dict = field(default_factory=dict)    # precision -> DeepSpeed's norm after step 1
+    first_grad_norms: dict = field(default_factory=dict)    # precision -> the unscaled norm of step 1
 
     def say(self, line: str) -> None:
         if self.is_writer:
@@ -211,12 +211,14 @@ def timed(smoke: Smoke, seconds: list[float]):
 
 class OneBatchTask:
     """The smoke's training task (:class:`zoo.training.tasks.TrainTask`): the LM loss of one fixed batch
-    ``ids`` (on the device), one micro-batch per step, DeepSpeed's grad norm."""
+    ``ids`` (on the device), one micro-batch per step; its own grad norm is zoo's unscaled one where DeepSpeed's
+    is not the true norm (:func:`zoo.training.grad_norm.deepspeed_reports_true_norm`), as a pretraining run
+    logs it."""
 
     total_iterations = samples_per_iteration = log_interval = 1
 
-    def __init__(self, ids: torch.Tensor):
-        self.ids = ids
+    def __init__(self, ids: torch.Tensor, parallel):
+        self.ids, self.parallel = ids, parallel
 
     def micro_batches(self, state: LoopState) -> list[dict[str, torch.Tensor]]:
         return [{"input_ids": self.ids, "labels": self.ids}]
@@ -224,15 +226,18 @@ class OneBatchTask:
     def forward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
         return forward_with_metrics(engine, batch)
 
-    def own_grad_norm(self, engine) -> None:
-        return None
+    def own_grad_norm(self, engine) -> torch.Tensor | None:
+        return None if deepspeed_reports_true_norm(engine) else unscaled_grad_norm(engine, self.parallel)
 
 
-def train_step(smoke: Smoke, engine, ids: torch.Tensor) -> torch.Tensor:
-    """One optimizer step of the LM loss on ``ids`` through the training loop's step; the loss (fp32),
-    still on the device."""
-    sums, _ = TrainingLoop(engine, smoke.parallel, OneBatchTask(ids)).train_step(LoopState())
-    return sums["loss"]
+def train_step(smoke: Smoke, engine, ids: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+    """One optimizer step of the LM loss on ``ids`` through the training loop's step: the loss (fp32, still on
+    the device) and the step's unscaled gradient norm over every TP rank (zoo's, or DeepSpeed's where it is
+    the true norm)."""
+    loop = TrainingLoop(engine, smoke.parallel, OneBatchTask(ids, smoke.parallel))
+    sums, _ = loop.train_step(LoopState())
+    norm = loop.window.grad_norm if loop.window.grad_norm is not None else engine.get_global_grad_norm()
+    return sums["loss"], None if norm is None else float(norm)
 
 
 def train_steps(smoke: Smoke, engine, ids: torch.Tensor) -> tuple[list[float], list[float]]:
@@ -241,10 +246,10 @@ def train_steps(smoke: Smoke, engine, ids: torch.Tensor) -> tuple[list[float], l
     engine.train()
     for step in range(smoke.args.steps):
         with timed(smoke, seconds):
-            loss = train_step(smoke, engine, ids)
+            loss, grad_norm = train_step(smoke, engine, ids)
         losses.append(loss.item())
         if step == 0:
-            smoke.first_grad_norms[engine_precision(engine)] = engine.get_global_grad_norm()
+            smoke.first_grad_norms[engine_precision(engine)] = grad_norm
     return losses, seconds
 
 
@@ -293,12 +298,13 @@ GRAD_NORM_AGREEMENT = 0.1
 
 
 def check_loss_scale(smoke: Smoke) -> bool:
-    """fp16's first-step gradient norm (DeepSpeed's, after unscaling) against bf16's, the same weights
-    and batch: a loss scale applied twice or never shows as a factor of S (4096 here), rounding as a few
-    percent. Passes vacuously where one of the two precisions did not run."""
+    """fp16's first-step gradient norm against bf16's, the same weights and batch, both the unscaled norm of the
+    gradients the step used (zoo's over every TP rank, divided by the scale they carry, where DeepSpeed's
+    still carries it): a loss scale applied twice or never shows as a factor of S (4096 here), rounding as a
+    few percent. Passes vacuously where one of the two precisions did not run."""
     fp16, bf16 = smoke.first_grad_norms.get("fp16"), smoke.first_grad_norms.get("bf16")
     if fp16 is None or bf16 is None:
-        smoke.say("skipped: loss scale (needs both fp16 and bf16 steps with a DeepSpeed grad norm)")
+        smoke.say("skipped: loss scale (needs both fp16 and bf16 steps)")
         return True
     fp16, bf16 = float(fp16), float(bf16)
     ratio = fp16 / bf16 if bf16 > 0 else float("inf")
