@@ -14,9 +14,9 @@ FP16_Optimizer (DeepSpeed's FusedAdam, JIT-built once: about a minute, then cach
 DeepSpeed's fp16 optimizers take one Adam step on zero gradients when they build their state, so the fp32
 reference takes the same step first: its first real update is then Adam's second step too.
 
-This CPU lacks native fp16 and DeepSpeed refuses fp16 on it; torch still computes in fp16 here, and overriding the
-accelerator's ``is_fp16_supported`` runs DeepSpeed's real fp16 optimizers with dynamic loss scaling (DESIGN.md,
-"fp16 on CPU"). Every case runs with oneDNN on and off, so a CPU with native fp16 kernels exercises both roundings.
+Where the CPU lacks native fp16 (this AMD EPYC) DeepSpeed refuses fp16; torch still computes in fp16 there, and
+overriding the accelerator's ``is_fp16_supported`` runs DeepSpeed's real fp16 optimizers with dynamic loss scaling
+(DESIGN.md, "fp16 on CPU"). Every case runs with oneDNN on and off, so a CPU with native fp16 kernels exercises both roundings.
 """
 
 from __future__ import annotations
@@ -34,8 +34,9 @@ VOCAB = 8192               # a small vocabulary keeps the fp16 head cheap on CPU
 
 MIN_COSINE = 0.99     # fp16 update's direction vs fp32's, per rank (seen: >= 0.99986); the defect: 0.98 at S = 2^8
 # |fp16 update| / |fp32 update| - 1, per rank. Adam normalises each element, so fp16 rounding moves the size
-# only where it takes a gradient near Adam's epsilon (seen: <= 1e-5); it is bounded by the update's relative
-# difference, 2e-2 with oneDNN's native fp16 kernels (cosine 0.9998). The defect: 0.14 at S = 2^8, 0.74 at 2^16.
+# only where it takes a gradient near Adam's epsilon (seen: <= 1e-5 on a CPU without native fp16); it is bounded
+# by the updates' relative difference, 2e-2 where oneDNN's native fp16 kernels round (the one-stage step on a
+# Xeon: cosine 0.9998). The defect: 0.14 too small at S = 2^8, 0.74 at 2^16.
 SIZE_RTOL = 1e-2
 # DeepSpeed's clip norm (unscaled) vs zoo's fp32 norm over every stage and TP rank: fp16 rounding of the
 # gradients (seen: <= 1e-4). FP16_UnfusedOptimizer's norm without the gradients' tags: 9 % too large at tp1

@@ -180,7 +180,7 @@ def on_device(tensor: torch.Tensor, device) -> torch.Tensor:
     device = torch.device(device)
     if tensor.device == device:
         return tensor
-    if device.type != "cpu" and tensor.device.type == "cpu":
+    if device.type != "cpu" and tensor.device.type == "cpu" and not tensor.is_pinned():
         tensor = get_accelerator().pin_memory(tensor)
     return tensor.to(device, non_blocking=True)
 
