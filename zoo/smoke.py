@@ -113,12 +113,7 @@ def validate(args: argparse.Namespace) -> None:
 
 def setup(args: argparse.Namespace) -> Smoke:
     """Join the launcher's group as every zoo job does (on this rank's device), then the TP x DP grid."""
-    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
-
-
-    local_rank = int(os.environ.get("LOCAL_RANK", args.local_rank or 0))
-    join_process_group(local_rank)
-    device = torch.device(get_accelerator().device_name(local_rank))
+    device = torch.device(join_process_group(args.local_rank))
     ps = ParallelState.initialize(args.tensor_parallel_size or dist.get_world_size())
     return Smoke(args, ps, device, is_writer=dist.get_rank() == 0)
 
