@@ -30,6 +30,7 @@ from pathlib import Path
 
 PDSH = shutil.which("pdsh")
 NODES = ("localhost", "127.0.0.1")   # two names pdsh resolves on any machine, both loopback
+SUITE_TOOLS = ("ninja",)            # resolved as the rest of the suite resolves them (_suite_tools)
 
 SSHD = r'''
 import json, os, selectors, socket, struct, subprocess, sys, threading
@@ -210,7 +211,24 @@ def start_nodes(root: Path, slots: int = 1) -> Nodes:
                             start_new_session=True)
     sshd_env_ready(sshd, socket_path)
     venv_bin = os.path.dirname(sys.executable)        # as in an activated virtual environment
-    return Nodes(hostfile, os.pathsep.join([str(client_bin), venv_bin, os.environ["PATH"]]), sshd)
+    suite_tools = _suite_tools(root / "suite-bin")
+    return Nodes(hostfile, os.pathsep.join([str(client_bin), suite_tools, venv_bin, os.environ["PATH"]]), sshd)
+
+
+def _suite_tools(folder: Path) -> str:
+    """``folder``, holding links to the :data:`SUITE_TOOLS` this process finds on its PATH, to go before the
+    virtual environment's bin on the job's PATH.
+
+    That bin may hold another ninja (the ``ninja`` wheel, 1.13) than the one the rest of the suite runs
+    (e.g. /usr/bin/ninja 1.11). Two ninja versions hash build commands differently, so each rebuilds the
+    DeepSpeed JIT ops in ~/.cache/torch_extensions that the other built (deepspeed_shm_comm: about 50 s on 2
+    cores, in every rank's set-up). With these links first, the job's ranks load the build the suite made."""
+    folder.mkdir()
+    for tool in SUITE_TOOLS:
+        found = shutil.which(tool)
+        if found is not None:
+            (folder / tool).symlink_to(found)
+    return str(folder)
 
 
 def sshd_env_ready(sshd: subprocess.Popen, socket_path: str, timeout_s: float = 30) -> None:

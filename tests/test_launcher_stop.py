@@ -276,9 +276,10 @@ REPORT = ("import os, signal, sys\n"
           "assert report_stop('signal SIGTERM', 7)\n")
 
 
-def _fake_job(runner: str, grace_s: float, timeout_s: float = 30) -> tuple[int, str, str]:
+def _fake_job(runner: str, grace_s: float, timeout_s: float = 120) -> tuple[int, str, str]:
     """zoo's launcher (in a fresh process: it becomes a subreaper) over ``runner``: its result, stdout
-    and stderr. Whatever the job leaves is killed afterwards."""
+    and stderr. Whatever the job leaves is killed afterwards. ``timeout_s`` only guards against a hang: the
+    launcher and a rank each import torch (the store), which takes tens of seconds on 2 busy cores."""
     import psutil
 
     proc = subprocess.Popen([sys.executable, "-c", LAUNCHER, runner, str(grace_s)], cwd=REPO, text=True,

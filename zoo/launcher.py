@@ -36,6 +36,11 @@ it adds is what a scheduler that waits on the job's first process needs:
   - otherwise the runner's own code (0 when the run finished; DeepSpeed's code of a failed rank, 2 for a
     user error; 128 + N when the runner itself was killed by signal N).
 
+Before starting the runner, :func:`runner_arguments` checks the counts (a ``--num_gpus`` or ``--num_nodes``
+that is not positive is one sentence, exit code 2, where DeepSpeed would silently start one rank per node
+or use every node) and gives a launch on this node alone that names no ``--master_port`` the port in
+``$MASTER_PORT``, else one free now, rather than DeepSpeed's 29500.
+
 The ranks find the launcher's store in ``$ZOO_LAUNCHER_STORE`` (``host:port``; the host is
 ``$ZOO_LAUNCHER_ADDR`` when set, else this node's address on the route to ``--master_addr``, else its host
 name), which reaches other nodes through DeepSpeed's environment file: the launcher points ``DS_ENV_FILE``
@@ -67,7 +72,8 @@ from pathlib import Path
 from zoo.launcher_watch import LAUNCHER_PID_VARIABLE, command_line, parent_of, runs_module
 from zoo.stop_report import STORE_VARIABLE, read_stop_report, request_stop, serve
 
-__all__ = ["run", "wait_for_job", "stopped_cleanly", "STOPPED_AND_CHECKPOINTED", "ORPHAN_GRACE_S"]
+__all__ = ["run", "runner_arguments", "wait_for_job", "stopped_cleanly", "STOPPED_AND_CHECKPOINTED",
+           "ORPHAN_GRACE_S"]
 
 STOPPED_AND_CHECKPOINTED = 75          # EX_TEMPFAIL: stopped early, checkpointed; run it again to go on
 PR_SET_CHILD_SUBREAPER = 36
@@ -78,6 +84,12 @@ POLL_S = 0.5               # a rank lives far longer than this: it is seen under
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
 ADDRESS_VARIABLE = "ZOO_LAUNCHER_ADDR"   # the address other nodes reach this launcher's store at
 DEEPSPEED_ENV_NAME = ".deepspeed_env"   # DeepSpeed's runner exports its lines to every node (DS_ENV_FILE)
+PORT_VARIABLE = "MASTER_PORT"           # the rendezvous port a one-node launch takes when it names none
+# DeepSpeed's runner's counts: (its attribute, the flags that set it, what a positive value means, the default's
+# meaning). DeepSpeed reads any value below 1 as its default.
+COUNTS = (("num_gpus", ("--num_gpus", "--num_accelerators"), "the ranks to start on each node",
+           "one rank per accelerator"),
+          ("num_nodes", ("--num_nodes",), "the nodes of the hostfile to use", "every node"))
 
 
 def become_subreaper() -> bool:
@@ -298,3 +310,56 @@ def stopped_cleanly(runner_code: int) -> bool:
     every process; or SIGINT, of which Python re-raises an unhandled KeyboardInterrupt). A positive code
     is a rank that failed after the report was written (the final barrier, teardown)."""
     return runner_code <= 0
+
+
+def runner_arguments(argv: Sequence[str], environ: dict[str, str] | None = None) -> list[str]:
+    """``argv`` (``deepspeed``'s arguments) as this launcher hands them to DeepSpeed's runner: the counts
+    checked (:func:`check_counts`) and, for a one-node launch, the rendezvous port named
+    (:func:`with_rendezvous_port`). A ValueError (one sentence) for a value the user must change; what
+    DeepSpeed's own parser refuses is its usage message and exit code 2, as under ``deepspeed``."""
+    from deepspeed.launcher.runner import parse_args  # local: DeepSpeed's import cost, paid by the CLI only
+
+    parsed = parse_args(list(argv))
+    own = list(argv[:len(argv) - len(parsed.user_args) - 1])     # what comes before the user's script
+    check_counts(parsed, own)
+    return with_rendezvous_port(argv, parsed, own, environ)
+
+
+def given(own: Sequence[str], *flags: str) -> bool:
+    """Whether the runner's own arguments ``own`` carry one of ``flags`` (``--flag V`` or ``--flag=V``)."""
+    return any(arg.split("=", 1)[0] in flags for arg in own if arg.startswith("--"))
+
+
+def check_counts(parsed, own: Sequence[str]) -> None:
+    """A ValueError (one sentence) for a ``--num_gpus`` or ``--num_nodes`` given below 1: DeepSpeed would
+    read it as its default (one rank per accelerator, every node) without a word, so ``--num_gpus 0``
+    would start a rank."""
+    for attribute, flags, meaning, default in COUNTS:
+        value = getattr(parsed, attribute)
+        if value < 1 and (value != -1 or given(own, *flags)):
+            raise ValueError(f"{flags[0]} {value} is not a count: give {meaning} as a number from 1 up, or leave "
+                             f"{flags[0]} out for DeepSpeed's default ({default})")
+
+
+def with_rendezvous_port(argv: Sequence[str], parsed, own: Sequence[str],
+                         environ: dict[str, str] | None = None) -> list[str]:
+    """``argv``, with ``--master_port`` first when the launch runs on this node alone (DeepSpeed finds no
+    hostfile) and names no port: ``$MASTER_PORT`` when set, else a port free now. DeepSpeed's default,
+    29500, is taken by the first job of the machine that used it; a second job's ranks would fail to
+    rendezvous. A launch over a hostfile keeps the port given or DeepSpeed's: every node's launcher must
+    name the same one."""
+    environ = os.environ if environ is None else environ
+    if given(own, "--master_port") or os.path.isfile(parsed.hostfile):
+        return list(argv)
+    port = environ.get(PORT_VARIABLE) or str(free_port())
+    if not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"{PORT_VARIABLE}={port} is not a TCP port: set it to a number from 1 to 65535, or unset "
+                         f"it to let zoo's launcher pick a free port")
+    return ["--master_port", port, *argv]
+
+
+def free_port() -> int:
+    """A TCP port no process on this machine listens on now (the kernel's pick)."""
+    with socket.socket() as probe:
+        probe.bind(("", 0))
+        return probe.getsockname()[1]
