@@ -14,6 +14,10 @@ GPU_TORCH := "torch>=2.4,<2.15"
 TORCH_SPEC := $(if $(GPU_NODE),$(GPU_TORCH),$(CPU_TORCH))
 CHECK_CUDA := import sys, torch; sys.exit(0 if torch.cuda.is_available() else "error: nvidia-smi lists GPUs but torch " + torch.__version__ + " cannot use them; install a CUDA build of torch in the system Python or in $(VENV), then run make again.")
 export HF_HUB_OFFLINE := 1
+# The venv's tools first on PATH for every recipe and the ranks it starts: DeepSpeed JIT-builds its ops with
+# the first `ninja` found, and two ninja versions (the venv's and the system's) each rebuild what the other
+# built (~50 s a time), so the suite, the demo and the launchers they start all use the venv's.
+export PATH := $(abspath $(VENV))/bin:$(PATH)
 export TOKENIZERS_PARALLELISM := false
 
 .PHONY: setup setup-test demo finetune-demo test lint bench clean

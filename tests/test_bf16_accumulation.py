@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from tests.spawn import spawn
+from zoo.training.planner import state_bytes
 
 CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 
@@ -60,12 +61,32 @@ def _engines_of_the_config(rank, world_size, blocks):
                 engine.backward((engine(x).float() - y).pow(2).mean())
                 engine.step()
         found[kind] = (type(engine.optimizer).__name__, str(engine.optimizer.grad_acc_dtype), engine.global_steps)
+    found["held"] = bf16_optimizer_bytes(engine.optimizer)
+    found["parameters"] = sum(p.numel() for p in model.parameters())
     return found
+
+
+def bf16_optimizer_bytes(optimizer) -> dict[str, int]:
+    """What DeepSpeed's BF16_Optimizer holds after a step: its fp32 gradient buffer (whole, every parameter),
+    and its fp32 master partition with Adam's moments over it."""
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    moments = [value for state in optimizer.optimizer.state.values() for value in state.values()
+               if torch.is_tensor(value) and value.numel() > 1]
+    return {"fp32_gradients": nbytes(optimizer.fp32_groups_gradients_flat),
+            "masters_and_moments": nbytes(optimizer.fp32_groups_flat_partition) + nbytes(moments)}
 
 
 def test_deepspeed_builds_fp32_accumulation_from_the_20b_config():
     config = json.loads((CONFIGS / "gpt2_20b_tp8_pp4.json").read_text())
     blocks = {key: config[key] for key in ("bf16", "data_types", "zero_optimization") if key in config}
-    found = spawn(_engines_of_the_config, 1, blocks)[0]
+    found = spawn(_engines_of_the_config, 2, blocks)[0]   # dp = 2: what is partitioned and what is whole
+    held, parameters = found.pop("held"), found.pop("parameters")
     assert found == {"pipeline": ("BF16_Optimizer", "torch.float32", 1),
-                     "plain": ("BF16_Optimizer", "torch.float32", 1)}
+                     "plain": ("BF16_Optimizer", "torch.float32", 2)}   # 4 micro-batches, 2 per step at dp = 2
+    # The planner counts what that optimizer holds at dp = 2: the module's bf16 gradients plus the whole fp32
+    # buffer, and half the fp32 masters and moments; DeepSpeed pads its flat buffers by at most 2 elements.
+    _, gradients, optimizer = state_bytes(parameters, "bf16", 1, 2, fp32_grad_accumulation=True)
+    assert abs(held["fp32_gradients"] - (gradients - 2 * parameters)) <= 2 * 4
+    assert abs(held["masters_and_moments"] - optimizer) <= 2 * 12

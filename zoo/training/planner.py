@@ -251,8 +251,19 @@ def zero_stage_of(ds_config: Mapping[str, Any]) -> int:
     return stage
 
 
-def state_bytes(params_per_rank: int, dtype: str, zero_stage: int, dp: int) -> tuple[int, int, int]:
+def accumulates_in_fp32(ds_config: Mapping[str, Any]) -> bool:
+    """Whether the ds_config asks DeepSpeed to accumulate gradients in fp32 (``data_types.grad_accum_dtype``)."""
+    return str((ds_config.get("data_types") or {}).get("grad_accum_dtype", "")).lower() in ("fp32", "float32", "float")
+
+
+def state_bytes(params_per_rank: int, dtype: str, zero_stage: int, dp: int,
+                fp32_grad_accumulation: bool = False) -> tuple[int, int, int]:
     """(weights, gradients, optimizer) bytes per rank for Adam, at the peak of the optimizer step.
+
+    bf16 at ZeRO stage 1 with ``data_types.grad_accum_dtype`` fp32 (``fp32_grad_accumulation``) runs
+    DeepSpeed 0.19's BF16_Optimizer instead of its ZeRO optimizer: 2-byte weights, the module's bf16
+    gradients plus a whole (unpartitioned) fp32 gradient buffer they are accumulated into, 6 bytes a
+    parameter, and the fp32 master partition and moments, 12/dp: 8 + 12/dp bytes a parameter.
 
     Without ZeRO: fp16/bf16 (mixed precision) keeps 2-byte weights and gradients, and an fp32 master copy
     plus two fp32 Adam moments, 12 bytes a parameter (ZeRO's 16 bytes a parameter, Rajbhandari et al.
@@ -273,6 +284,8 @@ def state_bytes(params_per_rank: int, dtype: str, zero_stage: int, dp: int) -> t
     """
     value = DTYPE_BYTES[dtype]
     weights = value * params_per_rank
+    if dtype == "bf16" and zero_stage == 1 and fp32_grad_accumulation:
+        return weights, (value + 4) * params_per_rank, -(-12 * params_per_rank // dp)
     if zero_stage == 0:
         gradients = value * params_per_rank
         optimizer = (12 if value == 2 else 8) * params_per_rank
@@ -385,10 +398,11 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
 
     dp = world // (tp * pp)
     dtype, zero_stage = config.dtype_name, zero_stage_of(config.ds_config)
+    fp32_accumulation = accumulates_in_fp32(config.ds_config)
     recompute = recompute_mode(model_config) or "none"
     sequence_parallel = bool(model_config.sequence_parallel) and tp > 1
     params = count_parameters(model_config, tp)
-    weights, gradients, optimizer = state_bytes(params.per_rank, dtype, zero_stage, dp)
+    weights, gradients, optimizer = state_bytes(params.per_rank, dtype, zero_stage, dp, fp32_accumulation)
 
     s, b, h, heads = config.seq_length, config.ds_config["train_micro_batch_size_per_gpu"], shape.hidden, shape.heads
     padded_vocab = model_config.padded_vocab_size(tp)
@@ -407,7 +421,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
         stages = plan_stages(
             model_config, config.pipeline_partition_method, tp, pp, gas, s, b, widths, sequence_parallel, recompute,
             layer_bytes=lambda mode: layer_activation_bytes(s, b, h, heads, tp, sequence_parallel, mode, **widths),
-            model_state_bytes=lambda params: state_bytes(params, dtype, zero_stage, dp))
+            model_state_bytes=lambda params: state_bytes(params, dtype, zero_stage, dp, fp32_accumulation))
         heaviest = max(stages, key=lambda stage: stage.total)
         weights, gradients, optimizer = heaviest.weights, heaviest.gradients, heaviest.optimizer
         activations, total, params_per_rank = heaviest.activations, heaviest.total, heaviest.params_per_rank
