@@ -17,6 +17,7 @@ import torch
 from zoo.models.bert import BertForPreTraining
 from zoo.models.config import BertConfig, GPT2Config
 from zoo.models.gpt2 import GPT2LMHeadModel
+from zoo.models.llama import LlamaConfig, LlamaForCausalLM
 from zoo.parallel.state import ParallelState
 
 ModelConfig = GPT2Config | BertConfig
@@ -47,6 +48,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 lambda c: ModelShape(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.n_positions)),
     ModelFamily("bert", "BERT", BertConfig, BertForPreTraining, ("bert", "megatron-bert"),
                 "bert.embeddings.word_embeddings.weight",
+                lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
+                                     c.max_position_embeddings)),
+    ModelFamily("llama", "Llama", LlamaConfig, LlamaForCausalLM, ("llama",), "model.embed_tokens.weight",
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
                                      c.max_position_embeddings)),
 )
