@@ -31,6 +31,8 @@ GROUPS: dict[str, str] = {
     "data": "what is read, and how it is cut into samples",
     "parallelism": "how the ranks split the work",
     "training": "steps, batches, optimisation and seeds",
+    "learning rate": "the peak, the floor and the warm-up of the ds_config's schedule",
+    "mixed precision": "the training dtype (the ds_config's fp16/bf16 blocks)",
     "checkpointing": "where the run is written, and what it resumes from",
     "logging": "what is printed and tracked, and how often",
 }

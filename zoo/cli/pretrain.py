@@ -1,15 +1,17 @@
 """``launch/pretrain.py``: pretrain GPT-2 or BERT with Megatron tensor parallelism under DeepSpeed.
 
-    deepspeed --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/tp8.json [--train-iters N ...]
+    deepspeed --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/tp8.json --data-path PREFIX [--lr ...]
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json   # CPU, gloo
 
 Start from transformers-layout weights (any tp; the directory's model_type must match the preset's family):
 
-    deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/tp4.json --pretrained out/hf
+    deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/tp4.json --pretrained out/hf --data-path PREFIX
 
 Resume with --load RUN_DIR, also at another --tensor-parallel-size than the checkpoint's: it is resharded
 once into RUN_DIR/checkpoints/resharded/<tag>-tp<N>/ and loaded from there. Blend corpora with
---data-path W1 PREFIX1 W2 PREFIX2 ...; flags override the ds_config's zoo block.
+--data-path W1 PREFIX1 W2 PREFIX2 ... (without it, the demo configs read a bundled Wikipedia sample). Before
+DeepSpeed starts, the layout, the batch arithmetic and the planner's fit check on this device are checked
+(--skip-fit-check to start anyway).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from zoo.cli.runner import command_parser, run_command
+from zoo.errors import alike_on_every_rank
 from zoo.training.run_config import build_parser as run_config_parser
 from zoo.training.run_config import load_run_config
 
@@ -30,9 +33,23 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
     def work() -> None:
+        with alike_on_every_rank():   # every rank reads the same flags and files: the writer says it once
+            config = load_run_config(args)
+            check_launch(config)
         from zoo.inference import sample_lines  # local: torch import cost, after parsing
-        from zoo.training.pretrain import pretrain  # local: torch import cost, after parsing
+        from zoo.training.pretrain import pretrain  # local: DeepSpeed's import cost, after the checks
 
-        pretrain(load_run_config(args), sample_lines)
+        pretrain(config, sample_lines)
 
     run_command(work)
+
+
+def check_launch(config) -> None:
+    """The checks of :mod:`zoo.training.preflight` against this launcher's world size and this rank's device
+    memory (measured here, unless ``--skip-fit-check``), before DeepSpeed is imported."""
+    from zoo.distributed.local_rank import launcher_local_rank  # local: torch import cost, after parsing
+    from zoo.training.fit_check import device_memory  # local: torch import cost, after parsing
+    from zoo.training.preflight import check_before_launch, launcher_world_size  # local: torch import cost
+
+    memory = None if config.skip_fit_check else device_memory(launcher_local_rank())
+    check_before_launch(config, launcher_world_size(), memory)

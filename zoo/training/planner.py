@@ -27,9 +27,16 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from zoo.training.deepspeed_overrides import apply_overrides
 from zoo.training.metrics import megatron_flops_per_iteration
 from zoo.training.pipeline_plan import bubble_fraction, plan_stages
-from zoo.training.run_config import RunConfig, load_run_config, validate_for_world, validate_static
+from zoo.training.run_config import (
+    RunConfig,
+    check_field_types,
+    load_run_config,
+    validate_for_world,
+    validate_static,
+)
 
 
 @dataclass(frozen=True)
@@ -333,7 +340,8 @@ def parse_memory(text: str | int) -> int:
 def run_config_of(source: RunConfig | Mapping[str, Any] | str | os.PathLike) -> RunConfig:
     """A validated :class:`RunConfig` from a RunConfig, a ds_config dict (with its zoo block) or a path."""
     if isinstance(source, RunConfig):
-        return validate_static(source)
+        check_field_types(source)
+        return validate_static(apply_overrides(source))
     if isinstance(source, (str, os.PathLike)):
         return load_run_config(argparse.Namespace(deepspeed_config=str(source)))
     block = dict(source.get("zoo", {}) or {})
@@ -341,7 +349,9 @@ def run_config_of(source: RunConfig | Mapping[str, Any] | str | os.PathLike) -> 
     unknown = sorted(set(block) - known)
     if unknown:
         raise ValueError(f"unknown key {unknown[0]!r} in the zoo block; valid keys are {sorted(known)}.")
-    return validate_static(RunConfig(**block, ds_config=copy.deepcopy(dict(source)), ds_config_path="<dict>"))
+    config = RunConfig(**block, ds_config=copy.deepcopy(dict(source)), ds_config_path="<dict>")
+    check_field_types(config)
+    return validate_static(apply_overrides(config))
 
 
 def model_config_of(config: RunConfig):
@@ -359,7 +369,8 @@ def model_config_of(config: RunConfig):
 
 
 def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: int, *, num_nodes: int = 1,
-         gpu: str = "V100", gpu_memory: str | int | None = None, mfu: float = 0.4) -> Plan:
+         gpu: str = "V100", gpu_memory: str | int | None = None, mfu: float = 0.4,
+         with_deepspeed_estimate: bool = True) -> Plan:
     """The per-rank memory and the iteration time of a run on ``num_gpus`` x ``num_nodes`` devices.
 
     ``source``: a RunConfig, a ds_config dict or the path of a ds_config JSON (its zoo block names the
@@ -367,7 +378,9 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     recompute_granularity; the DeepSpeed part the batch sizes, fp16/bf16/fp32 and the ZeRO stage).
     ``num_gpus`` is per node, as for the deepspeed launcher: world size = num_gpus x num_nodes. ``gpu``: a name of :data:`GPUS` or ``"cpu"`` (no peak, so no timing, and no
     memory unless ``gpu_memory`` is given). ``gpu_memory``: bytes or a size like "32GB"; by default the
-    GPU's memory. Raises ValueError/FileNotFoundError with one sentence on bad input.
+    GPU's memory. ``with_deepspeed_estimate`` False leaves ``deepspeed_model_states`` None, so that DeepSpeed
+    is not imported (the fit check before a launch). Raises ValueError/FileNotFoundError with one sentence on
+    bad input.
     """
     # local: zoo.models imports torch and transformers (seconds); plan --help runs without them
     from zoo.models import BertConfig
@@ -427,7 +440,8 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
         activations, total, params_per_rank = heaviest.activations, heaviest.total, heaviest.params_per_rank
         layers_bytes = heaviest.activations   # per stage, the layers' and the ends' share are not told apart
         output_bytes = 0.0
-    deepspeed_states = deepspeed_estimate(params_per_rank, params.largest_layer_per_rank, zero_stage, dp)
+    deepspeed_states = (deepspeed_estimate(params_per_rank, params.largest_layer_per_rank, zero_stage, dp)
+                        if with_deepspeed_estimate else None)
 
     global_batch = config.ds_config["train_batch_size"]
     flops = megatron_flops_per_iteration(global_batch, s, shape.layers, h, padded_vocab,

@@ -24,6 +24,7 @@ from zoo.models.families import build_model, shape_of
 from zoo.output_guard import keep_output_in
 from zoo.training.baselines import unigram_perplexity
 from zoo.training.checkpointer import Checkpointer
+from zoo.training.effective_settings import record_effective_settings
 from zoo.training.families import pretrained_model
 from zoo.training.loop import LoopState, StopConditions, TrainingLoop, join, pin_memory_here, setup_engine
 from zoo.training.metrics import MetricsLogger, perplexity, plot_loss, truncate_metrics_after
@@ -132,6 +133,7 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
                                   sample_text: SampleText | None = None) -> dict[str, Any]:
     """The run proper, in a claimed ``--save``: the engine, the resumed state, the data, the metrics
     file, then the loop over a :class:`PretrainTask` with its :class:`Validator` and :class:`Checkpointer`."""
+    raise_on_any_rank(lambda: record_effective_settings(config, ps.world_size, gas) if is_writer else None)
     engine, model, model_config, shape, ds_config, clipping = build_engine(config, ps, gas, is_writer)
     host = host_group(None if config.distributed_timeout_minutes is None
                       else timedelta(minutes=config.distributed_timeout_minutes))

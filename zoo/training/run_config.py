@@ -38,6 +38,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -53,6 +54,7 @@ from zoo.options import (
     option,
     shown,
 )
+from zoo.training.deepspeed_overrides import apply_overrides, precision_flags_given
 
 
 @dataclass
@@ -99,6 +101,8 @@ class RunConfig:
         help="sequence parallelism (Korthikanti et al. 2022): LayerNorm, dropout and residuals on seq_length / tp "
              "tokens per rank; seq_length must divide by tp")
     wandb_project: str | None = option(None, group="logging", help="log to this W&B project")
+    tensorboard_dir: str | None = option(None, group="logging",
+                                         help="also write metrics.jsonl's scalars here as TensorBoard events")
     model_overrides: dict[str, Any] = option(group="model", flag=None, default_factory=dict,
                                              help='model config fields to change, e.g. {"resid_pdrop": 0.0}')
     data_workers: int = option(2, group="data",
@@ -118,6 +122,32 @@ class RunConfig:
              "checkpoints and metrics are replaced)")
     sample_prompts: list[str] = option(group="logging", flag=None, default_factory=list,
                                        help="GPT only: text sampled from each prompt at the end (the demo)")
+    # Megatron's flags for what the DeepSpeed part of the ds_config says (zoo.training.deepspeed_overrides):
+    # None leaves the ds_config's own value.
+    lr: float | None = option(None, group="learning rate",
+                              help="peak learning rate (the optimizer's lr; WarmupDecayLR's warmup_max_lr)")
+    min_lr: float | None = option(
+        None, group="learning rate",
+        help="learning rate at the end of the decay (WarmupCosineLR's cos_min_ratio x lr; WarmupDecayLR's "
+             "warmup_min_lr, where its warm-up also starts); without it the ds_config's floor is kept")
+    lr_warmup_iters: int | None = option(None, group="learning rate",
+                                         help="iterations of linear warm-up (the scheduler's warmup_num_steps)")
+    micro_batch_size: int | None = option(None, group="training",
+                                          help="samples per rank per forward (train_micro_batch_size_per_gpu)")
+    global_batch_size: int | None = option(
+        None, group="training",
+        help="samples per optimizer step over all ranks (train_batch_size) = micro-batch x accumulation steps x dp")
+    fp16: bool | None = option(None, group="mixed precision",
+                               help="train in fp16 with dynamic loss scaling (enables the fp16 block, disables bf16)")
+    bf16: bool | None = option(None, group="mixed precision",
+                               help="train in bf16 (enables the bf16 block, disables fp16)")
+    clip_grad: float | None = option(None, group="training",
+                                     help="gradient clipping by global norm (gradient_clipping; 0: off)")
+    weight_decay: float | None = option(None, group="training",
+                                        help="AdamW weight decay (the optimizer's weight_decay)")
+    skip_fit_check: bool = option(
+        False, group="parallelism", in_block=False,
+        help="start even where the planner says the run does not fit in this device's memory")
     ds_config: dict[str, Any] = field(default_factory=dict, repr=False)
     ds_config_path: str | None = None
 
@@ -144,10 +174,18 @@ class RunConfig:
         return "fp32"
 
 
+PRECEDENCE = ("Precedence, one rule for every setting: a flag given on the command line overrides the ds_config's "
+              "zoo block, which overrides the ds_config's own DeepSpeed values (--lr, --min-lr, --lr-warmup-iters, "
+              "--micro-batch-size, --global-batch-size, --fp16, --bf16, --clip-grad and --weight-decay rewrite the "
+              "optimizer, scheduler, batch and precision entries they name); what neither sets keeps the ds_config's "
+              "value. The run prints the settings it resolved and keeps them in <save>/config.json.")
+
+
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The pretraining parser: every RunConfig flag in its --help group (absent flags parse as None, so the
     zoo block keeps its values), plus DeepSpeed's ``--deepspeed_config``."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                     epilog=textwrap.fill(PRECEDENCE, 100))
     add_options(parser, RunConfig)
     add_deepspeed_config_argument(parser)
     return parser
@@ -158,7 +196,7 @@ def read_ds_config(path: str | None) -> dict[str, Any]:
     if path is None:
         raise ValueError("no DeepSpeed config given; pass --deepspeed_config ds_configs/<name>.json.")
     if not Path(path).is_file():
-        raise FileNotFoundError(f"DeepSpeed config {path} does not exist; pass one of the files in ds_configs/.")
+        raise FileNotFoundError(f"DeepSpeed config {path} does not exist; {closest_ds_config_hint(path)}.")
     try:
         ds_config = json.loads(Path(path).read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
@@ -171,6 +209,33 @@ def read_ds_config(path: str | None) -> dict[str, Any]:
                          "{\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 4, \"optimizer\": {...}, ...}, "
                          "like the files in ds_configs/.")
     return ds_config
+
+
+BUNDLED_DS_CONFIGS = Path(__file__).resolve().parents[2] / "ds_configs"
+
+
+def closest_ds_config_hint(path: str | os.PathLike, bundled: Path = BUNDLED_DS_CONFIGS) -> str:
+    """What to pass instead of the missing ``path``: the closest name among the JSON files of its own directory
+    (where that exists) and of zoo's ds_configs/ (difflib), else the list of ds_configs/."""
+    import difflib  # local: only a missing config pays for it
+
+    wanted = Path(path)
+    candidates: dict[str, Path] = {}
+    for directory in (bundled, wanted.parent):
+        if directory.is_dir():
+            candidates.update({file.name: file for file in sorted(directory.glob("*.json"))})
+    match = difflib.get_close_matches(wanted.name, list(candidates), n=1, cutoff=0.6)
+    if match:
+        return f"pass {shown_path(candidates[match[0]])}, the closest name there is"
+    return f"pass one of the files in {shown_path(bundled)}/"
+
+
+def shown_path(path: Path) -> str:
+    """``path`` relative to the working directory where it lies below it (as a user types it)."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
 
 
 # Blocks of a ds_config that DeepSpeed reads as JSON objects.
@@ -221,9 +286,12 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
         check_block_keys(block, RunConfig, path)
     check_ds_config(ds_config, path, needs_optimizer=True)
     block = check_block_keys(block, RunConfig, path)
+    if precision_flags_given(args):   # --fp16 or --bf16 chooses the precision: the block's choice is not read
+        block = {key: value for key, value in block.items() if key not in ("fp16", "bf16")}
     config = RunConfig(**merged_settings(RunConfig, block, args), ds_config=copy.deepcopy(ds_config),
                        ds_config_path=str(path))
-    config = check_input_paths(validate_static(config))
+    check_field_types(config)
+    config = check_input_paths(validate_static(apply_overrides(config)))
     if launched_as_writer():
         for warning in data_warnings(config):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -422,14 +490,26 @@ def validate_for_world(config: RunConfig, world_size: int) -> int:
     global_batch = config.ds_config["train_batch_size"]
     micro = config.ds_config["train_micro_batch_size_per_gpu"]
     if global_batch % (micro * dp) != 0:
-        raise ValueError(f"train_batch_size {global_batch} is not a multiple of micro batch {micro} x "
-                         f"data-parallel size {dp}; set train_batch_size to a multiple of {micro * dp}.")
+        raise ValueError(batch_arithmetic_error(global_batch, micro, dp, world_size, tp, pp))
     gas = global_batch // (micro * dp)
     declared = config.ds_config.get("gradient_accumulation_steps")
     if declared not in (None, "auto", gas):
         raise ValueError(f"gradient_accumulation_steps {declared} disagrees with train_batch_size {global_batch} "
                          f"/ (micro {micro} x dp {dp}) = {gas}; remove it and DeepSpeed derives it.")
     return gas
+
+
+def batch_arithmetic_error(global_batch: int, micro: int, dp: int, world_size: int, tp: int, pp: int) -> str:
+    """The one sentence for a global batch that micro-batch x accumulation steps x dp cannot make, with the
+    nearest global batches that work and the micro-batches that would."""
+    step = micro * dp
+    below, above = global_batch // step * step, (global_batch // step + 1) * step
+    nearest = f"{below} or {above}" if below else f"{above}"
+    micros = [m for m in range(1, global_batch // dp + 1) if global_batch % (m * dp) == 0] if global_batch % dp == 0 else []
+    other = f", or --micro-batch-size one of {micros[-6:]}" if micros else ""
+    return (f"the global batch {global_batch} (train_batch_size, --global-batch-size) must equal micro-batch {micro} x "
+            f"accumulation steps x data-parallel size {dp} (= {world_size} ranks / (tp {tp} x pp {pp})), which no "
+            f"whole number of accumulation steps gives; pass --global-batch-size {nearest}{other}.")
 
 
 SCHEDULES_OVER_TRAIN_ITERS = ("WarmupCosineLR", "WarmupDecayLR")
