@@ -377,3 +377,27 @@ def test_tiny_preset_trains_on_cpu():
         optimizer.step()
         losses.append(loss.item())
     assert losses[-1] < losses[0] - 2.0, losses
+
+
+def test_bare_model_reads_and_writes_transformers_llama_model(hf_dirs, tmp_path):
+    """zoo's LlamaModel loads a causal-LM checkpoint (``model.`` keys, ``lm_head`` ignored): its hidden states
+    equal transformers' LlamaModel's (<= 1e-5); its save loads in transformers' LlamaModel with every tensor
+    bit-equal."""
+    import transformers
+
+    from zoo.models import LlamaModel
+
+    directory = hf_dirs["gqa8x4-llama3"]
+    ids, mask, _ = batch(seed=11, padded=True)
+    ref = transformers.LlamaForCausalLM.from_pretrained(directory).model.eval()
+    model = LlamaModel.from_pretrained(directory).eval()
+    with torch.no_grad():
+        ours = model(ids, attention_mask=mask).last_hidden_state
+        theirs = ref(ids, attention_mask=mask).last_hidden_state
+    real = mask.bool()                                        # pad positions are not compared
+    assert rel_err(ours[real], theirs[real]) <= REL_TOL
+    model.save_pretrained(tmp_path / "bare")
+    loaded = transformers.LlamaModel.from_pretrained(tmp_path / "bare").state_dict()
+    source = ref.state_dict()
+    assert set(loaded) == set(source)
+    assert all(torch.equal(loaded[k], source[k]) for k in source)
