@@ -1,12 +1,15 @@
-"""Reference points for a pretraining run's validation loss."""
+"""Reference points for a pretraining run's validation loss, and the run's closing validation line beside them."""
 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import numpy as np
 
 from zoo.data import split_document_ranges
+
+SOP_CHANCE = 0.5   # sentence-order prediction: the pairs are swapped with probability 0.5
 
 
 def unigram_perplexity(indexed, split: str, vocab_size: int) -> float:
@@ -25,3 +28,18 @@ def unigram_perplexity(indexed, split: str, vocab_size: int) -> float:
     if valid.size == 0:
         return float("nan")
     return math.exp(-float(log_probs[valid].mean()))
+
+
+def validation_summary(means: dict[str, Any], unigram: float | None) -> str:
+    """The closing validation line. GPT: loss and perplexity. BERT (``means`` holds ``mlm_loss`` and
+    ``sop_acc``): MLM perplexity and SOP accuracy, each beside its baseline: a unigram model's perplexity
+    (masked tokens are a sample of the corpus's tokens, so a model that ignores context scores about the
+    unigram perplexity on them) and chance, 0.5. Never the exp of the summed MLM + SOP loss. ``unigram``
+    None leaves the unigram baseline out."""
+    if "mlm_loss" in means and "sop_acc" in means:
+        mlm = f"validation MLM loss {means['mlm_loss']:.4f}, MLM perplexity {math.exp(min(means['mlm_loss'], 50.0)):.2f}"
+        if unigram is not None:
+            mlm += f" (unigram baseline {unigram:.1f})"
+        return f"{mlm}; SOP accuracy {means['sop_acc']:.3f} (chance {SOP_CHANCE})"
+    line = f"validation loss {means['loss']:.4f}, validation perplexity {math.exp(min(means['loss'], 50.0)):.2f}"
+    return line if unigram is None else f"{line} (unigram baseline of the corpus: {unigram:.1f})"

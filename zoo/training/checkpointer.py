@@ -30,7 +30,22 @@ from zoo.training.loop import LoopState
 from zoo.training.resume import check_rank_states, checkpoint_to_load, has_checkpoint, resume_tag_and_layout
 from zoo.training.run_config import RunConfig, lr_schedule, schedule_change_warning
 
-__all__ = ["Checkpointer", "rng_state", "set_rng_state"]
+__all__ = ["Checkpointer", "resumed_line", "rng_state", "set_rng_state"]
+
+
+def layout_name(tp: int, pp: int, dp: int | None) -> str:
+    return f"tp{tp}×pp{pp}×dp{'?' if dp is None else dp}"
+
+
+def resumed_line(tag: str, state: LoopState, source: tuple[int, int, int | None], layout: tuple[int, int, int]) -> str:
+    """``resumed from iter_0000020 (iteration 20, 160 samples consumed) at tp2×pp1×dp1``, with the layout the
+    checkpoint was written at first (``tp1×pp2×dp1 → tp2×pp1×dp1``) when it differs. A checkpoint that does
+    not record its dp shows ``dp?``."""
+    now = layout_name(*layout)
+    changed = source[:2] != layout[:2] or source[2] not in (None, layout[2])
+    where = f"{layout_name(*source)} → {now}" if changed else now
+    return (f"resumed from {tag} (iteration {state.iteration}, {state.consumed_samples} samples consumed) "
+            f"at {where}")
 
 
 def rng_state() -> dict[str, Any]:
@@ -83,7 +98,7 @@ class Checkpointer:
         config = self.config
         return {**state.state_dict(), "rng": rng_state(), "zoo_model": config.model,
                 "model_config": self.model_config, "tensor_parallel_size": self.ps.tp_size,
-                "pipeline_model_parallel_size": self.ps.pp_size,
+                "pipeline_model_parallel_size": self.ps.pp_size, "data_parallel_size": self.ps.dp_size,
                 # DeepSpeed's stage bounds over the layer sequence: a run at another layout reads only the stages
                 # that held its parameters (zoo.training.layout_change.SourceCheckpoint)
                 "pipeline_parts": [int(bound) for bound in getattr(self.engine.module, "parts", None) or []] or None,
@@ -95,7 +110,7 @@ class Checkpointer:
     def resume(self) -> LoopState:
         """The loop state to start from: ``--load``'s checkpoint, or a fresh start, said in one line when
         ``--load`` names a run without a complete checkpoint yet (so a job script can always pass
-        ``--save X --load X``)."""
+        ``--save X --load X``). A resume says in one line on the writer what it resumed (:func:`resumed_line`)."""
         load = self.config.load
         if not load:
             return LoopState()
@@ -103,7 +118,16 @@ class Checkpointer:
             if self.is_writer:
                 print(f"--load {load}: no checkpoint yet, starting from iteration 0", flush=True)
             return LoopState()
-        return self.restore(self.load(load))
+        located = first_rank_result(lambda: resume_tag_and_layout(load))
+        client = self.load(load, located)
+        tag_dir, (source_tp, source_pp) = located
+        state = self.restore(client)
+        if self.is_writer:
+            source_dp = client.get("data_parallel_size") or client.get("dp_world_size") or getattr(
+                self.engine, "loaded_checkpoint_dp_world_size", None)
+            print(resumed_line(tag_dir.name, state, (source_tp, source_pp, source_dp),
+                               (self.ps.tp_size, self.ps.pp_size, self.ps.dp_size)), flush=True)
+        return state
 
     def restore(self, client: dict[str, Any]) -> LoopState:
         """The loop state of a :meth:`payload`, with every generator restored (after a layout change, the
@@ -121,13 +145,13 @@ class Checkpointer:
             print(f"warning: {change}", file=sys.stderr)
         return state
 
-    def load(self, load: str) -> dict[str, Any]:
+    def load(self, load: str, located: tuple[Path, tuple[int, int]] | None = None) -> dict[str, Any]:
         """Load the engine from ``--load``: the checkpoint is located and checked (readable, same model; by the
         first rank where every rank would read the same files), then loaded; its client state is returned. A failure on any rank is raised on all. A
         checkpoint written at another (tp, pp) with pipeline stages on either side is moved into the engine
-        (:mod:`zoo.training.layout_change`)."""
+        (:mod:`zoo.training.layout_change`). ``located``: the (tag directory, (tp, pp)) already found."""
         # one rank looks through the tags and reads the first rank's states; every rank gets what it found
-        tag_dir, source = first_rank_result(lambda: resume_tag_and_layout(load))
+        tag_dir, source = located or first_rank_result(lambda: resume_tag_and_layout(load))
         if needs_layout_change(source, self.ps):
             first_rank_result(lambda: check_rank_states(tag_dir, 0, self.model_config, load))
             return load_at_new_layout(self.engine, tag_dir, source, self.ps, load)

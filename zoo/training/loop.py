@@ -26,9 +26,11 @@ which gets the final :class:`LoopState` back.
 
 from __future__ import annotations
 
+import re
 import signal
 import sys
 import time
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -165,26 +167,146 @@ class LogWindow:
         self.steps = 0
         self.seconds = 0.0
         self.grad_norm: torch.Tensor | float | None = None
+        self.not_finite: list[torch.Tensor] = []   # per iteration: 1 where this rank's loss was NaN/inf
+        self.nan_iterations = 0                    # set by means(): such iterations on any DP rank
 
     def add(self, iteration_sums: dict[str, torch.Tensor], micro_steps: int, seconds: float) -> None:
         for key, value in iteration_sums.items():
             mean = value.double() / micro_steps
             self.sums[key] = self.sums[key] + mean if key in self.sums else mean
+        if "loss" in iteration_sums:   # a device flag: no synchronisation
+            self.not_finite.append((~torch.isfinite(iteration_sums["loss"].double())).double().reshape(()))
         self.steps += 1
         self.seconds += seconds
 
     def means(self, ps, device) -> dict[str, float]:
-        """Window means over iterations and DP ranks (fp64, one all-reduce), as Python floats."""
+        """Window means over iterations and DP ranks (fp64, one all-reduce), as Python floats. The same
+        all-reduce sums the per-iteration NaN/inf flags over the DP ranks, so ``nan_iterations`` counts the
+        window's iterations whose loss was not finite on any DP rank."""
         if not self.sums:
             return {}
-        stacked = torch.stack(list(self.sums.values())).to(device)
+        stacked = torch.stack(list(self.sums.values()) + self.not_finite).to(device)
         if ps.dp_size > 1:
             dist.all_reduce(stacked, group=ps.dp_group)
-        return dict(zip(self.sums, (stacked / (ps.dp_size * self.steps)).tolist()))
+        values = stacked.tolist()
+        self.nan_iterations = sum(1 for flag in values[len(self.sums):] if flag > 0)
+        return dict(zip(self.sums, (value / (ps.dp_size * self.steps) for value in values[:len(self.sums)])))
 
     @property
     def step_time(self) -> float:
         return self.seconds / max(self.steps, 1)
+
+
+# ------------------------------------------------------------------------------------- what a log adds
+
+def mfu_percent(tflops_per_device: float, peak_tflops: float | None) -> float | None:
+    """Model-FLOPs utilisation in percent of the device's dense fp16/bf16 peak (the planner's table, as
+    Megatron counts it); None without a known peak (a CPU, a GPU the table lacks)."""
+    return None if not peak_tflops else 100.0 * tflops_per_device / peak_tflops
+
+
+def device_peak_tflops(device: torch.device) -> float | None:
+    """The planner's dense peak of ``device`` (:data:`zoo.training.planner.GPUS`), None off CUDA."""
+    from zoo.training.planner import peak_tflops_of  # local: the one table of GPU peaks
+
+    if device.type != "cuda":
+        return None
+    return peak_tflops_of(torch.cuda.get_device_name(device))
+
+
+def memory_fields(device: torch.device) -> dict[str, float]:
+    """This rank's memory in GB (10^9 bytes, as the planner prints): allocated and reserved by the caching
+    allocator (DeepSpeed's accelerator) on an accelerator; the process's resident set on a CPU."""
+    if device.type == "cpu":
+        import psutil  # local: a DeepSpeed dependency, needed only here
+
+        return {"rss_gb": psutil.Process().memory_info().rss / 1e9}
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
+
+    accelerator = get_accelerator()
+    return {"mem_allocated_gb": accelerator.memory_allocated(device) / 1e9,
+            "mem_reserved_gb": accelerator.memory_reserved(device) / 1e9,
+            "mem_max_allocated_gb": accelerator.max_memory_allocated(device) / 1e9}
+
+
+class RunHealth:
+    """The fields Megatron's log line carries beside the loss, added to every training log event: MFU
+    (``mfu_pct``, where the device has a peak), this rank's memory (:func:`memory_fields`), the window's
+    iterations skipped by fp16 loss scaling (``skipped_iterations``: DeepSpeed's ``skipped_steps`` since the
+    last log) and those whose loss was NaN/inf on any DP rank (``nan_iterations``)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.device = torch.device(getattr(engine, "device", "cpu"))
+        self.peak_tflops = device_peak_tflops(self.device)
+        self.skipped_before = self.skipped_steps()
+
+    def skipped_steps(self) -> int:
+        return int(getattr(self.engine, "skipped_steps", 0) or 0)
+
+    def fields(self, event: dict[str, Any], window: LogWindow) -> dict[str, Any]:
+        skipped = self.skipped_steps()
+        fields: dict[str, Any] = {"skipped_iterations": skipped - self.skipped_before,
+                                  "nan_iterations": window.nan_iterations, **memory_fields(self.device)}
+        self.skipped_before = skipped
+        mfu = mfu_percent(event["tflops"], self.peak_tflops) if "tflops" in event else None
+        if mfu is not None:
+            fields["mfu_pct"] = mfu
+        return fields
+
+
+# --------------------------------------------------------------------------------- known library noise
+
+# Messages of the libraries zoo drives that say nothing about a zoo run, each with why it is harmless.
+# DeepSpeed's WarmupLR/WarmupCosineLR ask for the learning rate while they are built, before their first
+# step; they answer 0 and DeepSpeed's first step sets the real rate (the log's lr column shows it).
+DEEPSPEED_SCHEDULER_NOTE = "Attempting to get learning rate from scheduler before it has started"
+# zoo's model outputs are transformers' ModelOutput classes, which renamed the field ``past_key_values`` to
+# ``cache``; zoo's KV cache is its own tuple and reads back the same under either name.
+TRANSFORMERS_CACHE_RENAME = "`past_key_values`/`cache_params` are deprecated"
+# DeepSpeed's pipeline engine moves activations and tied weights between stages with c10d broadcasts (its
+# point-to-point on gloo, its tied-weight sync), some on tensors that require grad, and torch warns that
+# c10d::broadcast_ has no autograd kernel. The gradients cross stages by the engine's own sends and its
+# tied-weight all-reduce, never through the broadcast's autograd: tests/test_pipeline.py checks a tp x pp
+# step's gradients in float64 against a single process to 1e-9.
+C10D_BROADCAST_AUTOGRAD = "c10d::broadcast_: an autograd kernel was not registered to the Autograd key(s)"
+
+
+class _DropMessage:
+    """A logging filter that drops the records whose message contains ``text``."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def filter(self, record) -> bool:
+        return self.text not in record.getMessage()
+
+
+@contextmanager
+def library_noise_silenced():
+    """Within the block: DeepSpeed's scheduler note, transformers' cache-name deprecation and torch's
+    c10d::broadcast_ autograd warning of pipeline runs are not printed (each is harmless for zoo, see the
+    comments above); every other warning and log record goes through as before. Restored on exit."""
+    import logging
+
+    loggers = [(logging.getLogger("DeepSpeed"), _DropMessage(DEEPSPEED_SCHEDULER_NOTE)),
+               (logging.getLogger("transformers.utils.generic"), _DropMessage(TRANSFORMERS_CACHE_RENAME))]
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=re.escape(C10D_BROADCAST_AUTOGRAD), category=UserWarning)
+        for logger, drop in loggers:
+            logger.addFilter(drop)
+        try:
+            yield
+        finally:
+            for logger, drop in loggers:
+                logger.removeFilter(drop)
+
+
+def shows_progress_bar(stream) -> bool:
+    """A progress bar redraws itself with carriage returns: only a terminal shows that as a bar, a
+    redirected log would hold every redraw, so the bar is drawn only on a terminal."""
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty and isatty())
 
 
 # -------------------------------------------------------------------------------------------- stopping
@@ -323,6 +445,7 @@ class TrainingLoop:
         self.is_writer = is_writer
         self.window = LogWindow()
         self.progress = None
+        self.health = RunHealth(engine)
 
     # one iteration ------------------------------------------------------------------------------
     def train_step(self, state: LoopState) -> tuple[dict[str, torch.Tensor], int]:
@@ -359,6 +482,7 @@ class TrainingLoop:
         means = self.window.means(self.ps, self.engine.device)
         self.window.seconds += time.perf_counter() - start   # the interval's one synchronisation
         event = self.task.log_event(state, means, self.window)
+        event.update(self.health.fields(event, self.window))
         self.logger.log(event)
         self.write(self.task.log_line(event))
         state.last_event = event
@@ -394,7 +518,8 @@ class TrainingLoop:
     def run(self, state: LoopState) -> LoopState:
         run_number = loop_run_number()
         total = self.task.total_iterations
-        self.progress = tqdm(total=total, initial=state.iteration, disable=not self.is_writer,
+        self.progress = tqdm(total=total, initial=state.iteration,
+                             disable=not (self.is_writer and shows_progress_bar(sys.stdout)),
                              desc=self.progress_desc, unit="it", dynamic_ncols=True, file=sys.stdout)
         if self.stop is not None:
             self.stop.install()

@@ -1,5 +1,6 @@
 """Run-directory logging: metrics.jsonl (one JSON object per event, flushed at once so a crash loses
-nothing), optional Weights & Biases, and loss.png at the end.
+nothing), optional Weights & Biases and TensorBoard (the same scalars), loss.png at the end, and the console
+log line of a training event.
 
 A line cut short (a full disk, a killed writer) can only be the last one: readers leave it out, a resume
 drops it with a warning; any other line that is not a JSON object is named with its number."""
@@ -39,6 +40,43 @@ def megatron_flops_per_iteration(batch: int, seq: int, layers: int, hidden: int,
     return 24.0 * k * batch * seq * layers * hidden ** 2 * (1 + seq / (6 * hidden)) + 6.0 * batch * seq * hidden * vocab
 
 
+def format_duration(seconds: float) -> str:
+    """``HH:MM:SS``, with whole days in front past 24 hours (``3 days 01:00:00``)."""
+    days, rest = divmod(int(round(seconds)), 86400)
+    clock = f"{rest // 3600:02d}:{rest % 3600 // 60:02d}:{rest % 60:02d}"
+    return clock if days == 0 else f"{days} day{'s' if days > 1 else ''} {clock}"
+
+
+def format_log_line(event: dict[str, Any], train_iters: int) -> str:
+    """The console line of a training event, with what Megatron's carries: throughput and MFU (where the
+    device has a known peak), this rank's memory (allocated/reserved on an accelerator, RSS on a CPU), the
+    iterations of the window skipped by fp16 loss scaling and those whose loss was NaN/inf, and the ETA.
+    Fields an event lacks are left out."""
+    grad_norm = "n/a" if event["grad_norm"] is None else f"{event['grad_norm']:.3f}"
+    mfu = f" (MFU {event['mfu_pct']:.1f}%)" if event.get("mfu_pct") is not None else ""
+    parts = [f"iteration {event['iteration']:>7d}/{train_iters}", f"loss {event['loss']:.4f}",
+             f"lr {event['lr']:.3e}", f"loss scale {event['loss_scale']:.0f}", f"grad norm {grad_norm}",
+             f"{event['tokens_per_s']:.0f} tokens/s", f"{event['tflops']:.3f} TFLOPs/device{mfu}"]
+    if "mem_allocated_gb" in event:
+        parts.append(f"mem {event['mem_allocated_gb']:.2f}/{event['mem_reserved_gb']:.2f} GB allocated/reserved")
+    elif "rss_gb" in event:
+        parts.append(f"mem {event['rss_gb']:.2f} GB RSS")
+    if "skipped_iterations" in event:
+        parts.append(f"skipped {event['skipped_iterations']}")
+    if "nan_iterations" in event:
+        parts.append(f"nan/inf {event['nan_iterations']}")
+    parts.append(f"ETA {format_duration(event['eta_s'])}")
+    if "sop_acc" in event:
+        parts += [f"MLM {event['mlm_loss']:.4f}", f"SOP {event['sop_loss']:.4f}", f"SOP acc {event['sop_acc']:.3f}"]
+    return " | ".join(parts)
+
+
+def scalars(event: dict[str, Any]) -> dict[str, float]:
+    """The numbers of an event other than its iteration (the step they are plotted at): TensorBoard's scalars."""
+    return {key: value for key, value in event.items()
+            if key != "iteration" and isinstance(value, (int, float)) and not isinstance(value, bool)}
+
+
 class MetricsLogger:
     """Appends the run's events to ``metrics.jsonl`` on one rank (the writer).
 
@@ -49,21 +87,31 @@ class MetricsLogger:
 
     An existing ``metrics.jsonl`` is appended to only when ``resume``; otherwise it belongs to another run and
     is refused (the run directory's claim, :mod:`zoo.training.run_directory`, says so before anything runs).
+
+    ``tensorboard_dir`` (Megatron's ``--tensorboard-dir``): every event's :func:`scalars` also go there, through
+    torch's SummaryWriter, at the event's iteration. A run resumed at iteration ``resumed_at`` hides the events
+    the earlier run wrote after it (TensorBoard's ``purge_step``), as metrics.jsonl drops them. A missing
+    tensorboard package is a user error at the start; a write that fails later stops TensorBoard logging with
+    one warning and the run goes on.
     """
 
     def __init__(self, run_dir: str | os.PathLike, is_writer: bool, wandb_project: str | None = None,
-                 wandb_config: dict[str, Any] | None = None, resume: bool = False, group=None):
+                 wandb_config: dict[str, Any] | None = None, resume: bool = False, group=None,
+                 tensorboard_dir: str | os.PathLike | None = None, resumed_at: int = 0):
         self.run_dir = Path(run_dir)
         self.is_writer = is_writer
         self.path = self.run_dir / METRICS_FILE
         self.group = group
         self._wandb = None
+        self._tensorboard = None
         if not is_writer:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not resume and self.path.exists():
             raise ValueError(f"{self.path} already exists (an earlier run's metrics); pass another --save, or "
                              "resume that run with --load.")
+        if tensorboard_dir is not None:
+            self._tensorboard = _start_tensorboard(tensorboard_dir, resumed_at + 1 if resumed_at else None)
         if wandb_project:
             self._wandb = _start_wandb(wandb_project, wandb_config, self.run_dir)
 
@@ -71,9 +119,23 @@ class MetricsLogger:
         from zoo.distributed import raise_on_any_rank  # local: torch import cost; plan and sweep read this module
 
         raise_on_any_rank(lambda: self._append(event) if self.is_writer else None, self.group)
+        if self.is_writer and self._tensorboard is not None:
+            self._write_tensorboard(event)
         if self.is_writer and self._wandb is not None:
             numbers = {k: v for k, v in event.items() if isinstance(v, (int, float))}
             self._call_wandb(lambda run: run.log(numbers, step=event.get("iteration")))
+
+    def _write_tensorboard(self, event: dict[str, Any]) -> None:
+        """The event's scalars at its iteration, flushed (a log event is rare next to an iteration, and a
+        crash then loses none); a failure ends TensorBoard logging with one warning, never the run."""
+        try:
+            for key, value in scalars(event).items():
+                self._tensorboard.add_scalar(key, value, global_step=event.get("iteration"))
+            self._tensorboard.flush()
+        except Exception as err:  # noqa: BLE001 - tracking must never stop training
+            self._tensorboard = None
+            print(f"warning: TensorBoard logging stopped ({type(err).__name__}: {err}); the run goes on, its "
+                  f"events are still in {self.path}.", file=sys.stderr, flush=True)
 
     def _call_wandb(self, call: Callable[[Any], None]) -> None:
         """``call(the W&B run)``, after the ranks agreed on the metrics write, on the writer alone: so that
@@ -109,8 +171,20 @@ class MetricsLogger:
             self._call_wandb(lambda run: run.summary.update(values))
 
     def close(self) -> None:
+        if self._tensorboard is not None:
+            self._tensorboard.close()
         if self._wandb is not None:
             self._call_wandb(lambda run: run.finish())
+
+
+def _start_tensorboard(directory: str | os.PathLike, purge_step: int | None):
+    """torch's SummaryWriter on ``directory``; ValueError in one sentence when tensorboard is not installed."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter  # local: tensorboard is optional
+    except ImportError:
+        raise ValueError(f"--tensorboard-dir {directory} needs the tensorboard package; pip install tensorboard, "
+                         "or run without --tensorboard-dir.") from None
+    return SummaryWriter(log_dir=str(directory), purge_step=purge_step)
 
 
 def _start_wandb(project: str, config: dict[str, Any] | None, run_dir: Path):

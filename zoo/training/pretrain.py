@@ -22,12 +22,20 @@ from zoo.distributed import host_group, raise_on_any_rank
 from zoo.models import model_config as build_model_config
 from zoo.models.families import build_model, shape_of
 from zoo.output_guard import keep_output_in
-from zoo.training.baselines import unigram_perplexity
+from zoo.training.baselines import unigram_perplexity, validation_summary
 from zoo.training.checkpointer import Checkpointer
 from zoo.training.effective_settings import record_effective_settings
 from zoo.training.families import pretrained_model
-from zoo.training.loop import LoopState, StopConditions, TrainingLoop, join, pin_memory_here, setup_engine
-from zoo.training.metrics import MetricsLogger, perplexity, plot_loss, truncate_metrics_after
+from zoo.training.loop import (
+    LoopState,
+    StopConditions,
+    TrainingLoop,
+    join,
+    library_noise_silenced,
+    pin_memory_here,
+    setup_engine,
+)
+from zoo.training.metrics import MetricsLogger, plot_loss, truncate_metrics_after
 from zoo.training.pipeline import (
     PipelinePretrainTask,
     build_pipeline_model,
@@ -102,10 +110,17 @@ def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[s
     anything is written there. The claim is held until this function returns or raises.
 
     A run that finishes with ``config.sample_prompts`` completes them with ``sample_text`` (every rank
-    takes part) and the writer prints the lines after the validation perplexity."""
+    takes part) and the writer prints the lines after the validation perplexity. The libraries' notes that
+    say nothing about a zoo run are not printed (:func:`zoo.training.loop.library_noise_silenced`)."""
     if config.sample_prompts and sample_text is None:
         raise ValueError("sample_prompts are set but no text sampler was given; run launch/pretrain.py, or call "
                          "pretrain(config, sample_text=zoo.inference.sample_lines).")
+    with library_noise_silenced():
+        return pretrain_in_process_group(config, sample_text)
+
+
+def pretrain_in_process_group(config: RunConfig, sample_text: SampleText | None) -> dict[str, Any]:
+    """:func:`pretrain` once its arguments are checked: join, claim ``--save``, run."""
     started = time.monotonic()   # --exit-duration-in-mins counts from here: the set-up is part of the job's time
     ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes,
               config.pipeline_model_parallel_size)
@@ -158,7 +173,7 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
     if config.sample_prompts and state.stopped_by is None and ps.pp_size == 1:   # every rank decodes; the writer prints
         samples = sample_text(engine.module, config.sample_prompts, config.seed, ps)
     if logger.is_writer and state.stopped_by is None:
-        print_summary(Path(config.save), state.iteration, state.last_event, validator.loss, data, config, shape,
+        print_summary(Path(config.save), state.iteration, state.last_event, validator.means, data, config, shape,
                       samples)
     logger.close()
     return {**state.last_event, "val_loss": validator.loss, "stopped_by": state.stopped_by}
@@ -186,7 +201,8 @@ def build_engine(config: RunConfig, ps, gas: int, is_writer: bool):
         model = build_pipeline_model(config, model_config, ps, accelerator_device())
         engine, clipping = setup_pipeline_engine(model, ds_config, ps, weight_decay, config.sequence_parallel)
         return engine, model, model_config, shape, ds_config, clipping
-    model, model_config, shape = build_pretraining_model(config, ps)
+    # agreed: a shape every rank refuses (heads that tp does not divide) is one sentence, printed once
+    model, model_config, shape = raise_on_any_rank(lambda: build_pretraining_model(config, ps))
     if config.recompute:   # full or selective: DeepSpeed's checkpointing restores the TP RNG on recompute
         deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
     engine = setup_engine(model, ds_config, ps, weight_decay, refresh_masters=bool(config.pretrained))
@@ -204,6 +220,7 @@ def open_metrics(config: RunConfig, ds_config: dict[str, Any], iteration: int, i
     resuming = continues_save_directory(config)
     logger = raise_on_any_rank(lambda: MetricsLogger(
         run_dir, is_writer, config.wandb_project, resume=resuming, group=host,
+        tensorboard_dir=config.tensorboard_dir, resumed_at=iteration if resuming else 0,
         wandb_config={"zoo": {k: v for k, v in vars(config).items() if k != "ds_config"}, "deepspeed": ds_config}))
     if resuming:
         raise_on_any_rank(lambda: truncate_metrics_after(logger.path, iteration) if is_writer else None, group=host)
@@ -235,17 +252,15 @@ def timeout_error(err: Exception, config: RunConfig, state: LoopState) -> Except
                         "the job ends here instead of hanging.")
 
 
-def print_summary(run_dir: Path, iteration: int, last: dict[str, Any], val_loss: float | None,
+def print_summary(run_dir: Path, iteration: int, last: dict[str, Any], validation: dict[str, float],
                   data: PretrainingData, config: RunConfig, shape, samples: Sequence[str] = ()) -> None:
-    """The end of a run on the writer: loss.png and the lines the demo prints (``samples``: the
-    end-of-run sample lines, printed after the validation perplexity)."""
+    """The end of a run on the writer: loss.png and the lines the demo prints (``validation``: the last
+    validation's means, :func:`zoo.training.baselines.validation_summary`; ``samples``: the end-of-run sample
+    lines, printed after it). The unigram baseline is computed on the small bundled corpus only."""
     plot_loss(run_dir)
-    if val_loss is not None:
-        baseline = ""
-        if data.is_bundled_corpus and "sop_acc" not in last:  # a GPT run on the small bundled corpus
-            baseline = (f" (unigram baseline of the corpus: "
-                        f"{unigram_perplexity(data.indexed, config.split, shape.vocab):.1f})")
-        print(f"validation loss {val_loss:.4f}, validation perplexity {perplexity(val_loss):.2f}{baseline}")
+    if "loss" in validation:
+        unigram = unigram_perplexity(data.indexed, config.split, shape.vocab) if data.is_bundled_corpus else None
+        print(validation_summary(validation, unigram))
     for line in samples:
         print(line)
     if "sop_acc" in last:

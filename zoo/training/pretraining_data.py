@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import sys
 
 import torch
 
@@ -46,7 +47,8 @@ class PretrainingData:
                  workers: int, pin_memory: bool, agreement_group=None):
         blend = raise_on_any_rank(lambda: check_data_path(config.data_path, config.split))
         if blend is None:  # bundled corpus: preprocess once on rank 0 while the others wait on the host
-            run_on_first_rank(lambda: default_corpus(model_config, progress=True), work_bytes=BUNDLED_CORPUS_BYTES)
+            run_on_first_rank(lambda: default_corpus(model_config, progress=sys.stderr.isatty()),  # no bar in a log file
+                              work_bytes=BUNDLED_CORPUS_BYTES)
             blend = [(1.0, default_corpus(model_config, progress=False))]
         self.is_bundled_corpus = config.data_path is None
         self.blend = [(weight, prefix) for weight, prefix in blend if weight > 0]

@@ -4,7 +4,6 @@ metrics are :func:`zoo.training.families.forward_with_metrics`)."""
 
 from __future__ import annotations
 
-import time
 from typing import Any, Protocol
 
 import torch
@@ -13,7 +12,7 @@ import torch.distributed as dist
 from zoo.training.families import forward_with_metrics
 from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm
 from zoo.training.loop import LogWindow, LoopState
-from zoo.training.metrics import megatron_flops_per_iteration
+from zoo.training.metrics import format_log_line, megatron_flops_per_iteration
 from zoo.training.pretraining_data import PretrainingData
 from zoo.training.run_config import RunConfig
 
@@ -92,13 +91,3 @@ class PretrainTask:
 
     def log_line(self, event: dict[str, Any]) -> str:
         return format_log_line(event, self.config.train_iters)
-
-
-def format_log_line(event: dict[str, Any], train_iters: int) -> str:
-    grad_norm = "n/a" if event["grad_norm"] is None else f"{event['grad_norm']:.3f}"
-    eta = time.strftime("%H:%M:%S", time.gmtime(event["eta_s"]))
-    return (f"iteration {event['iteration']:>7d}/{train_iters} | loss {event['loss']:.4f} | lr {event['lr']:.3e} | "
-            f"loss scale {event['loss_scale']:.0f} | grad norm {grad_norm} | {event['tokens_per_s']:.0f} tokens/s | "
-            f"{event['tflops']:.3f} TFLOPs/device | ETA {eta}"
-            + ("" if "sop_acc" not in event else
-               f" | MLM {event['mlm_loss']:.4f} | SOP {event['sop_loss']:.4f} | SOP acc {event['sop_acc']:.3f}"))

@@ -55,8 +55,11 @@ class Validator:
         self.means.update(validation_means(self.engine, self.data, self.config, self.ps))
         val_loss = self.means["loss"]
         extras = {f"val_{key}": value for key, value in self.means.items() if key != "loss"}
+        if "mlm_loss" in self.means:   # BERT: the perplexity of the MLM loss alone (val_ppl is of MLM + SOP)
+            extras["val_mlm_ppl"] = perplexity(self.means["mlm_loss"])
         self.logger.log({"iteration": state.iteration, "split": "valid", "val_loss": val_loss,
                          "val_ppl": perplexity(val_loss), **extras})
-        shown = "".join(f", {key} {value:.4f}" for key, value in extras.items())
-        write(f"iteration {state.iteration}: validation loss {val_loss:.4f}, "
-              f"perplexity {perplexity(val_loss):.2f}{shown}")
+        shown = "".join(f", {key} {value:.4f}" for key, value in extras.items() if key != "val_mlm_ppl")
+        headline = (f"MLM perplexity {extras['val_mlm_ppl']:.2f}" if "val_mlm_ppl" in extras
+                    else f"perplexity {perplexity(val_loss):.2f}")
+        write(f"iteration {state.iteration}: validation loss {val_loss:.4f}, {headline}{shown}")
