@@ -237,6 +237,7 @@ def test_effective_settings_block_and_config_json(tmp_path, capsys):
     again = load_run_config(type("Args", (), {"deepspeed_config": str(save / "config.json")})())
     assert again.ds_config["optimizer"] == config.ds_config["optimizer"] and again.train_iters == 60
     assert again.data_path == config.data_path
+    assert deepspeed_dict(again, 2) == deepspeed_dict(config, 2)       # DeepSpeed gets neither zoo nor effective
     assert sorted(p.name for p in save.iterdir()) == ["config.json"]   # nothing but the file: no temporaries
 
 

@@ -25,13 +25,12 @@ from typing import Any
 from zoo.atomic import check_writable_directory, unwritable_directory, write_text_atomic
 from zoo.options import settings_of
 from zoo.training.planner import count_parameters, model_config_of, zero_stage_of
-from zoo.training.run_config import SCHEDULES_OVER_TRAIN_ITERS, RunConfig, deepspeed_dict
+from zoo.training.run_config import SCHEDULES_OVER_TRAIN_ITERS, ZOO_TOP_LEVEL_KEYS, RunConfig, deepspeed_dict
 
 __all__ = ["CONFIG_FILE", "effective_settings", "format_effective_settings", "record_effective_settings",
            "run_config_file"]
 
 CONFIG_FILE = "config.json"
-ZOO_FILE_KEYS = ("zoo", "effective")
 
 
 def record_effective_settings(config: RunConfig, world_size: int, gas: int) -> dict[str, Any]:
@@ -56,7 +55,7 @@ def check_replaceable_config_file(path: Path) -> None:
         existing = json.loads(path.read_text(encoding="utf-8")) if path.is_file() and not path.is_symlink() else None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         existing = None
-    if not (isinstance(existing, dict) and all(key in existing for key in ZOO_FILE_KEYS)):
+    if not (isinstance(existing, dict) and all(key in existing for key in ZOO_TOP_LEVEL_KEYS)):
         raise ValueError(f"{path} exists and was not written by a zoo run (it lacks the \"zoo\" and \"effective\" "
                          "entries zoo writes there), and the run keeps its settings under that name; move it, or pass "
                          "another --save.")

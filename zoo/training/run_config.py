@@ -512,6 +512,9 @@ def batch_arithmetic_error(global_batch: int, micro: int, dp: int, world_size: i
             f"whole number of accumulation steps gives; pass --global-batch-size {nearest}{other}.")
 
 
+# The top-level keys of a ds_config that are zoo's, not DeepSpeed's: the zoo block, and the effective settings a
+# run's <save>/config.json carries beside it (zoo.training.effective_settings).
+ZOO_TOP_LEVEL_KEYS = ("zoo", "effective")
 SCHEDULES_OVER_TRAIN_ITERS = ("WarmupCosineLR", "WarmupDecayLR")
 
 
@@ -519,7 +522,8 @@ def deepspeed_dict(config: RunConfig, gas: int) -> dict[str, Any]:
     """The dict handed to deepspeed.initialize: the file's config, schedule length tied to train_iters
     (a warm-up longer than the run is cut to it; :func:`clipped_warmup_warning` says so)."""
     ds = copy.deepcopy(config.ds_config)
-    ds.pop("zoo", None)
+    for key in ZOO_TOP_LEVEL_KEYS:
+        ds.pop(key, None)
     ds["gradient_accumulation_steps"] = gas
     scheduler = ds.get("scheduler")
     if scheduler and scheduler.get("type") in SCHEDULES_OVER_TRAIN_ITERS:
