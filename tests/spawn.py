@@ -16,20 +16,15 @@ import glob
 import os
 import pickle
 import queue
-import socket
 import traceback
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from zoo.launcher import free_port
+
 DEFAULT_TIMEOUT_S = 240
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _worker(fn, rank, world_size, port, args, results):

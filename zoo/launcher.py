@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -358,8 +359,30 @@ def with_rendezvous_port(argv: Sequence[str], parsed, own: Sequence[str],
     return ["--master_port", port, *argv]
 
 
+def ephemeral_port_range() -> tuple[int, int]:
+    """The ports the kernel hands to outgoing connections (Linux's ip_local_port_range; IANA's elsewhere)."""
+    try:
+        low, high = Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()
+        return int(low), int(high)
+    except (OSError, ValueError):
+        return 49152, 65535
+
+
 def free_port() -> int:
-    """A TCP port no process on this machine listens on now (the kernel's pick)."""
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
+    """A loopback port free now and outside the ephemeral range. A port from ``bind(0)`` is an ephemeral one:
+    in the seconds before a launched job binds it, the kernel may give it to any outgoing connection on the
+    machine (a gloo pair, a store client) as its source port, and the job then fails to bind its rendezvous.
+    Ports below the ephemeral range are only ever taken by an explicit bind."""
+    low, _ = ephemeral_port_range()
+    candidates = list(range(max(1024, low - 12000), low))
+    random.SystemRandom().shuffle(candidates)
+    for port in candidates[:200]:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:   # all tried were taken: any free port
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
