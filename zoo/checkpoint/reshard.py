@@ -188,6 +188,39 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1) for t in tensors])
 
 
+def optimizer_kind(optimizer: dict[str, Any]) -> str:
+    """Which of DeepSpeed's non-ZeRO optimizer layouts a model-states file's ``optimizer`` holds: "torch"
+    (fp32), "fp16_unfused" (FP16_UnfusedOptimizer) or "fp16_fused" (FP16_Optimizer)."""
+    if "fp32_groups_flat" in optimizer:
+        return "fp16_fused"
+    if "fp32_groups" in optimizer:
+        return "fp16_unfused"
+    return "torch"
+
+
+def optimizer_state_by_name(optimizer: dict[str, Any], groups: list[list[str]], shapes: dict[str, torch.Size],
+                            path: Path) -> tuple[dict[str, dict[str, Any]], dict[str, torch.Tensor] | None]:
+    """(Adam state per parameter name, fp32 master per parameter name or None for fp32 runs, whose masters are
+    the weights) of one rank's non-ZeRO optimizer state; ``groups`` are its parameters by name in group order,
+    ``shapes`` their local shapes. Tensors are views of ``optimizer``'s (memory-mapped) tensors."""
+    kind = optimizer_kind(optimizer)
+    inner = optimizer if kind == "torch" else optimizer.get("optimizer_state_dict")
+    try:
+        state = torch_state_by_name(inner, groups, path, shapes)
+    except (KeyError, TypeError, AttributeError):
+        raise ValueError(f"the optimizer state in {path} is not a torch or DeepSpeed fp16 optimizer state dict; "
+                         "it cannot be resharded.") from None
+    masters = None
+    if kind == "fp16_unfused":
+        masters = {name: tensor for group, tensors in zip(groups, optimizer["fp32_groups"])
+                   for name, tensor in zip(group, tensors)}
+    elif kind == "fp16_fused":
+        masters = {}
+        for group, flat in zip(groups, optimizer["fp32_groups_flat"]):
+            masters.update(split_flat(flat, group, shapes))
+    return state, masters
+
+
 class OptimizerResharder:
     """Reads a rank's DeepSpeed (non-ZeRO) optimizer state by parameter name and writes it back for
     the new layout; the kind (fp32 torch, fp16 unfused, fp16 fused) is recognised from its keys."""
@@ -198,31 +231,9 @@ class OptimizerResharder:
         self.new_groups = optimizer_groups(tensors.new)
         self.old_shapes = {name: p.shape for name, p in tensors.old.named_parameters()}
 
-    @staticmethod
-    def kind(optimizer: dict[str, Any]) -> str:
-        if "fp32_groups_flat" in optimizer:
-            return "fp16_fused"
-        if "fp32_groups" in optimizer:
-            return "fp16_unfused"
-        return "torch"
-
     def by_name(self, optimizer: dict[str, Any], path: Path) -> tuple[dict[str, dict[str, Any]], dict | None]:
         """(Adam state per parameter name, fp32 master per parameter name or None)."""
-        kind = self.kind(optimizer)
-        inner = optimizer if kind == "torch" else optimizer["optimizer_state_dict"]
-        try:
-            state = torch_state_by_name(inner, self.old_groups, path, self.old_shapes)
-        except (KeyError, TypeError):
-            raise ValueError(f"the optimizer state in {path} is not a torch or DeepSpeed fp16 optimizer state dict; "
-                             "it cannot be resharded.") from None
-        masters = None
-        if kind == "fp16_unfused":
-            masters = {name: tensor for group, tensors in zip(self.old_groups, optimizer["fp32_groups"])
-                       for name, tensor in zip(group, tensors)}
-        elif kind == "fp16_fused":
-            masters = {}
-            for group, flat in zip(self.old_groups, optimizer["fp32_groups_flat"]):
-                masters.update(split_flat(flat, group, self.old_shapes))
+        state, masters = optimizer_state_by_name(optimizer, self.old_groups, self.old_shapes, path)
         for name, entry in state.items():
             for key, value in entry.items():
                 if _is_piece(value) and not self.tensors.is_parameter_shaped(name, value):
@@ -233,7 +244,7 @@ class OptimizerResharder:
 
     def reshard(self, optimizers: list[dict[str, Any]], paths: list[Path], new_rank: int) -> dict[str, Any]:
         """Rank ``new_rank``'s optimizer state at the new tp from every old rank's."""
-        kind = self.kind(optimizers[0])
+        kind = optimizer_kind(optimizers[0])
         read = [self.by_name(optimizer, path) for optimizer, path in zip(optimizers, paths)]
         state = {name: self.tensors.reshard_entries(name, [r[0][name] for r in read], new_rank)
                  for group in self.new_groups for name in group}

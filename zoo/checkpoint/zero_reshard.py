@@ -137,38 +137,77 @@ def group_layout(param_shapes: list[dict[str, torch.Size]]) -> list[list[tuple[s
     return [[(name, torch.Size(shape)) for name, shape in group.items()] for group in param_shapes]
 
 
-# --------------------------------------------------------------------------- merging one TP rank's dp partitions
+# --------------------------------------------------------------------------- reading one rank's dp partitions
+class PartitionedState:
+    """One model-parallel rank's optimizer state in its dp partition files, read per parameter.
+
+    ``groups`` are the rank's optimizer groups as (parameter name, local shape) in partition order. Group g
+    is the concatenation of its parameters, padded to ``dp x size`` and cut into dp equal slices, so a
+    parameter at [offset, offset + numel) of the group lies in the partitions ``offset // size`` to
+    ``(offset + numel - 1) // size``: :meth:`tensor` opens only those files (lazily, memory-mapped, each
+    once) and copies only the parameter's elements; the whole group is never assembled. The layout is
+    checked against DeepSpeed's (:func:`partition_bounds`) from the first partition's sizes and paddings."""
+
+    def __init__(self, paths: list[Path], groups: list[list[tuple[str, torch.Size]]]):
+        self.paths, self.groups = paths, groups
+        self._partitions: dict[int, dict[str, Any]] = {}
+        self.where: dict[str, tuple[int, int, torch.Size]] = {}
+        for g, group in enumerate(groups):
+            offset = 0
+            for name, shape in group:
+                self.where[name] = (g, offset, shape)
+                offset += shape.numel()
+
+    def partition(self, dp_rank: int) -> dict[str, Any]:
+        if dp_rank not in self._partitions:
+            self._partitions[dp_rank] = read_partition(self.paths[dp_rank])[OPTIMIZER]
+        return self._partitions[dp_rank]
+
+    def base_state(self, dp_rank: int, g: int) -> dict[str, Any]:
+        optimizer = self.partition(dp_rank)
+        return optimizer[BASE]["state"][optimizer[BASE]["param_groups"][g]["params"][0]]
+
+    def partition_size(self, g: int) -> int:
+        """Elements per dp partition of group ``g``, checked against the group's parameters."""
+        size = self.base_state(0, g)["exp_avg"].numel()
+        total = sum(shape.numel() for _, shape in self.groups[g])
+        expected, paddings = partition_bounds(total, len(self.paths))
+        if size != expected or self.partition(0)[PADDINGS][g] != paddings[0]:
+            raise ValueError(f"the optimizer partitions {self.paths[0].name}... hold {size * len(self.paths)} "
+                             f"elements of group {g} but its parameters have {total}; the files are not one "
+                             "checkpoint, re-save it.")
+        return size
+
+    def tensor(self, name: str, key: str) -> torch.Tensor:
+        """Parameter ``name``'s fp32 ``key`` ("master", "exp_avg" or "exp_avg_sq"), shaped like the parameter."""
+        g, offset, shape = self.where[name]
+        size = self.partition_size(g)
+        lo, hi = offset, offset + shape.numel()
+        pieces = []
+        for dp_rank in range(lo // size, (hi - 1) // size + 1):
+            flat = (self.partition(dp_rank)[FP32][g] if key == "master" else self.base_state(dp_rank, g)[key])
+            start = max(lo, dp_rank * size) - dp_rank * size
+            stop = min(hi, (dp_rank + 1) * size) - dp_rank * size
+            pieces.append(flat.reshape(-1).narrow(0, start, stop - start))
+        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(shape)
+
+    def scalars(self, g: int) -> dict[str, Any]:
+        """Group ``g``'s non-tensor-shaped Adam state (its step), from the first partition."""
+        return {key: value for key, value in self.base_state(0, g).items() if key not in MOMENTS}
+
+    def step(self, name: str) -> Any:
+        return self.scalars(self.where[name][0]).get("step")
+
+
 def merged_tp_rank(partitions: list[dict[str, Any]], groups: list[list[tuple[str, torch.Size]]],
                    paths: list[Path]) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
     """({state: {parameter name: tensor}} for 'master', 'exp_avg', 'exp_avg_sq'; each group's scalars,
-    such as Adam's step) of one TP rank, from its dp partitions."""
-    by_state: dict[str, dict[str, torch.Tensor]] = {"master": {}, **{key: {} for key in MOMENTS}}
-    scalars: list[dict[str, Any]] = []
-    for g, group in enumerate(groups):
-        scalars.append({})
-        total = sum(shape.numel() for _, shape in group)
-        flats: dict[str, list[torch.Tensor]] = {key: [] for key in by_state}
-        for partition in partitions:
-            optimizer = partition[OPTIMIZER]
-            state = optimizer[BASE]["state"][optimizer[BASE]["param_groups"][g]["params"][0]]
-            padded = state["exp_avg"].numel()
-            keep = padded - optimizer[PADDINGS][g]
-            flats["master"].append(optimizer[FP32][g].reshape(-1).narrow(0, 0, keep))
-            for key in MOMENTS:
-                flats[key].append(state[key].reshape(-1).narrow(0, 0, keep))
-            for key, value in state.items():
-                if key not in MOMENTS:
-                    scalars[g].setdefault(key, value)
-        for key, pieces in flats.items():
-            flat = torch.cat(pieces)
-            if flat.numel() != total:
-                raise ValueError(f"the optimizer partitions {paths[0].name}... hold {flat.numel()} elements of group "
-                                 f"{g} but its parameters have {total}; the files are not one checkpoint, re-save it.")
-            offset = 0
-            for name, shape in group:
-                by_state[key][name] = flat.narrow(0, offset, shape.numel()).view(shape)
-                offset += shape.numel()
-    return by_state, scalars
+    such as Adam's step) of one TP rank, from its dp partitions (already read: ``partitions``)."""
+    state = PartitionedState(paths, groups)
+    state._partitions = {d: partition[OPTIMIZER] for d, partition in enumerate(partitions)}
+    by_state = {key: {name: state.tensor(name, key) for group in groups for name, _ in group}
+                for key in ("master",) + MOMENTS}
+    return by_state, [state.scalars(g) for g in range(len(groups))]
 
 
 # --------------------------------------------------------------------------- partitioning for the new dp

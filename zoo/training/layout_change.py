@@ -1,34 +1,44 @@
 """Resuming a GPT-2 checkpoint at another (tp, pp) layout where either side has pipeline stages: P -> 1,
-1 -> P, P -> P' and any tp change with them (a one-stage checkpoint at another tp goes through the file
-resharder, :mod:`zoo.checkpoint.reshard`).
+1 -> P, P -> P' and any tp (and, for ZeRO/BF16 runs, dp) change with them (a one-stage checkpoint at another
+tp goes through the file resharder, :mod:`zoo.checkpoint.reshard`).
 
-Every parameter is named by its ``GPT2LMHeadModel`` name on both sides (a stage module through
-:func:`zoo.models.gpt2_pipeline.hf_names`), and its split by its layer's partition spec, so the move is:
-for each parameter this rank holds, merge the checkpoint's TP shards of that name (from the stage that
-held it), re-pad the vocabulary for this tp and keep this rank's slice; the same for the Adam moments
-(``exp_avg``, ``exp_avg_sq``, shaped like the parameter), and the step count. The LR schedule, DeepSpeed's
-step counters and zoo's client state come from the checkpoint's first rank. Each rank reads only the
-files that hold the names it holds (:class:`SourceCheckpoint`), memory-mapped.
+The checkpoint is read in its layout-free form (:class:`zoo.checkpoint.training_state.CheckpointTrainingState`:
+per ``GPT2LMHeadModel`` name the fp32 master, Adam's ``exp_avg`` and ``exp_avg_sq``, the step), whatever
+precision and optimizer wrote it: fp32, fp16 (FP16_Optimizer, FP16_UnfusedOptimizer), bf16 (BF16_Optimizer,
+with ZeRO-1 or without) and ZeRO-1/2. For each parameter this rank holds, the checkpoint's TP shards of that
+name are merged, the vocabulary re-padded for this tp and this rank's slice kept (its partition spec says
+how), and the slice goes where the run's optimizer keeps it (:func:`optimizer_target`): the weight and the
+torch optimizer's state (fp32), the fp32 copies and flat Adam buffers of the fp16 optimizers, or through
+DeepSpeed's hp-fragment mapping (``safe_set_full_fp32_param``/``safe_set_full_optimizer_state``) into this dp
+rank's partition of a ZeRO or BF16 optimizer. The low-precision weight is the master rounded, as DeepSpeed's
+step leaves it. The LR schedule, DeepSpeed's step counters, the loss scaler (fp16 to fp16) and zoo's client
+state come from the checkpoint's first rank.
 
-It supports what the optimizer files of an fp32 run without ZeRO hold (the torch optimizer's state per
-parameter in ``mp_rank_XX_model_states.pt``); other checkpoints are refused in one sentence.
+Each rank reads only the files of the names it holds, memory-mapped, and holds its share plus the one merged
+tensor it is slicing. A change of precision is refused in one sentence (:func:`check_precision`).
 """
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zoo.checkpoint.files import model_states_path, read_model_states
 from zoo.checkpoint.safe_load import check_tag_files
+from zoo.checkpoint.training_state import (
+    LOSS_SCALER_KEYS,
+    MOMENTS,
+    CheckpointTrainingState,
+    one_stage_names,
+    param_names_by_group,
+)
 from zoo.distributed import raise_on_any_rank
 from zoo.parallel.partition import partition_specs
 
-__all__ = ["needs_layout_change", "load_at_new_layout", "param_names_by_group", "one_stage_names"]
-
-MOMENTS = ("exp_avg", "exp_avg_sq")
+__all__ = ["needs_layout_change", "load_at_new_layout", "param_names_by_group", "one_stage_names",
+           "engine_precision", "check_precision"]
 
 
 def needs_layout_change(source: tuple[int, int], ps) -> bool:
@@ -36,161 +46,211 @@ def needs_layout_change(source: tuple[int, int], ps) -> bool:
     return source != (ps.tp_size, ps.pp_size) and (source[1] > 1 or ps.pp_size > 1)
 
 
-def one_stage_names(module) -> dict[str, str]:
-    """Each parameter of the run's module -> its ``GPT2LMHeadModel`` name (a stage's mapping, or the identity)."""
-    from zoo.models.gpt2_pipeline import hf_names
-
-    if hasattr(module, "zoo_config"):
-        return hf_names(module)
-    return {name: name for name, _ in module.named_parameters()}
+def engine_precision(engine) -> str:
+    return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
 
 
-def param_names_by_group(module) -> list[list[str]]:
-    """The optimizer's parameters as ``GPT2LMHeadModel`` names, in its group order
-    (:func:`zoo.models.families.param_groups`: matrices, then biases and norms)."""
-    from zoo.models.families import param_groups
-
-    names = one_stage_names(module)
-    by_id = {id(p): names[n] for n, p in module.named_parameters()}
-    return [[by_id[id(p)] for p in group["params"]] for group in param_groups(module, 0.0)]
-
-
-def entry_of(name: str, n_layer: int) -> int:
-    """The index, in the pipeline's layer sequence (:mod:`zoo.models.gpt2_pipeline`: wte, wpe, the layers,
-    ln_f, the tied head), of the entry that holds ``GPT2LMHeadModel`` parameter ``name``."""
-    parts = name.split(".")
-    if parts[:2] == ["transformer", "h"]:
-        return int(parts[2]) + 2
-    fixed = {"wte": 0, "wpe": 1, "ln_f": n_layer + 2}
-    if parts[0] == "transformer" and parts[1] in fixed:
-        return fixed[parts[1]]
-    raise ValueError(f"{name} is not a parameter of zoo's GPT-2 pipeline stages; only GPT-2 checkpoints move to "
-                     "another pipeline layout.")
-
-
-def stage_of_entry(entry: int, parts: list[int]) -> int:
-    """The source stage that held layer-sequence ``entry``, from DeepSpeed's stage bounds ``parts``."""
-    return next(stage for stage in range(len(parts) - 1) if parts[stage] <= entry < parts[stage + 1])
-
-
-def recorded_parts(first: dict[str, Any], pp: int) -> list[int] | None:
-    """The source's stage bounds as its checkpoint recorded them (``pipeline_parts``), or None when it did not
-    (an older zoo): then every stage's file is read."""
-    parts = first.get("pipeline_parts")
-    if isinstance(parts, list) and len(parts) == pp + 1 and all(isinstance(p, int) for p in parts):
-        return parts
-    return None
-
-
-class SourceCheckpoint:
-    """The tensors a rank needs of a (tp, pp) checkpoint, by ``GPT2LMHeadModel`` name: weights and Adam
-    moments per TP rank of the names in ``wanted`` (this rank's parameters at the new layout), read from the
-    first stage that holds the name.
-
-    A rank reads the first rank's file (its client state) and, for each of the source's TP ranks, only the
-    files that hold a wanted name: with stages, the layer files of the entries those names live in and the
-    model-states files of the stages that held them (from the recorded stage bounds, ``pipeline_parts``);
-    without stages, each TP rank's model-states file. In a 4-rank tp2 x pp2 -> tp1 x pp4 move of 4 layers that
-    is 4 to 9 of the tag's 18 files a rank, where every rank read all of them (tests/test_pipeline_training.py;
-    docs/design-notes.md states the 20B config's figures)."""
-
-    def __init__(self, tag_dir: Path, tp: int, pp: int, wanted: set[str]):
-        from zoo.checkpoint.pipeline_files import pipeline_module_states
-
-        self.tag_dir, self.tp, self.pp = tag_dir, tp, pp
-        self.first = read_model_states(model_states_path(tag_dir, 0))
-        n_layer = self.first["model_config"]["n_layer"]
-        self.weights: list[dict[str, torch.Tensor]] = [{} for _ in range(tp)]
-        self.moments: list[dict[str, dict[str, torch.Tensor]]] = [{} for _ in range(tp)]
-        self.step: Any = None
-        entries = sorted({entry_of(name, n_layer) for name in wanted}) if pp > 1 else []
-        if pp > 1:
-            self.weights = [pipeline_module_states(tag_dir, tp_rank, n_layer, entries) for tp_rank in range(tp)]
-        parts = recorded_parts(self.first, pp)
-        stages = range(pp) if parts is None else sorted({stage_of_entry(entry, parts) for entry in entries} or {0})
-        for stage in stages:
-            for tp_rank in range(tp):
-                path = model_states_path(tag_dir, stage * tp + tp_rank)
-                states = self.first if stage * tp + tp_rank == 0 else read_model_states(path)
-                if pp == 1:
-                    self.weights[tp_rank] = states["module"]
-                self.add_moments(states, tp_rank, path)
-
-    def add_moments(self, states: dict[str, Any], tp_rank: int, path: Path) -> None:
-        optimizer = states.get("optimizer")
-        names = states.get("param_names")
-        if names is None and self.pp == 1:
-            names = one_stage_param_names(states["model_config"], self.tp)
-        if not (isinstance(optimizer, dict) and "state" in optimizer and isinstance(names, list)):
-            raise ValueError(f"{path} holds no per-parameter optimizer state that zoo can move to another layout "
-                             "(it moves fp32 checkpoints without ZeRO); resume it at the tp and pp it was written "
-                             "with, or export it (launch/export.py) and start the new layout with --pretrained.")
-        indices = [index for group in optimizer["param_groups"] for index in group["params"]]
-        flat_names = [name for group in names for name in group]
-        for index, name in zip(indices, flat_names):
-            state = optimizer["state"].get(index)
-            if state is None or name in self.moments[tp_rank]:
-                continue
-            self.moments[tp_rank][name] = {key: state[key] for key in MOMENTS}
-            self.step = state["step"]
-
-    def master(self, name: str, spec, key: str | None = None) -> torch.Tensor:
-        """The merged (padded for the source tp) tensor of ``name``: the weight, or Adam moment ``key``."""
-        shards = [self.weights[r][name] if key is None else self.moments[r][name][key] for r in range(self.tp)]
-        return spec.merge(shards)
-
-
-def one_stage_param_names(model_config: dict[str, Any], tp: int) -> list[list[str]]:
-    """The optimizer's parameter names of a one-stage GPT-2 checkpoint that did not record them (its model
-    built on the meta device)."""
-    from zoo.checkpoint.layout import checked_layout_model, config_from_dict
-
-    path = Path("<checkpoint>")
-    layout = checked_layout_model(config_from_dict(model_config, path), tp, path)
-    return param_names_by_group(layout)
+def check_precision(source: str, target: str, where: str) -> None:
+    """The run trains in the precision the checkpoint was written in: masters and moments would carry over,
+    but fp16's loss scaler has no counterpart in bf16/fp32 (it would be dropped) and a run turning fp16 on
+    would restart its scale from the config's initial power, so a change is the user's explicit choice
+    (export and --pretrained), never a side effect of a resume."""
+    if source == target:
+        return
+    scaler = ("its fp16 loss scaler would be dropped" if source == "fp16" else
+              "the fp16 loss scaler would restart at the config's initial scale" if target == "fp16" else
+              "the optimizer's master weights would change type")
+    raise ValueError(f"{where} was written in {source} and this layout trains in {target}: {scaler}; keep "
+                     f"{source} in the ds_config, or export the checkpoint (launch/export.py) and start the "
+                     f"{target} run with --pretrained.")
 
 
 def local_slice(master: torch.Tensor, spec, param: torch.Tensor, ps) -> torch.Tensor:
-    """This rank's slice of a merged tensor shaped like ``param``, the vocabulary re-padded for this tp."""
+    """This rank's fp32 slice of a merged tensor shaped like ``param``, the vocabulary re-padded for this tp."""
     if spec.vocab_rows is not None:
         master = spec.repad(master, param.shape[0] * ps.tp_size)
-    return spec.shard(master, ps.tp_rank, ps.tp_size).to(param.device, param.dtype)
+    return spec.shard(master, ps.tp_rank, ps.tp_size).to(param.device, torch.float32)
 
 
+# --------------------------------------------------------------------------- where the run keeps its state
+def _like(value: Any, step: Any) -> Any:
+    """``step`` in the type the optimizer keeps its step in (torch's AdamW: a float tensor; FusedAdam: int)."""
+    number = float(step.item()) if torch.is_tensor(step) else float(step)
+    if torch.is_tensor(value):
+        return torch.tensor(number, dtype=value.dtype, device=value.device)
+    return int(number)
+
+
+def fresh_step(inner, step: Any) -> Any:
+    """``step`` as a new state entry of ``inner``: a float32 tensor for torch's optimizers, else a number."""
+    scalar = torch.tensor(0.0) if isinstance(inner, torch.optim.Optimizer) and "torch.optim" in type(inner).__module__ \
+        else 0
+    return _like(scalar, step)
+
+
+def set_steps(inner, step: Any) -> None:
+    """Every step counter of torch optimizer ``inner`` (in its state entries and groups) set to ``step``."""
+    for group in inner.param_groups:
+        if "step" in group:
+            group["step"] = _like(group["step"], step)
+        for param in group["params"]:
+            state = inner.state.get(param)
+            if state is not None and "step" in state:
+                state["step"] = _like(state["step"], step)
+
+
+class TorchTarget:
+    """fp32 without ZeRO: the weight is the master; Adam's state is the torch optimizer's, per parameter."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.inner = optimizer, optimizer
+
+    def put(self, param, master: torch.Tensor, moments: dict[str, torch.Tensor], step: Any) -> None:
+        param.copy_(master)
+        state = self.optimizer.state[param]
+        for key, value in moments.items():
+            state[key] = value.clone()
+        state["step"] = step.clone() if torch.is_tensor(step) else step
+
+
+class UnfusedFp16Target:
+    """FP16_UnfusedOptimizer: an fp32 copy per fp16 parameter, the torch optimizer's state keyed by the copy."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.inner = optimizer, optimizer.optimizer
+        self.fp32_of = {id(low): high for lows, highs in zip(optimizer.fp16_groups, optimizer.fp32_groups)
+                        for low, high in zip(lows, highs)}
+
+    def put(self, param, master, moments, step) -> None:
+        high = self.fp32_of[id(param)]
+        high.data.copy_(master)
+        param.copy_(master)
+        state = self.inner.state[high]
+        for key, value in moments.items():
+            state[key] = value.clone()
+        state["step"] = _like(state.get("step", step), step)
+
+
+class FusedFp16Target:
+    """FP16_Optimizer: one flat fp32 master and one flat Adam state per group, in the group's parameter order."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.inner = optimizer, optimizer.optimizer
+        self.where = {}
+        for g, group in enumerate(optimizer.fp16_groups):
+            offset = 0
+            for param in group:
+                self.where[id(param)] = (g, offset)
+                offset += param.numel()
+
+    def put(self, param, master, moments, step) -> None:
+        g, offset = self.where[id(param)]
+        flat = self.optimizer.fp32_groups_flat[g]
+        flat.data.narrow(0, offset, param.numel()).copy_(master.reshape(-1))
+        param.copy_(master)
+        state = self.inner.state[flat]
+        for key, value in moments.items():
+            state[key].narrow(0, offset, param.numel()).copy_(value.reshape(-1))
+
+
+class PartitionedTarget:
+    """ZeRO-1/2 and BF16_Optimizer: this dp rank's fragment of each parameter's fp32 master and moments.
+
+    DeepSpeed maps each parameter to its fragment of the rank's flat fp32 partition (``_hp_mapping``: where the
+    fragment starts in the parameter and in the partition; None outside this rank's partition); the partition
+    is the one parameter of the wrapped optimizer's group, and Adam's state of it is flat alike. The master
+    goes in through DeepSpeed's ``safe_set_full_fp32_param``; the moments are copied at the same addresses
+    (DeepSpeed links its own moment views only at the first step)."""
+
+    def __init__(self, optimizer):
+        self.optimizer, self.inner = optimizer, optimizer.optimizer
+
+    def put(self, param, master, moments, step) -> None:
+        from deepspeed.utils import safe_set_full_fp32_param
+
+        param.copy_(master)
+        safe_set_full_fp32_param(param, master)
+        mapping = param._hp_mapping
+        if mapping is None:
+            return
+        hp, lp = mapping.get_hp_fragment_address(), mapping.lp_fragment_address
+        (partition,) = self.inner.param_groups[mapping.param_group_index]["params"]
+        state = self.inner.state[partition]
+        if not state:   # Adam builds its state at the first step: build it as Adam would
+            state.update({key: torch.zeros_like(partition) for key in moments})
+            state["step"] = fresh_step(self.inner, step)
+        for key, value in moments.items():
+            state[key].narrow(0, hp.start, hp.numel).copy_(value.reshape(-1).narrow(0, lp.start, lp.numel))
+
+
+def optimizer_target(engine):
+    """Where ``engine``'s optimizer keeps the fp32 master and Adam's state of a parameter."""
+    optimizer = engine.optimizer
+    if engine.zero_optimization_stage() >= 3:
+        raise ValueError("this run uses ZeRO stage 3, whose partitioned parameters zoo does not fill from a "
+                         "checkpoint of another layout; resume with zero_optimization stage 0, 1 or 2.")
+    if any(hasattr(param, "_hp_mapping") for param in engine.module.parameters()):
+        return PartitionedTarget(optimizer)
+    if hasattr(optimizer, "fp32_groups_flat") and hasattr(optimizer, "fp16_groups"):
+        return FusedFp16Target(optimizer)
+    if hasattr(optimizer, "fp32_groups") and hasattr(optimizer, "fp16_groups"):
+        return UnfusedFp16Target(optimizer)
+    return TorchTarget(optimizer)
+
+
+def set_loss_scaler(optimizer, saved: dict[str, Any] | None) -> None:
+    """The fp16 optimizer's dynamic loss scaler as the checkpoint left it (scale, iteration, last overflow)."""
+    config = getattr(optimizer, "loss_scale_config", None)
+    if not saved or config is None:
+        return
+    for key in LOSS_SCALER_KEYS:
+        if key in saved:
+            setattr(config, key, saved[key])
+
+
+# --------------------------------------------------------------------------- the move
 @torch.no_grad()
 def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load: str) -> dict[str, Any]:
     """Fill the engine's module and optimizer state from a checkpoint written at (tp, pp) ``source``; returns its
-    client state (marked ``resharded_from``). Collective: every rank reads the files of its own names; a
-    failure anywhere is raised on every rank."""
+    client state (marked ``resharded_from``: the source layout and precision, the seconds the move took and the
+    peak bytes this rank held for it). Collective: every rank reads the files of its own names; a failure
+    anywhere is raised on every rank."""
+    started = time.perf_counter()
     raise_on_any_rank(lambda: check_tag_files(tag_dir, ps.rank, ps.world_size))
-    if engine.zero_optimization() or engine.fp16_enabled() or engine.bfloat16_enabled():
-        raise ValueError(f"--load {load} was written at tp={source[0]} x pp={source[1]}, and zoo moves checkpoints "
-                         "to another pipeline layout for fp32 runs without ZeRO only; resume it at its own layout, "
-                         "or export it (launch/export.py) and start the new layout with --pretrained.")
     names = one_stage_names(engine.module)
-    source_files = raise_on_any_rank(lambda: SourceCheckpoint(tag_dir, *source, wanted=set(names.values())))
+    state = raise_on_any_rank(lambda: CheckpointTrainingState(tag_dir, *source, wanted=set(names.values())))
+    raise_on_any_rank(lambda: check_precision(state.precision, engine_precision(engine), f"--load {load}"))
+    target = raise_on_any_rank(lambda: optimizer_target(engine))
+    peak = [0]
 
     def fill() -> None:
-        module, optimizer = engine.module, engine.optimizer
-        specs = partition_specs(module)
-        for local_name, param in module.named_parameters():
+        specs = partition_specs(engine.module)
+        for local_name, param in engine.module.named_parameters():
             name, spec = names[local_name], specs[local_name]
-            param.copy_(local_slice(source_files.master(name, spec), spec, param, ps))
-            state = optimizer.state[param]
-            for key in MOMENTS:
-                state[key] = local_slice(source_files.master(name, spec, key), spec, param, ps).clone()
-            state["step"] = source_files.step.clone() if torch.is_tensor(source_files.step) else source_files.step
+            pieces = {}
+            for key in ("master",) + MOMENTS:   # one merged tensor at a time, then this rank's slice of it
+                merged = state.master(name, spec, key)
+                pieces[key] = local_slice(merged, spec, param, ps)
+                peak[0] = max(peak[0], merged.nbytes + sum(piece.nbytes for piece in pieces.values()))
+                del merged
+            master = pieces.pop("master")
+            target.put(param, master, pieces, state.step(name))
+        set_steps(target.inner, state.step(next(iter(names.values()))))
 
     raise_on_any_rank(fill)
-    first = source_files.first
+    first = state.first
     # The schedule-driven values of each group (the lr; betas under a cycle schedule) are the checkpoint's:
     # the scheduler sets them only at its next step, after this iteration's update.
-    for group, saved in zip(engine.optimizer.param_groups, first["optimizer"]["param_groups"]):
+    for group, saved in zip(target.inner.param_groups, state.optimizer_groups()):
         group.update({key: saved[key] for key in ("lr", "betas") if key in saved})
+    set_loss_scaler(engine.optimizer, state.loss_scaler())
     if engine.lr_scheduler is not None and first.get("lr_scheduler") is not None:
         engine.lr_scheduler.load_state_dict(first["lr_scheduler"])
     engine.global_steps, engine.global_samples = first["global_steps"], first["global_samples"]
     engine.skipped_steps = first.get("skipped_steps", 0)
     client = {key: value for key, value in first.items() if key not in ("module", "optimizer")}
-    client["resharded_from"] = {"tensor_parallel_size": source[0], "pipeline_model_parallel_size": source[1]}
+    client["resharded_from"] = {"tensor_parallel_size": source[0], "pipeline_model_parallel_size": source[1],
+                                "data_parallel_size": state.dp_size, "precision": state.precision,
+                                "layout": state.describe(), "seconds": time.perf_counter() - started,
+                                "peak_bytes": peak[0]}
     return client

@@ -1,0 +1,256 @@
+"""The training state of a zoo checkpoint by global parameter name, whatever layout and precision wrote it.
+
+Every checkpoint zoo writes holds, for each parameter of ``GPT2LMHeadModel`` (named as
+:func:`zoo.parallel.partition.partition_specs` and the recorded ``param_names`` name it) and each of the
+source's TP ranks: an fp32 master, Adam's ``exp_avg`` and ``exp_avg_sq`` shaped like the rank's shard, and
+Adam's step. Where DeepSpeed keeps them depends on the precision and the optimizer, and this module reads
+each of those layouts as that one form:
+
+* fp32 without ZeRO: the torch optimizer's state per parameter in ``mp_rank_XX_model_states.pt``; the master
+  is the weight itself (the module, or with pipeline stages the ``layer_XX-model_YY`` file of its entry);
+* fp16 without ZeRO: FP16_UnfusedOptimizer (``fp32_groups``, per-parameter masters) or FP16_Optimizer
+  (``fp32_groups_flat``, one flat master and one flat Adam state per group), in the same file
+  (:func:`zoo.checkpoint.reshard.optimizer_state_by_name`);
+* ZeRO-1/2 and DeepSpeed's BF16_Optimizer (bf16, with or without ZeRO-1): the masters and moments in
+  ``[bf16_]zero_pp_rank_D_mp_rank_XX_optim_states.pt``, each group flat and cut into dp slices
+  (:class:`zoo.checkpoint.zero_reshard.PartitionedState`).
+
+A model-parallel rank XX is stage ``XX // tp`` and TP rank ``XX % tp``. Besides the per-parameter state the
+checkpoint carries the loss scaler (fp16), the LR schedule, DeepSpeed's counters and zoo's client state,
+all read from the first rank's file. Nothing is read before it is asked for: the files are memory-mapped,
+and a reader built for the names one rank holds opens only the files that hold them (with stages: the
+stages that held those names, from the recorded ``pipeline_parts``), so a rank holds its own share and
+the tensor it is working on.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from zoo.checkpoint.files import model_states_path, read_model_states
+from zoo.checkpoint.reshard import optimizer_state_by_name
+from zoo.checkpoint.zero_reshard import PartitionedState, partition_files
+
+__all__ = ["CheckpointTrainingState", "LOSS_SCALER_KEYS", "MOMENTS", "one_stage_names", "param_names_by_group",
+           "precision_of", "entry_of", "stage_of_entry", "recorded_parts"]
+
+MOMENTS = ("exp_avg", "exp_avg_sq")
+# The dynamic loss scaler of DeepSpeed's fp16 optimizers as their state dicts hold it.
+LOSS_SCALER_KEYS = ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor",
+                    "scale_window")
+
+
+# --------------------------------------------------------------------------- names
+def one_stage_names(module) -> dict[str, str]:
+    """Each parameter of a run's module -> its ``GPT2LMHeadModel`` name (a stage's mapping, or the identity)."""
+    from zoo.models.gpt2_pipeline import hf_names
+
+    if hasattr(module, "zoo_config"):
+        return hf_names(module)
+    return {name: name for name, _ in module.named_parameters()}
+
+
+def param_names_by_group(module) -> list[list[str]]:
+    """The optimizer's parameters as ``GPT2LMHeadModel`` names, in its group order
+    (:func:`zoo.models.families.param_groups`: matrices, then biases and norms)."""
+    from zoo.models.families import param_groups
+
+    names = one_stage_names(module)
+    by_id = {id(p): names[n] for n, p in module.named_parameters()}
+    return [[by_id[id(p)] for p in group["params"]] for group in param_groups(module, 0.0)]
+
+
+def one_stage_param_names(model_config: dict[str, Any], tp: int) -> list[list[str]]:
+    """The optimizer's parameter names of a one-stage checkpoint that did not record them (its model built on
+    the meta device)."""
+    from zoo.checkpoint.layout import checked_layout_model, config_from_dict
+
+    path = Path("<checkpoint>")
+    return param_names_by_group(checked_layout_model(config_from_dict(model_config, path), tp, path))
+
+
+def local_shapes(model_config: dict[str, Any], tp: int, path: Path) -> dict[str, torch.Size]:
+    """Every parameter's shape on one TP rank of tp = ``tp``, by ``GPT2LMHeadModel`` name (meta device)."""
+    from zoo.checkpoint.layout import checked_layout_model, config_from_dict
+
+    layout = checked_layout_model(config_from_dict(model_config, path), tp, path)
+    return {name: param.shape for name, param in layout.named_parameters()}
+
+
+def entry_of(name: str, n_layer: int) -> int:
+    """The index, in the pipeline's layer sequence (:mod:`zoo.models.gpt2_pipeline`: wte, wpe, the layers,
+    ln_f, the tied head), of the entry that holds ``GPT2LMHeadModel`` parameter ``name``."""
+    parts = name.split(".")
+    if parts[:2] == ["transformer", "h"]:
+        return int(parts[2]) + 2
+    fixed = {"wte": 0, "wpe": 1, "ln_f": n_layer + 2}
+    if parts[0] == "transformer" and parts[1] in fixed:
+        return fixed[parts[1]]
+    raise ValueError(f"{name} is not a parameter of zoo's GPT-2 pipeline stages; only GPT-2 checkpoints move to "
+                     "another pipeline layout.")
+
+
+def stage_of_entry(entry: int, parts: list[int]) -> int:
+    """The source stage that held layer-sequence ``entry``, from DeepSpeed's stage bounds ``parts``."""
+    return next(stage for stage in range(len(parts) - 1) if parts[stage] <= entry < parts[stage + 1])
+
+
+def recorded_parts(first: dict[str, Any], pp: int) -> list[int] | None:
+    """The source's stage bounds as its checkpoint recorded them (``pipeline_parts``), or None when it did not
+    (an older zoo): then every stage's file is read."""
+    parts = first.get("pipeline_parts")
+    if isinstance(parts, list) and len(parts) == pp + 1 and all(isinstance(p, int) for p in parts):
+        return parts
+    return None
+
+
+# --------------------------------------------------------------------------- precision and ZeRO stage
+def precision_of(ds_config: Any) -> str:
+    """"bf16", "fp16" or "fp32": what a DeepSpeed config (as a checkpoint records it) trains in."""
+    config = ds_config if isinstance(ds_config, dict) else {}
+    for precision in ("bf16", "fp16"):
+        block = config.get(precision)
+        if isinstance(block, dict) and block.get("enabled"):
+            return precision
+    return "fp32"
+
+
+def zero_stage_of(ds_config: Any) -> int:
+    config = ds_config if isinstance(ds_config, dict) else {}
+    zero = config.get("zero_optimization")
+    return int(zero.get("stage", 0)) if isinstance(zero, dict) else 0
+
+
+# --------------------------------------------------------------------------- one source rank
+class ModelStatesOptimizer:
+    """A non-ZeRO rank's optimizer state (fp32 torch, FP16_UnfusedOptimizer, FP16_Optimizer) by name; the fp32
+    master is the optimizer's, or for fp32 runs the weight (``weights``, looked up only then)."""
+
+    def __init__(self, states: dict[str, Any], groups: list[list[str]], shapes: dict[str, torch.Size], path: Path,
+                 weights):
+        optimizer = states.get("optimizer")
+        if not isinstance(optimizer, dict):
+            raise ValueError(f"{path} holds no optimizer state; resume it at the tp and pp it was written with, or "
+                             "export it (launch/export.py) and start the new layout with --pretrained.")
+        self.state, self.masters = optimizer_state_by_name(optimizer, groups, shapes, path)
+        self.weights, self.path = weights, path
+        inner = optimizer.get("optimizer_state_dict", optimizer)
+        self.group_of = {name: g for g, group in enumerate(groups) for name in group}
+        self.group_steps = [group.get("step") for group in inner.get("param_groups", [])]
+
+    def tensor(self, name: str, key: str) -> torch.Tensor:
+        if key != "master":
+            return self.state[name][key]
+        return self.masters[name] if self.masters is not None else self.weights()[name]
+
+    def step(self, name: str) -> Any:
+        step = self.state[name].get("step")
+        return step if step is not None else self.group_steps[self.group_of[name]]
+
+
+# --------------------------------------------------------------------------- the whole tag
+class CheckpointTrainingState:
+    """The layout-free training state of the checkpoint in ``tag_dir``, written at (``tp``, ``pp``), for the
+    ``GPT2LMHeadModel`` names in ``wanted``: :meth:`master` merges a name's TP shards of its fp32 master or of
+    an Adam moment; :meth:`step`, :attr:`first` (the first rank's states: client state, LR schedule,
+    counters), :meth:`loss_scaler` and :attr:`precision` give the rest.
+
+    A reader opens the first rank's model-states file and, for each source TP rank, only the files that hold
+    a wanted name: with stages, the model-states (and partition) files of the stages that held them (from the
+    recorded stage bounds, ``pipeline_parts``) and, for fp32 runs without ZeRO (whose masters are the
+    weights), the layer files of their entries; without stages, each TP rank's files. In a 4-rank tp2 x pp2 ->
+    tp1 x pp4 move of 4 layers that is 4 to 9 of the tag's 18 files a rank (tests/test_pipeline_training.py;
+    docs/design-notes.md states the 20B config's figures)."""
+
+    def __init__(self, tag_dir: Path, tp: int, pp: int, wanted: set[str]):
+        self.tag_dir, self.tp, self.pp = Path(tag_dir), tp, pp
+        first_path = model_states_path(self.tag_dir, 0)
+        self.first = read_model_states(first_path)
+        ds_config = self.first.get("ds_config")
+        self.precision = precision_of(ds_config)
+        self.zero_stage = zero_stage_of(ds_config)
+        if self.zero_stage >= 3:
+            raise ValueError(f"{first_path} was written with ZeRO stage 3, whose partitioned parameters zoo does "
+                             "not move to another layout; resume it at its own layout, or export it "
+                             "(launch/export.py) and start the new layout with --pretrained.")
+        model_config = self.first["model_config"]
+        n_layer = model_config["n_layer"]
+        shapes = local_shapes(model_config, tp, first_path)
+        self.partitions = partition_files(self.tag_dir)
+        entries = sorted({entry_of(name, n_layer) for name in wanted}) if pp > 1 else []
+        parts = recorded_parts(self.first, pp)
+        stages = [0] if pp == 1 else (
+            range(pp) if parts is None else sorted({stage_of_entry(entry, parts) for entry in entries} or {0}))
+        self.owner: list[dict[str, Any]] = [{} for _ in range(tp)]
+        for stage in stages:
+            for tp_rank in range(tp):
+                rank = stage * tp + tp_rank
+                path = model_states_path(self.tag_dir, rank)
+                states = self.first if rank == 0 else read_model_states(path)
+                groups = states.get("param_names")
+                if groups is None and pp == 1:
+                    groups = one_stage_param_names(model_config, tp)
+                if not isinstance(groups, list):
+                    raise ValueError(f"{path} does not record its optimizer's parameter names (param_names); it was "
+                                     "written by an older zoo: resume it at its own layout, or export it "
+                                     "(launch/export.py) and start the new layout with --pretrained.")
+                source = self.rank_source(states, groups, shapes, path, tp_rank, n_layer, entries)
+                for name in (name for group in groups for name in group):
+                    if name in wanted:
+                        self.owner[tp_rank].setdefault(name, source)
+
+    def rank_source(self, states, groups, shapes, path, tp_rank, n_layer, entries):
+        """The per-name reader of one source rank's optimizer state."""
+        if self.partitions is not None:
+            mp_rank = int(path.name.split("_")[2])
+            paths = [self.partitions.path(self.tag_dir, d, mp_rank) for d in range(self.partitions.dp_size)]
+            return PartitionedState(paths, [[(name, shapes[name]) for name in group] for group in groups])
+        cache: dict[str, torch.Tensor] = {}
+
+        def weights() -> dict[str, torch.Tensor]:
+            from zoo.checkpoint.pipeline_files import pipeline_module_states
+
+            if not cache:
+                cache.update(states["module"] if self.pp == 1 else
+                             pipeline_module_states(self.tag_dir, tp_rank, n_layer, entries))
+            return cache
+
+        return ModelStatesOptimizer(states, groups, shapes, path, weights)
+
+    @property
+    def dp_size(self) -> int:
+        return self.partitions.dp_size if self.partitions is not None else int(self.first.get("dp_world_size", 1))
+
+    def shards(self, name: str, key: str = "master") -> list[torch.Tensor]:
+        return [self.owner[tp_rank][name].tensor(name, key) for tp_rank in range(self.tp)]
+
+    def master(self, name: str, spec, key: str = "master") -> torch.Tensor:
+        """The merged (padded for the source tp) fp32 ``key`` of ``name``: "master", "exp_avg" or "exp_avg_sq"."""
+        return spec.merge(self.shards(name, key))
+
+    def step(self, name: str) -> Any:
+        return self.owner[0][name].step(name)
+
+    def optimizer_groups(self) -> list[dict[str, Any]]:
+        """The first rank's optimizer groups' hyper-parameters (lr, betas, ...), in group order."""
+        if self.partitions is not None:
+            optimizer = PartitionedState([self.partitions.path(self.tag_dir, 0, 0)], []).partition(0)
+            return optimizer["base_optimizer_state"]["param_groups"]
+        optimizer = self.first["optimizer"]
+        return optimizer.get("optimizer_state_dict", optimizer)["param_groups"]
+
+    def loss_scaler(self) -> dict[str, Any] | None:
+        """The fp16 dynamic loss scaler's state (scale, iteration, last overflow, factor, window), or None
+        when the source did not train in fp16."""
+        optimizer = self.first.get("optimizer")
+        if self.precision != "fp16" or not isinstance(optimizer, dict):
+            return None
+        return {key: optimizer[key] for key in LOSS_SCALER_KEYS if key in optimizer}
+
+    def describe(self) -> str:
+        """``tp=2 x pp=1 x dp=1, fp16`` (ZeRO stage added when there is one)."""
+        zero = f", ZeRO-{self.zero_stage}" if self.zero_stage else ""
+        return f"tp={self.tp} x pp={self.pp} x dp={self.dp_size}, {self.precision}{zero}"
