@@ -42,9 +42,9 @@ $(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
 	$(PY) -m compileall -q -j 0 $(VENV)/lib >/dev/null 2>&1 || true
 	touch $@
 
-# The rendezvous port: $$MASTER_PORT when set, else one the kernel reports free now (a busy 29500, DeepSpeed's
-# default, would otherwise fail the run).
-FREE_PORT := $(PYTHON) -c "import socket; s = socket.socket(); s.bind(('127.0.0.1', 0)); print(s.getsockname()[1])"
+# The rendezvous port: $$MASTER_PORT when set, else one free now, below the kernel's ephemeral range
+# (zoo.launcher.free_port; a busy 29500, DeepSpeed's default, would otherwise fail the run).
+FREE_PORT := $(PY) -c "from zoo.launcher import free_port; print(free_port())"
 MASTER_PORT_FLAG = --master_port $${MASTER_PORT:-$$($(FREE_PORT))}
 
 # One node on CPU: gloo talks over loopback (left to itself it probes interfaces, ~45 s here). The demo owns
