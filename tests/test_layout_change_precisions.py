@@ -5,9 +5,10 @@ another layout (zoo.training.layout_change through the layout-free reader, zoo.c
 One spawn of 2 ranks trains each source run 4 iterations (dropout off, checkpoint at iteration 2), then resumes
 the iteration-2 checkpoint at the new layout:
   bf16 + ZeRO-1 tp1 x pp2 -> tp2 x pp1 and -> tp1 x pp1 x dp2;
-  fp16 (both optimizers) tp2 x pp1 -> tp1 x pp2, the dynamic loss scale grown past its initial 2^8 by then.
-Claims: right after the move every rank's fp32 masters equal the source's (merged over its TP ranks, the
-vocabulary re-padded, sliced for the new rank) exactly; iterations 3 and 4 (the second depends on the moved
+  fp16 (both optimizers) tp2 x pp1 -> tp1 x pp2, with its dynamic loss scaler.
+Claims: right after the move every rank's fp32 masters and Adam moments (read back through DeepSpeed's own
+accessors) equal the source's (merged over its TP ranks, the vocabulary re-padded, sliced for the new rank)
+exactly; iterations 3 and 4 (the second depends on the moved
 Adam moments and step) have the uninterrupted run's losses and grad norms within 2e-3 relative (bf16/fp16
 rounding differs between layouts; seen: <= 1e-5), and the fp16 runs the uninterrupted run's loss scale, which
 grows at iteration 3 as the carried scaler's iteration count says. The fp16 grad norm of iteration 3 is not
@@ -51,28 +52,43 @@ def config(data, save, tp, pp, precision, load=None):
     return cfg
 
 
-def engine_masters(engine) -> dict[str, torch.Tensor]:
-    """This rank's fp32 master of every parameter, by ``GPT2LMHeadModel`` name, as DeepSpeed's optimizer holds it."""
-    from deepspeed.utils import safe_get_full_fp32_param
+KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def engine_state(engine) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's fp32 master and Adam moments of every parameter, {key: {``GPT2LMHeadModel`` name: tensor}}, as
+    DeepSpeed's optimizer holds them (read through DeepSpeed's own accessors where it has them)."""
+    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
     from zoo.training.layout_change import one_stage_names
 
     names = one_stage_names(engine.module)
     by_id = {id(p): names[n] for n, p in engine.module.named_parameters()}
     optimizer = engine.optimizer
+    out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in KEYS}
     if hasattr(optimizer, "fp32_groups_flat") and hasattr(optimizer, "fp16_groups"):   # FP16_Optimizer
-        out = {}
         for lows, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
-            offset = 0
+            state, offset = optimizer.optimizer.state[flat], 0
             for low in lows:
-                out[by_id[id(low)]] = flat.narrow(0, offset, low.numel()).view(low.shape).clone()
+                for key, source in (("master", flat), ("exp_avg", state["exp_avg"]),
+                                    ("exp_avg_sq", state["exp_avg_sq"])):
+                    out[key][by_id[id(low)]] = source.narrow(0, offset, low.numel()).view(low.shape).clone()
                 offset += low.numel()
         return out
     if hasattr(optimizer, "fp32_groups") and hasattr(optimizer, "fp16_groups"):        # FP16_UnfusedOptimizer
-        return {by_id[id(low)]: high.detach().clone() for lows, highs in zip(optimizer.fp16_groups,
-                                                                               optimizer.fp32_groups)
-                for low, high in zip(lows, highs)}
-    return {by_id[id(p)]: safe_get_full_fp32_param(p).clone() for p in engine.module.parameters()}  # BF16/ZeRO
+        for lows, highs in zip(optimizer.fp16_groups, optimizer.fp32_groups):
+            for low, high in zip(lows, highs):
+                state = optimizer.optimizer.state[high]
+                out["master"][by_id[id(low)]] = high.detach().clone()
+                for key in KEYS[1:]:
+                    out[key][by_id[id(low)]] = state[key].clone()
+        return out
+    optimizer._lazy_init_hp_params_optimizer_state()   # DeepSpeed links its moment views at the first step
+    for param in engine.module.parameters():                                           # BF16_Optimizer
+        out["master"][by_id[id(param)]] = safe_get_full_fp32_param(param).clone()
+        for key in KEYS[1:]:
+            out[key][by_id[id(param)]] = safe_get_full_optimizer_state(param, key).clone()
+    return out
 
 
 def _runs(rank, world_size, data, root):
@@ -98,7 +114,7 @@ def _runs(rank, world_size, data, root):
 
     def load_and_record(self, load, *args, **kwargs):
         client = original_load(self, load, *args, **kwargs)
-        moved[self.config.save] = {name: t.float() for name, t in engine_masters(self.engine).items()}
+        moved[self.config.save] = engine_state(self.engine)
         return client
 
     checkpointer.Checkpointer.load = load_and_record   # this rank's process ends with the spawn
@@ -115,42 +131,52 @@ def runs(tmp_path_factory):
     return root, spawn(_runs, 2, corpus, str(root))
 
 
-def source_masters(tag_dir: Path, tp: int):
-    """The source checkpoint's fp32 masters merged over its TP ranks, read straight from DeepSpeed's files."""
+def source_state(tag_dir: Path, tp: int):
+    """The source checkpoint's fp32 masters and Adam moments merged over its TP ranks, {key: {name: tensor}}, read
+    straight from DeepSpeed's files; and its model config."""
     from zoo.checkpoint.files import read_model_states
     from zoo.checkpoint.layout import config_from_dict, layout_model
     from zoo.checkpoint.zero_reshard import read_partition
     from zoo.parallel.partition import partition_specs
 
-    shards: dict[str, list[torch.Tensor]] = {}
+    shards: dict[str, dict[str, list[torch.Tensor]]] = {key: {} for key in KEYS}
     files = sorted(tag_dir.glob("mp_rank_*_model_states.pt"))
+    config = config_from_dict(read_model_states(files[0])["model_config"], files[0])
+    sizes = {n: p.shape for n, p in layout_model(config, tp).named_parameters()}
     for path in files:
         states = read_model_states(path)
-        groups = states["param_names"]
-        optimizer = states["optimizer"]
+        groups, optimizer = states["param_names"], states["optimizer"]
         if optimizer is None:   # BF16_Optimizer: one partition file (dp = 1), its groups flat
             partition = read_partition(tag_dir / f"bf16_zero_pp_rank_0_{path.name[:10]}_optim_states.pt")
-            flats = partition["optimizer_state_dict"]["single_partition_of_fp32_groups"]
-            shapes = [list(group.values()) for group in states["param_shapes"]]
+            inner = partition["optimizer_state_dict"]
+            flats = {"master": inner["single_partition_of_fp32_groups"],
+                     **{key: [inner["base_optimizer_state"]["state"][g][key] for g in range(len(groups))]
+                        for key in KEYS[1:]}}
         elif "fp32_groups" in optimizer:
-            flats = [torch.cat([t.reshape(-1) for t in group]) for group in optimizer["fp32_groups"]]
-            shapes = [[t.shape for t in group] for group in optimizer["fp32_groups"]]
+            state = optimizer["optimizer_state_dict"]["state"]
+            flats = {"master": [torch.cat([t.reshape(-1) for t in group]) for group in optimizer["fp32_groups"]]}
+            index = 0
+            for key in KEYS[1:]:
+                flats[key], index = [], 0
+                for group in groups:
+                    flats[key].append(torch.cat([state[index + i][key].reshape(-1) for i in range(len(group))]))
+                    index += len(group)
         else:
-            flats = optimizer["fp32_groups_flat"]
-            sizes = {n: p.shape for n, p in layout_model(config_from_dict(states["model_config"], path),
-                                                          tp).named_parameters()}
-            shapes = [[sizes[n] for n in group] for group in groups]
-        for group, flat, group_shapes in zip(groups, flats, shapes):
-            offset = 0
-            for name, shape in zip(group, group_shapes):
-                numel = torch.Size(shape).numel()
-                shards.setdefault(name, []).append(flat.reshape(-1).narrow(0, offset, numel).view(shape))
-                offset += numel
-    config = config_from_dict(read_model_states(files[0])["model_config"], files[0])
+            state = optimizer["optimizer_state_dict"]["state"]
+            flats = {"master": optimizer["fp32_groups_flat"],
+                     **{key: [state[g][key] for g in range(len(groups))] for key in KEYS[1:]}}
+        for key in KEYS:
+            for group, flat in zip(groups, flats[key]):
+                offset = 0
+                for name in group:
+                    numel = sizes[name].numel()
+                    shards[key].setdefault(name, []).append(flat.reshape(-1).narrow(0, offset, numel).view(sizes[name]))
+                    offset += numel
     specs = partition_specs(layout_model(config, tp))
     # files in (stage, TP rank) order: a name's first tp pieces are its TP shards (the tied embedding's copy on
     # the last stage comes after them)
-    return {name: specs[name].merge(pieces[:tp]) for name, pieces in shards.items()}, config
+    return {key: {name: specs[name].merge(pieces[:tp]) for name, pieces in by_name.items()}
+            for key, by_name in shards.items()}, config
 
 
 def expected_slice(master: torch.Tensor, name: str, config, tp: int, rank: int) -> torch.Tensor:
@@ -171,13 +197,16 @@ def test_masters_move_exactly_and_training_continues(runs, move):
     root, moved = runs
     source, tp, pp = MOVES[move]
     source_tp = SOURCES[source][0]
-    expected, model_config = source_masters(root / f"{source}-saved" / "checkpoints" / f"iter_{SAVED_AT:07d}", source_tp)
+    expected, model_config = source_state(root / f"{source}-saved" / "checkpoints" / f"iter_{SAVED_AT:07d}",
+                                          source_tp)
     for rank, per_rank in enumerate(moved):
-        masters = per_rank[move]
         tp_rank = rank % tp
-        assert set(masters) <= set(expected) and masters, (move, rank)
-        for name, got in masters.items():
-            assert torch.equal(got, expected_slice(expected[name], name, model_config, tp, tp_rank)), (move, rank, name)
+        for key in KEYS:
+            got_all = per_rank[move][key]
+            assert got_all and set(got_all) <= set(expected[key]), (move, rank, key)
+            for name, got in got_all.items():
+                want = expected_slice(expected[key][name], name, model_config, tp, tp_rank)
+                assert torch.equal(got.float(), want), (move, rank, key, name)
     reference = {e["iteration"]: e for e in train_events(root / source)}
     resumed = train_events(root / move)
     assert [e["iteration"] for e in resumed] == [3, 4], resumed
