@@ -14,7 +14,8 @@ temporary directory) in fp32 with dropout off, on one batch of ``batch x seq`` t
                  ds_configs/llama_autotp_cpu.json, "tensor_parallel": {"autotp_size": 2}), tp = 2
 
 A step is forward + backward + optimizer step (+ zero_grad), timed between barriers; the table gives the
-median of ``--steps`` steps after one warm-up step. Tokens/s counts the batch's tokens once (every TP rank
+median of ``--steps`` steps after one warm-up step, the best of ``--repeats`` launches per peer (launched
+round robin: the machine may be shared). Tokens/s counts the batch's tokens once (every TP rank
 works on the same tokens). "% peak" is the step's model FLOPs (6 N T + the attention's 12 L s^2 h b, N the
 non-embedding parameters plus the LM head) over the measured single-thread sgemm rate x ranks. Strong-scaling
 efficiency at tp = 2 is T(tp = 1) / (2 T(tp = 2)) against the same implementation's tp = 1 (zoo against zoo,
@@ -70,18 +71,19 @@ def model_flops(args) -> float:
 
 
 def sgemm_rate() -> float:
-    """FLOP/s of a 1024^3 fp32 matmul on one thread (median of 5)."""
+    """FLOP/s of a 1024^3 fp32 matmul on one thread, the fastest of 10 (on a shared machine the fastest run is
+    the one closest to the core's own rate)."""
     import torch
 
     torch.set_num_threads(1)
     a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
     a @ b
     times = []
-    for _ in range(5):
+    for _ in range(10):
         start = time.perf_counter()
         a @ b
         times.append(time.perf_counter() - start)
-    return 2 * 1024 ** 3 / statistics.median(times)
+    return 2 * 1024 ** 3 / min(times)
 
 
 # ---------------------------------------------------------------------------- one peer, one rank
@@ -199,6 +201,7 @@ def main(argv=None) -> None:
     parser.add_argument("--intermediate", type=int, default=1376)
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--repeats", type=int, default=2, help="launches per peer; the fastest is reported")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--peers", default=",".join(f"{p}:{t}" for p, t in PEERS),
                         help="comma-separated peer:tp pairs")
@@ -212,10 +215,14 @@ def main(argv=None) -> None:
     peers = [(name, int(tp)) for name, tp in (item.split(":") for item in args.peers.split(","))]
     with tempfile.TemporaryDirectory(prefix="bench-llama-") as directory:
         write_checkpoint(args, directory)
-        results = {}
-        for peer, tp in peers:
-            results[(peer, tp)] = run_peer(peer, tp, directory, args)
-            print(f"{peer} tp={tp}: {results[(peer, tp)]}", file=sys.stderr, flush=True)
+        results: dict = {}
+        for _ in range(args.repeats):          # round robin, so a burst of load elsewhere hits every peer alike
+            for peer, tp in peers:
+                result = run_peer(peer, tp, directory, args)
+                print(f"{peer} tp={tp}: {result}", file=sys.stderr, flush=True)
+                best = results.get((peer, tp))
+                if best is None or "error" in best or result.get("step_s", float("inf")) < best["step_s"]:
+                    results[(peer, tp)] = result
     print(f"Llama {args.layers} layers, hidden {args.hidden}, 8 heads / 4 KV heads, intermediate "
           f"{args.intermediate}, vocab 32000; batch {args.batch} x seq {args.seq}, fp32, AdamW, 1 thread per rank; "
           f"sgemm peak {peak / 1e9:.1f} GFLOP/s per thread; model FLOPs/step {model_flops(args) / 1e9:.1f} G; "
