@@ -354,6 +354,23 @@ def test_host_memory_is_measured_and_shared_by_the_nodes_ranks(tmp_path):
     assert device_memory(0, {"DS_ACCELERATOR": "xpu"}) is None   # not measured: no check
 
 
+def test_gpu_memory_is_the_free_memory_of_the_ranks_gpu(monkeypatch):
+    """No GPU here: torch's CUDA queries are stubbed (as a GPU node answers them) to check what is asked of
+    which device, and which planner row the name selects."""
+    import torch
+
+    from zoo.training.fit_check import device_memory, planner_device
+
+    asked = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: asked.append(device) or (70 * 10**9, 80 * 10**9))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
+    memory = device_memory(3, {"LOCAL_SIZE": "8"})
+    assert (memory.bytes_per_rank, memory.gpu_name, asked) == (70 * 10**9, "NVIDIA H100 80GB HBM3", [3])
+    assert memory.where == "70.00 GB free on GPU 3 (NVIDIA H100 80GB HBM3)" and planner_device(memory) == "H100"
+    assert device_memory(3, {"DS_ACCELERATOR": "cpu"}).gpu_name is None     # the user chose the CPU
+
+
 def test_a_missing_config_names_the_closest_file(tmp_path, monkeypatch):
     from zoo.training.run_config import read_ds_config
 

@@ -24,6 +24,7 @@ from typing import Any
 
 from zoo.atomic import check_writable_directory, unwritable_directory, write_text_atomic
 from zoo.options import settings_of
+from zoo.training.deepspeed_overrides import OVERRIDE_FIELDS
 from zoo.training.planner import count_parameters, model_config_of, zero_stage_of
 from zoo.training.run_config import SCHEDULES_OVER_TRAIN_ITERS, ZOO_TOP_LEVEL_KEYS, RunConfig, deepspeed_dict
 
@@ -71,8 +72,6 @@ def run_config_file(config: RunConfig, world_size: int, gas: int) -> dict[str, A
 def zoo_block(config: RunConfig) -> dict[str, Any]:
     """Every zoo-block setting of ``config`` as resolved (the override flags are already in the DeepSpeed part,
     so they are left unset here)."""
-    from zoo.training.deepspeed_overrides import OVERRIDE_FIELDS  # one rule: the overrides live in one place
-
     block_names = {f.name for f in settings_of(RunConfig) if f.metadata["in_block"]}
     return {f.name: (None if f.name in OVERRIDE_FIELDS else getattr(config, f.name))
             for f in fields(config) if f.name in block_names}
