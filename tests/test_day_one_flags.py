@@ -328,12 +328,12 @@ def test_fit_check_refuses_what_the_planner_says_does_not_fit(tmp_path):
     needed = p.total - p.activations_attention_scores
     assert check_before_launch(config, 2, DeviceMemory(needed, "a stub")) == 1
     with pytest.raises(ValueError) as err:
-        check_before_launch(config, 2, DeviceMemory(needed - 1, "stub's memory"))
+        check_before_launch(config, 2, DeviceMemory(needed - 1, "the stub's memory"))
     message = str(err.value)
     assert message.startswith(f"gpt2-tiny at tp=1 x pp=1 x dp=2 needs at least {gb(needed)} per rank (model states "
                               f"{gb(p.model_states)}: weights {gb(p.weights)}, gradients {gb(p.gradients)}, optimizer "
                               f"{gb(p.optimizer)} in fp32 with ZeRO stage 0;")
-    assert "more than the stub's memory;" in message
+    assert "), more than the stub's memory; " in message
     for change in ("--tensor-parallel-size", '"zero_optimization": {"stage": 1}', "--recompute-granularity full",
                    "a smaller --micro-batch-size"):
         assert change in message, change
@@ -367,7 +367,7 @@ def test_gpu_memory_is_the_free_memory_of_the_ranks_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA H100 80GB HBM3")
     memory = device_memory(3, {"LOCAL_SIZE": "8"})
     assert (memory.bytes_per_rank, memory.gpu_name, asked) == (70 * 10**9, "NVIDIA H100 80GB HBM3", [3])
-    assert memory.where == "70.00 GB free on GPU 3 (NVIDIA H100 80GB HBM3)" and planner_device(memory) == "H100"
+    assert memory.where == "the 70.00 GB free on GPU 3 (NVIDIA H100 80GB HBM3)" and planner_device(memory) == "H100"
     assert device_memory(3, {"DS_ACCELERATOR": "cpu"}).gpu_name is None     # the user chose the CPU
 
 
@@ -424,5 +424,5 @@ def test_config_mistakes_are_refused_before_deepspeed_is_imported(tmp_path):
     needles = ["tensor-parallel size 4 does not divide the world size 2", "the global batch 12",
                "seq_length 512 exceeds", "names no --data-path", "gpt2-8.3b-32h at tp=8 x pp=1 x dp=1 needs at least"]
     assert len(errors) == 5 and all(n in e for n, e in zip(needles, errors)), errors
-    assert "this host's" in errors[4] and "--skip-fit-check" in errors[4]
+    assert "more than this host's" in errors[4] and "--skip-fit-check" in errors[4]
     assert not (tmp_path / "run").exists()

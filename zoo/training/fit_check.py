@@ -25,8 +25,8 @@ LOCAL_SIZE_VARIABLES = ("LOCAL_SIZE", "LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL
 
 @dataclass(frozen=True)
 class DeviceMemory:
-    """The bytes one rank may use, where they were measured (for the sentence), and the GPU's name (None on
-    the CPU)."""
+    """The bytes one rank may use, where they were measured (``where`` completes "more than ...": "the 70 GB
+    free on GPU 3 (...)"), and the GPU's name (None on the CPU)."""
 
     bytes_per_rank: int
     where: str
@@ -68,7 +68,7 @@ def device_memory(local_rank: int, environ: Mapping[str, str] | None = None) -> 
     if accelerator in ("", "cuda") and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(local_rank)
         name = torch.cuda.get_device_name(local_rank)
-        return DeviceMemory(int(free), f"{gb(free)} free on GPU {local_rank} ({name})", name)
+        return DeviceMemory(int(free), f"the {gb(free)} free on GPU {local_rank} ({name})", name)
     if accelerator not in ("", "cpu"):
         return None
     ranks = ranks_on_this_node(environ)
@@ -104,7 +104,7 @@ def does_not_fit(p: Plan, needed: int, memory: DeviceMemory) -> str:
     return (f"{p.model} at {layout} needs at least {gb(needed)} per rank (model states {gb(p.model_states)}: "
             f"weights {gb(p.weights)}, gradients {gb(p.gradients)}, optimizer {gb(p.optimizer)} in {p.dtype} with "
             f"ZeRO stage {p.zero_stage}; activations {gb(activations)} at micro-batch {p.micro_batch} x "
-            f"{p.seq_length} tokens with recompute {p.recompute}), more than the {memory.where}; "
+            f"{p.seq_length} tokens with recompute {p.recompute}), more than {memory.where}; "
             f"{', '.join(changes_that_help(p, activations))}, or pass --skip-fit-check to start anyway.")
 
 
