@@ -31,7 +31,7 @@ GROUPS_OF = {"launch/run.py": (), "launch/preprocess.py": (), "finetune/squad_ev
              "launch/import_megatron.py": ("model:", "checkpointing:"),
              "launch/smoke.py": ("model:", "data:", "parallelism:", "training:"),
              "launch/evaluate.py": ("model:", "data:", "parallelism:", "logging:"),
-             "launch/generate.py": ("model:", "data:", "parallelism:", "training:", "logging:"),
+             "launch/generate.py": ("model:", "parallelism:", "generation:", "logging:"),
              "finetune/sweep.py": ALL_GROUPS}
 DEMO_DS_CONFIG = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
 FINETUNE_DS_CONFIG = json.loads((REPO / "ds_configs" / "finetune_cpu.json").read_text())

@@ -35,7 +35,10 @@ GROUPS: dict[str, str] = {
     "mixed precision": "the training dtype (the ds_config's fp16/bf16 blocks)",
     "checkpointing": "where the run is written, and what it resumes from",
     "logging": "what is printed and tracked, and how often",
+    "generation": "what is sampled from each prompt, and how",
 }
+# The groups of a training command (every group but generation's), for parsers that list them all up front.
+TRAINING_GROUPS: tuple[str, ...] = tuple(name for name in GROUPS if name != "generation")
 AUTO = "auto"
 
 TYPE_NAMES = {int: "an integer", str: "a string", bool: "true or false", dict: "a JSON object", float: "a number",
@@ -108,8 +111,9 @@ def group_of(parser: argparse.ArgumentParser, name: str) -> argparse._ArgumentGr
     return parser.add_argument_group(name, GROUPS.get(name))
 
 
-def add_groups(parser: argparse.ArgumentParser, names: Iterable[str] = GROUPS) -> None:
-    """Create the groups ``names`` up front, so that ``--help`` lists them in Megatron's order."""
+def add_groups(parser: argparse.ArgumentParser, names: Iterable[str] = TRAINING_GROUPS) -> None:
+    """Create the groups ``names`` (default: a training command's) up front, so that ``--help`` lists them in
+    Megatron's order; a group created this way is listed even while it holds no flag."""
     for name in names:
         group_of(parser, name)
 

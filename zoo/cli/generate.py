@@ -36,18 +36,18 @@ class GenerateOptions:
                                            "run directory")
     tokenizer: str | None = option(None, group="model",
                                    help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
-    prompt: list[str] = option(group="data", default_factory=list, action="append", help="a prompt (repeatable)")
-    prompt_file: str | None = option(None, group="data",
+    prompt: list[str] = option(group="generation", default_factory=list, action="append", help="a prompt (repeatable)")
+    prompt_file: str | None = option(None, group="generation",
                                      help="a text file of prompts, one per line (blank lines skipped)")
-    batch_size: int = option(8, group="data", help="prompts decoded together (left-padded)")
+    batch_size: int = option(8, group="generation", help="prompts decoded together (left-padded)")
     tensor_parallel_size: int | None = option(None, group="parallelism", help="default: the world size")
-    max_new_tokens: int = option(32, group="training", help="tokens generated per prompt at most")
-    greedy: bool = option(False, group="training", help="arg-max decoding (also implied by --temperature 0)")
-    temperature: float = option(1.0, group="training", help="divides the logits before sampling")
-    top_k: int = option(0, group="training", help="keep the k most likely tokens (0: off)")
-    top_p: float = option(1.0, group="training", help="nucleus sampling mass in (0, 1] (1: off)")
-    seed: int = option(1234, group="training", help="seeds every prompt's sampling stream")
-    use_cache: bool = option(True, group="training", flag="--no-cache",
+    max_new_tokens: int = option(32, group="generation", help="tokens generated per prompt at most")
+    greedy: bool = option(False, group="generation", help="arg-max decoding (also implied by --temperature 0)")
+    temperature: float = option(1.0, group="generation", help="divides the logits before sampling")
+    top_k: int = option(0, group="generation", help="keep the k most likely tokens (0: off)")
+    top_p: float = option(1.0, group="generation", help="nucleus sampling mass in (0, 1] (1: off)")
+    seed: int = option(1234, group="generation", help="seeds every prompt's sampling stream")
+    use_cache: bool = option(True, group="generation", flag="--no-cache",
                              help="recompute the whole sequence every step instead of using the KV cache")
     output: str | None = option(None, group="logging", help="also write the completions here as JSONL")
 

@@ -27,6 +27,13 @@ from zoo.training.run_config import check_ds_config, read_ds_config
 
 # The paper's Table 6 grid uses these defaults' neighbourhood; a single run gets sensible ones.
 DEFAULT_MAX_SEQ_LENGTH = {"mnli": 128, "qqp": 128, "race": 512, "squad": 384, "same-article": 64}
+# The settings only one task reads: the other tasks' scripts have no such flag (their --help does not list it,
+# and passing it is an error rather than a silent no-op).
+TASK_ONLY_SETTINGS = {"doc_stride": "squad", "max_query_length": "squad", "squad_version": "squad"}
+# What a user types to read each task's data from the Hugging Face hub, as the README writes it.
+HUB_EXAMPLES = {"mnli": "hub:nyu-mll/glue/mnli", "qqp": "hub:nyu-mll/glue/qqp", "squad": "hub:rajpurkar/squad_v2",
+                "race": "hub:ehovy/race/all"}
+DATA_DIR_HELP = "the task's data: a directory (original or HF hub layout) or hub:NAME[/CONFIG]"
 
 
 @dataclass
@@ -36,8 +43,7 @@ class FinetuneConfig:
     task: str
     pretrained: str = option(group="model", in_block=False, help="HF-style BERT directory (zoo or transformers)")
     data_dir: str = option(group="data", in_block=False,
-                           help="the task's data: a directory (original or HF hub layout) or hub:NAME[/CONFIG], "
-                                "e.g. hub:glue/mnli, hub:squad_v2, hub:race/all")
+                           help=f"{DATA_DIR_HELP}, e.g. {', '.join(HUB_EXAMPLES.values())}")
     ds_config: dict[str, Any] = field(default_factory=dict)
     ds_config_path: str = "<dict>"
     lr: float = option(2e-5, group="training", help="peak learning rate")
@@ -83,13 +89,20 @@ FINETUNE_ZOO_KEYS = block_keys(FinetuneConfig)   # what a finetune ds_config's z
 
 
 def build_parser(task: str) -> argparse.ArgumentParser:
-    """``finetune/<task>.py``'s parser: every FinetuneConfig flag in its --help group (absent flags parse as
-    None, so the zoo block and then the defaults fill them), plus DeepSpeed's ``--deepspeed_config``."""
+    """``finetune/<task>.py``'s parser: every FinetuneConfig flag that ``task`` reads, in its --help group (absent
+    flags parse as None, so the zoo block and then the defaults fill them), plus DeepSpeed's ``--deepspeed_config``.
+    Another task's flags (:data:`TASK_ONLY_SETTINGS`) are not accepted; the help of ``--data-dir`` and
+    ``--max-seq-length`` gives this task's hub example and default."""
     parser = argparse.ArgumentParser(
-        prog=f"finetune/{task}.py",
+        prog=f"finetune/{task.replace('-', '_')}.py",
         description=f"Finetune a (pre- or post-norm) BERT on {task.upper()} through DeepSpeed at any tp degree.")
-    add_options(parser, FinetuneConfig)
+    add_options(parser, FinetuneConfig, exclude=[name for name, owner in TASK_ONLY_SETTINGS.items() if owner != task])
     add_deepspeed_config_argument(parser)
+    task_help = {"data_dir": DATA_DIR_HELP + (f", e.g. {HUB_EXAMPLES[task]}" if task in HUB_EXAMPLES else ""),
+                 "max_seq_length": f"tokens per example (default: {DEFAULT_MAX_SEQ_LENGTH.get(task)})"}
+    for action in parser._actions:
+        if action.dest in task_help:
+            action.help = task_help[action.dest]
     return parser
 
 
