@@ -147,8 +147,10 @@ BAD_CASES = {
                           2, [], 2, "optim_states.pt is missing"),
     "heads": (lambda root: root / "source", 3, [], 3, "n_head=4 is not divisible by tensor-parallel size 3"),
     "zero-3": (lambda root: root / "source", 2, ["--zero-stage", "3"], 2, "ZeRO-3"),
-    "precision": (lambda root: root / "source", 2, ["--precision", "fp16"], 2, "loss scaler would restart"),
+    "precision": (lambda root: root / "source", 2, ["--precision", "fp16"], 2,
+                  "the fp16 loss scaler would restart at the config's initial scale; drop --precision"),
     "world size": (lambda root: root / "source", 2, ["--data-parallel-size", "1"], 4, "this job has 4 ranks but the new layout"),
+    "same layout": (lambda root: root / "source", 1, ["--pipeline-model-parallel-size", "2"], 2, "is already at"),
     "non-empty output": (lambda root: root / "source", 2, ["--out", "{root}/taken"], 2, "exists and is not empty"),
 }
 

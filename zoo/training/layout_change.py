@@ -50,18 +50,20 @@ def engine_precision(engine) -> str:
     return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
 
 
-def check_precision(source: str, target: str, where: str) -> None:
+def check_precision(source: str, target: str, where: str, keep: str | None = None) -> None:
     """The run trains in the precision the checkpoint was written in: masters and moments would carry over,
     but fp16's loss scaler has no counterpart in bf16/fp32 (it would be dropped) and a run turning fp16 on
     would restart its scale from the config's initial power, so a change is the user's explicit choice
-    (export and --pretrained), never a side effect of a resume."""
+    (export and --pretrained), never a side effect of a resume. ``keep``: how the caller keeps the checkpoint's
+    precision (default: in the ds_config)."""
     if source == target:
         return
     scaler = ("its fp16 loss scaler would be dropped" if source == "fp16" else
               "the fp16 loss scaler would restart at the config's initial scale" if target == "fp16" else
               "the optimizer's master weights would change type")
-    raise ValueError(f"{where} was written in {source} and this layout trains in {target}: {scaler}; keep "
-                     f"{source} in the ds_config, or export the checkpoint (launch/export.py) and start the "
+    keep = keep or f"keep {source} in the ds_config"
+    raise ValueError(f"{where} was written in {source} and this layout trains in {target}: {scaler}; {keep}, "
+                     f"or export the checkpoint (launch/export.py) and start the "
                      f"{target} run with --pretrained.")
 
 

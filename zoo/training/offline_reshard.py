@@ -160,11 +160,12 @@ def plan_conversion(load: str, tp: int, pp: int, dp: int | None, zero_stage: int
                         ("--data-parallel-size", dp)):
         if value is not None and value < 1:
             raise ValueError(f"{name} {value} must be at least 1; pass a positive degree.")
-    dp = world_size // (tp * pp) if dp is None else dp
+    dp = max(world_size // (tp * pp), 1) if dp is None else dp
     if world_size != tp * pp * dp:
-        raise ValueError(f"this job has {world_size} ranks but the new layout tp={tp} x pp={pp} x dp={dp} needs "
-                         f"{tp * pp * dp}; launch it with {tp * pp * dp} ranks (deepspeed --num_gpus "
-                         f"{tp * pp * dp} launch/reshard.py ...).")
+        ranks = tp * pp * dp
+        raise ValueError(f"this job has {world_size} rank{'s' * (world_size != 1)} but the new layout tp={tp} x "
+                         f"pp={pp} x dp={dp} needs {ranks}; launch it with {ranks} (deepspeed --num_gpus {ranks} "
+                         "launch/reshard.py ...).")
     if zero_stage is not None and zero_stage >= 3:
         raise ValueError(f"--zero-stage {zero_stage}: zoo does not fill ZeRO-3's partitioned parameters from a "
                          "checkpoint of another layout; pass --zero-stage 0, 1 or 2.")
@@ -177,7 +178,8 @@ def plan_conversion(load: str, tp: int, pp: int, dp: int | None, zero_stage: int
                          "to another layout; resume it at its own layout, or export it (launch/export.py) and "
                          "start the new layout with --pretrained.")
     source_precision = precision_of(recorded)
-    check_precision(source_precision, precision or source_precision, f"--load {load}")
+    check_precision(source_precision, precision or source_precision, f"--load {load}",
+                    keep=f"drop --precision to convert it in {source_precision}")
     model = first["model_config"]
     hidden = model["n_embd"]
     validate_tp_shapes(hidden, model["n_head"], model.get("n_inner") or 4 * hidden, tp,
