@@ -129,6 +129,17 @@ def check_source_files(tag_dir: Path, tp: int, pp: int) -> None:
     check_tag_files(tag_dir)
 
 
+def check_shape_splits(model: dict[str, Any], tp: int) -> None:
+    """The model's heads and MLP split over ``tp`` (GPT-2 or BERT config keys); the vocabulary always does, since
+    it is padded to a multiple of tp at every layout."""
+    gpt2 = "n_head" in model
+    hidden = model["n_embd"] if gpt2 else model["hidden_size"]
+    heads = model["n_head"] if gpt2 else model["num_attention_heads"]
+    ffn = (model.get("n_inner") if gpt2 else model.get("intermediate_size")) or 4 * hidden
+    validate_tp_shapes(hidden, heads, ffn, tp, hidden_name="n_embd" if gpt2 else "hidden_size",
+                       heads_name="n_head" if gpt2 else "num_attention_heads")
+
+
 def source_run_config(load: str, run: Path, ds_config: str | None, tp: int, pp: int, zero_stage: int | None,
                       output: Path) -> RunConfig:
     """The source run's settings (its ``config.json``, or ``ds_config``) at tp x pp, saving to and loading from
@@ -180,10 +191,7 @@ def plan_conversion(load: str, tp: int, pp: int, dp: int | None, zero_stage: int
     source_precision = precision_of(recorded)
     check_precision(source_precision, precision or source_precision, f"--load {load}",
                     keep=f"drop --precision to convert it in {source_precision}")
-    model = first["model_config"]
-    hidden = model["n_embd"]
-    validate_tp_shapes(hidden, model["n_head"], model.get("n_inner") or 4 * hidden, tp,
-                       hidden_name="n_embd", heads_name="n_head")
+    check_shape_splits(first["model_config"], tp)
     run = run_directory_of(load)
     output = Path(out) if out else default_output(load, tp, pp, dp)
     check_output_beside_source(output, run)
