@@ -37,6 +37,8 @@ from types import MappingProxyType
 
 import numpy as np
 
+from zoo.data.preprocess_data_path import sibling_datasets_hint
+
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, N sequences, D doc-index entries
@@ -69,12 +71,14 @@ def dataset_exists(prefix: str | os.PathLike) -> bool:
 
 
 def check_dataset_files(prefix: str | os.PathLike) -> None:
-    """A ``FileNotFoundError`` naming what is missing unless ``<prefix>.bin`` and ``<prefix>.idx`` both exist."""
+    """A ``FileNotFoundError`` naming what is missing unless ``<prefix>.bin`` and ``<prefix>.idx`` both exist; when
+    datasets beginning with the prefix exist (a directory's per-input outputs), it names them and their blend."""
     missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(path)]
     if missing:
+        found = sibling_datasets_hint(prefix)
+        fix = found or "; pass the --output-prefix that launch/preprocess.py wrote, without .bin or .idx"
         raise FileNotFoundError(f"--data-path {os.fspath(prefix)} names no indexed dataset ({' and '.join(missing)} "
-                                f"{'is' if len(missing) == 1 else 'are'} missing); pass the --output-prefix that "
-                                "launch/preprocess.py wrote, without .bin or .idx.")
+                                f"{'is' if len(missing) == 1 else 'are'} missing){fix}.")
 
 
 def best_fitting_dtype(vocab_size: int | None) -> np.dtype:

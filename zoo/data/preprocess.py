@@ -20,6 +20,7 @@ import numpy as np
 
 from zoo.assets import BUNDLED_CORPUS
 from zoo.data.bert_preprocess import preprocess_bert
+from zoo.data.preprocess_data_path import data_path_value
 from zoo.data.preprocess_pipeline import (
     PreprocessSummary,
     SkippedDocumentsWarning,
@@ -30,8 +31,8 @@ from zoo.data.preprocess_pipeline import (
 from zoo.data.tokenizers import load_bert_tokenizer, load_gpt2_tokenizer
 
 __all__ = ["BUNDLED_CORPUS", "PreprocessSummary", "SkippedDocumentsWarning", "add_preprocess_arguments",
-           "cached_corpus_prefix", "default_cache_dir", "default_corpus_prefix", "encode_documents", "preprocess",
-           "run_preprocess"]
+           "cached_corpus_prefix", "data_path_line", "default_cache_dir", "default_corpus_prefix", "encode_documents",
+           "preprocess", "run_preprocess"]
 
 
 def encode_documents(texts: list, tokenizer, eod: int | None) -> tuple[np.ndarray, np.ndarray]:
@@ -103,7 +104,8 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
                              "directories of them, or hub:NAME, hub:OWNER/NAME[/CONFIG] (streamed)")
     parser.add_argument("--output-prefix", required=True,
                         help="writes PREFIX.bin and PREFIX.idx (with several inputs and no --merge, "
-                             "PREFIX_<input name>.bin/.idx per input)")
+                             "PREFIX_<input name>.bin/.idx per input); the last line printed is the --data-path "
+                             "value that trains on them")
     parser.add_argument("--merge", action="store_true", help="write all inputs into one PREFIX.bin/.idx")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
     parser.add_argument("--json-key", default="text", help="text field of .jsonl/.json/.parquet/hub inputs")
@@ -117,7 +119,8 @@ def add_preprocess_arguments(parser: argparse.ArgumentParser) -> argparse.Argume
 
 
 def run_preprocess(args: argparse.Namespace) -> list[PreprocessSummary]:
-    """Preprocesses what :func:`add_preprocess_arguments` parsed, printing one summary line per output.
+    """Preprocesses what :func:`add_preprocess_arguments` parsed, printing one summary line per output, then the
+    ``--data-path`` value that trains on all of them (:func:`data_path_line`).
 
     Without ``--merge``, several inputs (or a directory of several files) give one output each, named
     ``<prefix>_<input name>``, written one after the other; each output is complete or absent.
@@ -140,4 +143,13 @@ def run_preprocess(args: argparse.Namespace) -> list[PreprocessSummary]:
         inputs = [source.label for source in group]
         summaries.append(run(inputs, prefix, workers=workers, json_key=args.json_key, batch_size=args.batch_size))
         print(summaries[-1])
+    print(data_path_line(summaries))
     return summaries
+
+
+def data_path_line(summaries: Sequence[PreprocessSummary]) -> str:
+    """The line preprocessing ends with: the ``--data-path`` value that trains on every output written, the
+    outputs blended by their share of the tokens (:func:`~zoo.data.preprocess_data_path.data_path_value`)."""
+    value = data_path_value([(summary.prefix, summary.tokens) for summary in summaries])
+    blend = " (a blend of the outputs, weighted by their tokens; --merge writes one)" if len(summaries) > 1 else ""
+    return f"train on it with: --data-path {value}{blend}"
