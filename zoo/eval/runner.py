@@ -43,7 +43,6 @@ from zoo.eval.lambada import evaluate_lambada
 from zoo.eval.sources import read_lambada, read_wikitext
 from zoo.eval.wikitext import evaluate_wikitext
 from zoo.models import GPT2LMHeadModel
-from zoo.models.hf_io import is_hf_export
 from zoo.parallel import ParallelState
 
 
@@ -87,8 +86,8 @@ def transformers_directory(load: str) -> str:
     The cached export is keyed on the tag's content (:func:`export_cache_key`: the path and the name,
     size and modification time of every file in it), so a tag whose files were rewritten (a new run with
     the same ``--save``) is exported again; rank 0 says when a cached export is used."""
-    if is_hf_export(Path(load)):   # config.json with weights: a zoo run keeps its settings in config.json too
-        return str(load)
+    if (Path(load) / "config.json").is_file() and not (Path(load) / "checkpoints").is_dir():
+        return str(load)   # a transformers directory; a zoo run keeps its settings in config.json beside checkpoints/
     tag_dir = tag_directory(load)   # one-sentence error for a missing or incomplete checkpoint
     target = export_cache_path() / export_cache_key(tag_dir)
     is_first = launcher_local_rank() == 0
