@@ -40,10 +40,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def work() -> None:
         from zoo.checkpoint.deepspeed_export import export_checkpoint  # local: torch import cost, after parsing
-        from zoo.models.hf_io import DEFAULT_MAX_SHARD_SIZE  # local: torch import cost, after parsing
+        from zoo.models.hf_io import max_shard_size_of  # local: torch import cost, after parsing
 
-        size = args.max_shard_size or DEFAULT_MAX_SHARD_SIZE
-        size = int(size) if str(size).isdigit() else size
+        size = max_shard_size_of(args.max_shard_size)
         result = export_checkpoint(args.load, args.out, args.tag, torch_dtype(args.dtype), size)
         print(f"exported {result.tag_dir} (tp={result.tp_size}"
               f"{f', pp={result.pp_size}' if result.pp_size > 1 else ''}) to {result.out} as model_type {result.model_type!r} "

@@ -46,10 +46,9 @@ def main(argv: list[str] | None = None) -> None:
 
     def work() -> None:
         from zoo.checkpoint.megatron_import import import_megatron  # local: torch import cost, after parsing
-        from zoo.models.hf_io import DEFAULT_MAX_SHARD_SIZE  # local: torch import cost, after parsing
+        from zoo.models.hf_io import max_shard_size_of  # local: torch import cost, after parsing
 
-        size = args.max_shard_size or DEFAULT_MAX_SHARD_SIZE
-        size = int(size) if str(size).isdigit() else size
+        size = max_shard_size_of(args.max_shard_size)
         result = import_megatron(args.load, args.out, args.iteration, args.vocab_size, torch_dtype(args.dtype), size)
         config = result.config
         print(f"imported {result.iteration_dir} (Megatron-LM checkpoint_version {result.checkpoint_version:g}, "

@@ -43,11 +43,19 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 SHARD_PATTERN = "model{suffix}.safetensors"   # huggingface_hub fills in "-00001-of-00003" when sharded
 DEFAULT_MAX_SHARD_SIZE = "5GB"                # the hub's default (transformers 5 uses 50GB)
+
 SHARD_FILE_RE = re.compile(r"model-\d+-of-\d+\.safetensors")
 TOKENIZER_FILE_NAMES = ("vocab.json", "merges.txt", "vocab.txt", "tokenizer.json", "tokenizer_config.json",
                         "special_tokens_map.json", "added_tokens.json")
 EXPORT_KIND = "Hugging Face export"
 GENERATION_CONFIG_FILE = "generation_config.json"
+
+
+def max_shard_size_of(value: str | int | None) -> str | int:
+    """A ``--max-shard-size`` value as transformers takes it: a byte count, a size such as "2GB", or by
+    default transformers' own limit."""
+    value = value or DEFAULT_MAX_SHARD_SIZE
+    return int(value) if str(value).isdigit() else value
 
 
 @dataclass(frozen=True)
