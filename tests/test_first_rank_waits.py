@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from datetime import timedelta
+from pathlib import Path
 
 import torch.distributed as dist
 
@@ -29,7 +30,7 @@ def _bundled_corpus_under_a_short_group_timeout(rank, world_size, port, director
     prefix = f"{directory}/bundled"
 
     def slow_preprocessing(config, progress: bool) -> str:
-        if progress:
+        if dist.get_rank() == 0 and not (Path(prefix + ".idx")).exists():   # rank 0 first; the others after it
             time.sleep(PREPROCESSING_S)
             write_corpus(prefix, 0)
         return prefix

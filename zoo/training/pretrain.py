@@ -148,7 +148,6 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
                                   sample_text: SampleText | None = None) -> dict[str, Any]:
     """The run proper, in a claimed ``--save``: the engine, the resumed state, the data, the metrics
     file, then the loop over a :class:`PretrainTask` with its :class:`Validator` and :class:`Checkpointer`."""
-    raise_on_any_rank(lambda: record_effective_settings(config, ps.world_size, gas) if is_writer else None)
     engine, model, model_config, shape, ds_config, clipping = build_engine(config, ps, gas, is_writer)
     host = host_group(None if config.distributed_timeout_minutes is None
                       else timedelta(minutes=config.distributed_timeout_minutes))
@@ -158,6 +157,8 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
     data = PretrainingData(config, model_config, ps, engine.train_micro_batch_size_per_gpu(), engine.train_batch_size(),
                            config.data_workers, pin_memory_here(), agreement_group=host)
     logger = open_metrics(config, ds_config, state.iteration, is_writer, host)
+    # once the checkpoint and the data were accepted: a refused run leaves no config.json behind
+    raise_on_any_rank(lambda: record_effective_settings(config, ps.world_size, gas) if is_writer else None)
     stop = StopConditions(exit_interval=config.exit_interval, exit_duration_minutes=config.exit_duration_in_mins,
                           handle_signals=config.exit_signal_handler, group=host, started=started)
     validator = Validator(engine, data, config, ps, logger)
