@@ -151,14 +151,6 @@ class ParallelState:
     def get_pipeline_model_parallel_rank(self) -> int:
         return self.pp_rank
 
-    @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
     def __repr__(self) -> str:  # groups are opaque handles; keep the repr readable
         pipeline = f", pp={self.pp_rank}/{self.pp_size}" if self.pp_size > 1 else ""
         return (f"ParallelState(rank={self.rank}/{self.world_size}, tp={self.tp_rank}/{self.tp_size}, "

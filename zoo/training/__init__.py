@@ -1,1 +1,2 @@
-"""Training entry points' logic (the scripts in launch/ are thin wrappers around these)."""
+"""The training loop and its objects: the run's config, the DeepSpeed engine, data, checkpoints, metrics
+and the loss-scale and gradient-norm checks; the command-line entry points call into it from zoo.cli."""
