@@ -46,10 +46,14 @@ def main(argv: list[str] | None = None) -> None:
 
 def check_launch(config) -> None:
     """The checks of :mod:`zoo.training.preflight` against this launcher's world size and this rank's device
-    memory (measured here, unless ``--skip-fit-check``), before DeepSpeed is imported."""
+    memory (measured here, unless ``--skip-fit-check``), before DeepSpeed is imported; first, that neither the
+    ds_config nor --load asks for a DeepSpeed universal checkpoint (zoo.checkpoint.universal)."""
+    from zoo.checkpoint.universal import check_no_load_universal, check_not_universal  # local: torch import cost
     from zoo.distributed.local_rank import launcher_local_rank  # local: torch import cost, after parsing
     from zoo.training.fit_check import device_memory  # local: torch import cost, after parsing
     from zoo.training.preflight import check_before_launch, launcher_world_size  # local: torch import cost
 
+    check_no_load_universal(config.ds_config, config.ds_config_path)
+    check_not_universal(config.load)
     memory = None if config.skip_fit_check else device_memory(launcher_local_rank())
     check_before_launch(config, launcher_world_size(), memory)
