@@ -3,9 +3,9 @@ with the permissions the umask gives.
 
 * ``launch/export.py --out`` naming the run directory, another non-export directory, a file or a path
   under a file is refused with one sentence and exit 2 before any checkpoint is read; the run is intact.
-  A previous export is replaced. The resharder replaces only its own copies (``resharded_from.json``).
+  A previous export is replaced.
 * ``launch/evaluate.py --out`` that cannot be written is refused before the evaluation starts.
-* Exports, ``save_pretrained`` directories, resharded copies, loss.png and evaluation results get
+* Exports, ``save_pretrained`` directories, loss.png and evaluation results get
   0755/0644 under umask 022 and 0750/0640 under umask 027, never tempfile's 0700/0600.
 
 Everything runs in the pytest process on a tp=2 GPT-2 checkpoint of a few kB written without DeepSpeed.
@@ -27,7 +27,6 @@ import zoo.eval.runner as runner
 from zoo.atomic import staged_directory
 from zoo.checkpoint import export_checkpoint
 from zoo.checkpoint.layout import layout_only_state
-from zoo.checkpoint.reshard import SOURCE_RECORD, is_resharded_copy, reshard_checkpoint
 from zoo.cli.evaluate import main as evaluate_main
 from zoo.cli.export import main as export_main
 from zoo.eval.runner import export_cache_path, make_private_directory, transformers_directory
@@ -186,37 +185,13 @@ def test_save_pretrained_refuses_a_directory_it_did_not_write(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["metrics.jsonl"]
 
 
-# ----------------------------------------------------------------------------- 3.1: resharded copies
-def test_resharder_replaces_only_its_own_copy(run_dir, tmp_path):
-    tag_dir = run_dir / "checkpoints" / "iter_0000002"
-    foreign = tmp_path / "foreign"
-    foreign.mkdir()
-    (foreign / "mp_rank_00_model_states.pt").write_bytes(b"someone else's")
-    with pytest.raises(ValueError, match=r"is not a resharded checkpoint copy this command wrote") as err:
-        reshard_checkpoint(tag_dir, 1, foreign)
-    one_sentence(str(err.value))
-    assert (foreign / "mp_rank_00_model_states.pt").read_bytes() == b"someone else's"
-
-    copy = reshard_checkpoint(tag_dir, 1, tmp_path / "copy")
-    assert is_resharded_copy(copy)
-    reshard_checkpoint(tag_dir, 2, copy)   # its own copy: replaced
-    assert sorted(p.name for p in copy.iterdir()) == [f"mp_rank_{r:02d}_model_states.pt" for r in range(2)] \
-        + [SOURCE_RECORD]
-    (copy / "notes.txt").write_text("mine")
-    assert not is_resharded_copy(copy)
-    with pytest.raises(ValueError, match=r"is not a resharded checkpoint copy"):
-        reshard_checkpoint(tag_dir, 1, copy)
-
-
 # ----------------------------------------------------------------------------- 4: permissions follow the umask
 @pytest.mark.parametrize("umask", [0o022, 0o027], indirect=True)
-def test_exports_and_resharded_copies_honour_the_umask(run_dir, tmp_path, umask):
+def test_exports_honour_the_umask(run_dir, tmp_path, umask):
     export_checkpoint(run_dir, tmp_path / "hf", max_shard_size=20_000)
     assert_tree_modes(tmp_path / "hf", umask)
     GPT2LMHeadModel.from_pretrained(tmp_path / "hf").save_pretrained(tmp_path / "saved")
     assert_tree_modes(tmp_path / "saved", umask)
-    reshard_checkpoint(run_dir / "checkpoints" / "iter_0000002", 1, tmp_path / "nested" / "resharded")
-    assert_tree_modes(tmp_path / "nested", umask)
 
 
 @pytest.mark.parametrize("umask", [0o022, 0o027], indirect=True)

@@ -7,12 +7,12 @@ One spawn of 2 ranks trains bf16 + ZeRO-1 (BF16_Optimizer) at tp1 x pp2 for 2 it
   (b) converts it offline to tp2 x pp1 x dp1 (into the default <run>-tp2pp1dp1 beside it);
   (c) resumes the converted run at tp2 x pp1 for iterations 3 and 4;
 then, one stage on both sides, converts that run's iteration-4 checkpoint (tp2 x dp1) to tp1 x dp2 and resumes it,
-against the on-resume file resharder (zoo.checkpoint.zero_reshard) from the same checkpoint.
+against the on-resume move from the same checkpoint.
 Claims: right after loading, every rank's fp32 masters and Adam moments (read through DeepSpeed's accessors) in (c)
 equal those in (a) exactly (torch.equal), (c)'s client state records no move while (a)'s does, (c)'s losses and grad
 norms of iterations 3 and 4 equal (a)'s exactly (same weights, same reseeded streams, same layout), and the source run's
-files are unchanged (names, sizes and mtimes); for the one-stage move, the masters and moments equal the file
-resharder's exactly and the converted run is resumed without a move.
+files are unchanged (names, sizes and mtimes); for the one-stage move, the masters and moments equal the on-resume
+move's exactly and the converted run is resumed without a move.
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _runs(rank, world_size, data, root):
     written = {"latest": (converted / "checkpoints" / "latest").read_text().strip(),
                "files": sorted(p.name for p in (converted / "checkpoints" / "iter_0000002").iterdir())}
     pretrain(config(data, str(converted), NEW_TP, NEW_PP, "bf16", load=str(converted)))
-    # one stage on both sides, tp2 x dp1 -> tp1 x dp2: the offline tool against the on-resume file resharder
+    # one stage on both sides, tp2 x dp1 -> tp1 x dp2: the offline tool against the on-resume move
     one_stage = {}
     for name in ("one-stage-on-resume", "one-stage-converted"):
         out = root / name
@@ -106,7 +106,7 @@ def test_converted_checkpoint_resumes_with_the_on_resume_moves_state_and_no_seco
     assert written["latest"] == "iter_0000002", written
     assert "mp_rank_01_model_states.pt" in written["files"] and not any("layer_" in f for f in written["files"]), written
     assert not list(root.glob(".source-tp2pp1dp1.tmp-*")), "staging directory left behind"
-    for rank, result in enumerate(per_rank):   # one stage on both sides: the file resharder's state, no second move
+    for rank, result in enumerate(per_rank):   # one stage on both sides: the on-resume move's state, no second move
         (moved, _), (converted, converted_flag) = (result["one_stage"]["one-stage-on-resume"],
                                                    result["one_stage"]["one-stage-converted"])
         assert not converted_flag, rank

@@ -1,12 +1,15 @@
-"""Resuming a zoo DeepSpeed checkpoint at another tensor-parallel degree (zoo.checkpoint.reshard).
+"""Resuming a zoo DeepSpeed checkpoint at another tensor-parallel degree: the run's ranks move it
+(zoo.training.layout_change), reading it in its layout-free form (zoo.checkpoint.training_state, over the
+non-ZeRO optimizer readers of zoo.checkpoint.reshard).
 
 * End to end: a tp=2 (x dp=2) run saved at iteration 2 resumes at tp=4 (x dp=1) and at tp=1 (x dp=4)
-  through the ordinary ``load``; the next 5 iterations' loss, LR and grad norm equal the un-resharded
-  tp=2 continuation, and the resharded files carry DeepSpeed's step counts, the LR scheduler and the
-  data position. One spawn of 4 processes runs all three runs.
+  through the ordinary ``load``; the next 5 iterations' loss, LR and grad norm equal the unmoved
+  tp=2 continuation, and the checkpoints the resumed runs write carry DeepSpeed's step counts, the LR
+  scheduler and the data position on from the source; nothing is written beside the source. One spawn of
+  4 processes runs all three runs.
 * Optimizer layouts without processes: fp32 (torch AdamW), fp16 unfused (per-parameter fp32 masters)
-  and fp16 fused (flat fp32 masters and flat Adam state per group, loss scaler state) survive
-  tp 2 -> 4 -> 2 bit-exactly, and the tp=4 masters are the tp=2 ones re-sliced.
+  and fp16 fused (flat fp32 masters and flat Adam state per group, loss scaler state) read back
+  bit-exactly, and each tp=4 rank's slice is the tp=2 master re-sliced (vocabulary re-padded).
 * Impossible layouts and incomplete checkpoints are one-sentence errors, with nothing written.
 
 Tolerance: losses <= 1e-5 relative (fp32, dropout off; only the reduction order differs across tp);
@@ -89,24 +92,28 @@ def test_resume_at_tp4_and_tp1_continues_the_tp2_run(resumed):
             assert ours["lr"] == theirs["lr"] and ours["consumed_samples"] == theirs["consumed_samples"], tp
 
 
-def test_resharded_files_carry_counters_scheduler_and_data_position(resumed):
+def test_moved_state_carries_counters_scheduler_and_data_position(resumed):
+    """The resumed runs' own last checkpoints (iteration 7) continue the source's counters: DeepSpeed's step
+    counts, every Adam step, the LR scheduler and the data position; no copy is written beside the source."""
     from zoo.checkpoint.files import read_model_states
 
     checkpoints = resumed / "saved" / "checkpoints"
     source = read_model_states(checkpoints / f"iter_{SAVED_AT:07d}" / "mp_rank_00_model_states.pt")
-    for tp in (4, 1):
-        copy = checkpoints / "resharded" / f"iter_{SAVED_AT:07d}-tp{tp}"
-        assert sorted(p.name for p in copy.glob("mp_rank_*")) == [f"mp_rank_{r:02d}_model_states.pt" for r in range(tp)]
-        for rank in range(tp):
-            states = read_model_states(copy / f"mp_rank_{rank:02d}_model_states.pt")
-            assert states["tensor_parallel_size"] == states["mp_world_size"] == tp
-            assert states["resharded_from"]["tensor_parallel_size"] == 2
-            for key in ("global_steps", "global_samples", "skipped_steps", "lr_scheduler", "iteration",
-                        "consumed_samples"):
-                assert states[key] == source[key], (tp, key)
-            steps = {float(entry["step"]) for entry in states["optimizer"]["state"].values()}
-            assert steps == {float(SAVED_AT)}, (tp, steps)
     assert source["consumed_samples"] == SAVED_AT * 4 and source["lr_scheduler"]["last_batch_iteration"] == 1
+    assert sorted(p.name for p in checkpoints.iterdir()) == [f"iter_{SAVED_AT:07d}", "latest"]
+    more = TRAIN_ITERS - SAVED_AT
+    for tp in (4, 1):
+        tag = resumed / f"tp{tp}" / "checkpoints" / f"iter_{TRAIN_ITERS:07d}"
+        assert sorted(p.name for p in tag.glob("mp_rank_*")) == [f"mp_rank_{r:02d}_model_states.pt" for r in range(tp)]
+        for rank in range(tp):
+            states = read_model_states(tag / f"mp_rank_{rank:02d}_model_states.pt")
+            assert states["tensor_parallel_size"] == states["mp_world_size"] == tp
+            assert (states["global_steps"], states["global_samples"], states["skipped_steps"]) == (
+                source["global_steps"] + more, source["global_samples"] + 4 * more, source["skipped_steps"]), tp
+            assert states["lr_scheduler"]["last_batch_iteration"] == source["lr_scheduler"]["last_batch_iteration"] + more
+            assert (states["iteration"], states["consumed_samples"]) == (TRAIN_ITERS, source["consumed_samples"] + 4 * more)
+            steps = {float(entry["step"]) for entry in states["optimizer"]["state"].values()}
+            assert steps == {float(TRAIN_ITERS)}, (tp, steps)
 
 
 # ----------------------------------------------------------------------------- optimizer layouts, no processes
@@ -119,7 +126,6 @@ def synthetic_checkpoint(tag_dir: Path, tp: int, kind: str) -> dict[str, dict[st
     (zero in the vocab padding, as training leaves them) in the optimizer layout ``kind``; returns the
     masters (zoo layout, padded at tp) of each of them, by parameter name."""
     from zoo.checkpoint.layout import layout_model, optimizer_groups
-    from zoo.checkpoint.reshard import flatten
     from zoo.models import GPT2Config
     from zoo.parallel import is_tensor_parallel
     from zoo.parallel.utils import shard_tensor
@@ -169,7 +175,9 @@ def synthetic_checkpoint(tag_dir: Path, tp: int, kind: str) -> dict[str, dict[st
                 optimizer["fp32_groups_flat"] = [flatten([local("master", n, rank) for n in g]) for g in groups]
             else:
                 optimizer["fp32_groups"] = [[local("master", n, rank) for n in g] for g in groups]
+        ds_config = {"train_batch_size": 4, **({"fp16": {"enabled": True}} if kind != "torch" else {})}
         torch.save({"module": module, "optimizer": optimizer, "lr_scheduler": {"last_batch_iteration": 4},
+                    "ds_config": ds_config,
                     "global_steps": 5, "global_samples": 20, "skipped_steps": 1, "mp_world_size": tp,
                     "dp_world_size": 1, "zoo_model": "gpt2-tiny", "model_config": config.to_hf_dict(),
                     "tensor_parallel_size": tp, "iteration": 5, "consumed_samples": 20, "rng": {"python": rank}},
@@ -177,78 +185,45 @@ def synthetic_checkpoint(tag_dir: Path, tp: int, kind: str) -> dict[str, dict[st
     return masters
 
 
-def read_optimizer_masters(tag_dir: Path, tp: int, kind: str) -> dict[str, dict[str, torch.Tensor]]:
-    """The merged masters (padding cut) of weights, Adam moments and fp32 masters of a checkpoint."""
-    from zoo.checkpoint.deepspeed_export import merged_master
-    from zoo.checkpoint.files import read_model_states
-    from zoo.checkpoint.layout import layout_model
-    from zoo.checkpoint.reshard import OptimizerResharder, TensorResharder
-    from zoo.models import GPT2Config
-
-    config = GPT2Config(**TINY)
-    states = [read_model_states(tag_dir / f"mp_rank_{r:02d}_model_states.pt") for r in range(tp)]
-    layout = layout_model(config, tp)
-    reader = OptimizerResharder(TensorResharder(config, tp, tp, tag_dir))
-    read = [reader.by_name(s["optimizer"], tag_dir) for s in states]
-    out: dict[str, dict[str, torch.Tensor]] = {"weight": {}, "exp_avg": {}, "exp_avg_sq": {}, "master": {}}
-    for name, _ in layout.named_parameters():
-        out["weight"][name] = merged_master(layout, name, [s["module"][name] for s in states])
-        for which in ("exp_avg", "exp_avg_sq"):
-            out[which][name] = merged_master(layout, name, [r[0][name][which] for r in read])
-        if kind != "torch":
-            out["master"][name] = merged_master(layout, name, [r[1][name] for r in read])
-    for which in out:
-        if "transformer.wte.weight" in out[which]:
-            out[which]["transformer.wte.weight"] = out[which]["transformer.wte.weight"][:TINY["vocab_size"]]
-    return out
+def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.reshape(-1) for t in tensors])
 
 
 @pytest.mark.parametrize("kind", ["torch", "fp16_unfused", "fp16_fused"])
-def test_optimizer_layouts_reshard_exactly(tmp_path, kind):
-    from zoo.checkpoint.files import read_model_states
-    from zoo.checkpoint.reshard import reshard_checkpoint
+def test_optimizer_layouts_read_exactly(tmp_path, kind):
+    """The layout-free reader gives back every written tensor (merged over the 2 TP ranks, padded at tp=2), the
+    counters, hyper-parameters and loss scaler; each tp=4 rank's slice is the tp=2 master re-sliced."""
+    from types import SimpleNamespace
+
+    from zoo.checkpoint.layout import layout_model
+    from zoo.checkpoint.training_state import CheckpointTrainingState
+    from zoo.models import GPT2Config
+    from zoo.parallel.partition import partition_specs
+    from zoo.training.layout_change import local_slice
 
     written = synthetic_checkpoint(tmp_path / "tp2", 2, kind)
-    expected = {which: {name: (t[:TINY["vocab_size"]] if name == "transformer.wte.weight" else t)
-                        for name, t in by_name.items()} for which, by_name in written.items()}
-    reshard_checkpoint(tmp_path / "tp2", 4, tmp_path / "tp4")
-    reshard_checkpoint(tmp_path / "tp4", 2, tmp_path / "back")
-    for tag, tp in (("tp4", 4), ("back", 2)):
-        merged = read_optimizer_masters(tmp_path / tag, tp, kind)
-        for which in ("weight", "exp_avg", "exp_avg_sq") + (("master",) if kind != "torch" else ()):
-            for name, tensor in expected[which].items():
-                want = tensor.half() if which == "weight" else tensor
-                assert torch.equal(merged[which][name], want), (tag, which, name)
-        states = read_model_states(tmp_path / tag / "mp_rank_01_model_states.pt")
-        assert (states["global_steps"], states["skipped_steps"], states["lr_scheduler"]) == (5, 1, {"last_batch_iteration": 4})
-        if kind != "torch":
-            optimizer = states["optimizer"]
-            assert (optimizer["cur_scale"], optimizer["cur_iter"], optimizer["last_overflow_iter"]) == (512.0, 5, 3)
-            inner = optimizer["optimizer_state_dict"]
-            assert [g["weight_decay"] for g in inner["param_groups"]] == [0.01, 0.0]
-    original = read_model_states(tmp_path / "tp2" / "mp_rank_00_model_states.pt")["module"]
-    back = read_model_states(tmp_path / "back" / "mp_rank_00_model_states.pt")["module"]
-    for name, tensor in original.items():
-        assert torch.equal(back[name], tensor), name
-
-
-def test_copy_of_an_earlier_resharder_is_written_again(tmp_path):
-    """A resharded copy whose record lacks this resharder's format (as copies written before the ZeRO step fix
-    do) is not reused: ensure_resharded replaces it; a current copy is reused as it is."""
-    import json
-
-    from zoo.checkpoint.reshard import SOURCE_RECORD, ensure_resharded
-
-    synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
-    out = ensure_resharded(tmp_path / "tp2", 4, tmp_path / "tp4")
-    record = out / SOURCE_RECORD
-    written = record.stat().st_mtime_ns
-    assert ensure_resharded(tmp_path / "tp2", 4, tmp_path / "tp4") == out and record.stat().st_mtime_ns == written
-    old = json.loads(record.read_text())
-    del old["format"]
-    record.write_text(json.dumps(old))
-    ensure_resharded(tmp_path / "tp2", 4, tmp_path / "tp4")
-    assert "format" in json.loads(record.read_text())
+    tp4 = dict(layout_model(GPT2Config(**TINY), 4).named_parameters())
+    specs = partition_specs(layout_model(GPT2Config(**TINY), 2))
+    state = CheckpointTrainingState(tmp_path / "tp2", 2, 1, wanted=set(specs))
+    for which, key in (("weight" if kind == "torch" else "master", "master"), ("exp_avg", "exp_avg"),
+                       ("exp_avg_sq", "exp_avg_sq")):
+        for name, tensor in written[which].items():
+            want = tensor.half() if which == "weight" else tensor
+            got = state.master(name, specs[name], key)
+            assert torch.equal(got, want), (which, name)
+            for rank in range(4):
+                at_tp4 = local_slice(got, specs[name], torch.empty(tp4[name].shape),
+                                     SimpleNamespace(tp_rank=rank, tp_size=4))
+                full = tensor[:TINY["vocab_size"]] if name == "transformer.wte.weight" else tensor
+                expected = specs[name].shard(specs[name].repad(full, tp4[name].shape[0] * 4), rank, 4)
+                assert torch.equal(at_tp4, (expected.half() if which == "weight" else expected).float()), (name, rank)
+    assert {float(state.step(name)) for name in specs} == {5.0}
+    assert (state.first["global_steps"], state.first["skipped_steps"], state.first["lr_scheduler"]) == (
+        5, 1, {"last_batch_iteration": 4})
+    assert [g["weight_decay"] for g in state.optimizer_groups()] == [0.01, 0.0]
+    if kind != "torch":
+        scaler = state.loss_scaler()
+        assert (scaler["cur_scale"], scaler["cur_iter"], scaler["last_overflow_iter"]) == (512.0, 5, 3)
 
 
 # ----------------------------------------------------------------------------- errors
@@ -259,43 +234,44 @@ def one_sentence(err: pytest.ExceptionInfo) -> str:
 
 
 def test_impossible_layout_is_one_sentence(tmp_path):
-    from zoo.checkpoint.reshard import reshard_checkpoint
+    from zoo.training.layout_change import check_layout_change
 
     synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
     with pytest.raises(ValueError, match=r"cannot be laid out at tp=8 \(n_head=4 is not divisible by tensor-parallel "
                                          r"size 8; use a tp degree that divides 4\)") as err:
-        reshard_checkpoint(tmp_path / "tp2", 8, tmp_path / "tp8")
+        check_layout_change(tmp_path / "tp2", (2, 1), 8, None, None, "--load run")
     one_sentence(err)
-    assert not (tmp_path / "tp8").exists() and [p.name for p in tmp_path.iterdir()] == ["tp2"]
+    assert [p.name for p in tmp_path.iterdir()] == ["tp2"]
 
 
 def test_missing_rank_file_and_zero_partitions_are_refused(tmp_path):
-    from zoo.checkpoint.reshard import reshard_checkpoint
+    from zoo.training.layout_change import check_layout_change
 
     synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
     (tmp_path / "tp2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
-    with pytest.raises(ValueError, match=r"keeps its optimizer state in ZeRO/BF16 partitions over dp=1; pass the new "
-                                         r"data-parallel degree") as err:
-        reshard_checkpoint(tmp_path / "tp2", 4, tmp_path / "tp4")
+    with pytest.raises(FileNotFoundError, match=r"zero_pp_rank_0_mp_rank_01_optim_states.pt is missing from a "
+                                                r"tp=2 checkpoint partitioned over dp=1") as err:
+        check_layout_change(tmp_path / "tp2", (2, 1), 4, None, None, "--load run")
     one_sentence(err)
     (tmp_path / "tp2" / "mp_rank_01_model_states.pt").unlink()
     with pytest.raises(FileNotFoundError, match=r"mp_rank_01_model_states.pt is missing from a tp=2 checkpoint") as err:
-        reshard_checkpoint(tmp_path / "tp2", 4, tmp_path / "tp4")
+        check_layout_change(tmp_path / "tp2", (2, 1), 4, None, None, "--load run")
     one_sentence(err)
-    assert not (tmp_path / "tp4").exists()
+    assert sorted(p.name for p in (tmp_path / "tp2").iterdir()) == [
+        "mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_optim_states.pt"]
 
 
 @pytest.mark.parametrize("option", ["round_robin_gradients", "elastic_checkpoint"])
 def test_zero_checkpoint_with_reordering_options_is_not_resharded(tmp_path, option):
     """DeepSpeed records the run's ds_config in the model states: a ZeRO checkpoint written with
     round_robin_gradients (parameters reordered across ranks) or elastic_checkpoint (optimizer state saved per
-    parameter) is refused in one sentence before anything is written."""
-    from zoo.checkpoint.reshard import reshard_checkpoint
+    parameter) is refused in one sentence before anything is moved."""
+    from zoo.checkpoint.safe_load import safe_torch_load  # the loader zoo itself reads states with
+    from zoo.training.layout_change import check_layout_change
 
     synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
     for rank in range(2):
         path = tmp_path / "tp2" / f"mp_rank_{rank:02d}_model_states.pt"
-        from zoo.checkpoint.safe_load import safe_torch_load  # the loader zoo itself reads states with
         states = safe_torch_load(path, mmap=False)
         states["ds_config"] = {"train_batch_size": 2, "zero_optimization": {"stage": 1, option: True}}
         torch.save(states, path)
@@ -303,6 +279,5 @@ def test_zero_checkpoint_with_reordering_options_is_not_resharded(tmp_path, opti
     with pytest.raises(ValueError, match=rf"mp_rank_00_model_states.pt was written with zero_optimization.{option}: "
                                          r"true, whose partitions zoo cannot reshard; resume it at the tp x dp layout "
                                          r"it was written with") as err:
-        reshard_checkpoint(tmp_path / "tp2", 1, tmp_path / "tp1", new_dp=2)
+        check_layout_change(tmp_path / "tp2", (2, 1), 1, None, None, "--load run")
     one_sentence(err)
-    assert not (tmp_path / "tp1").exists()

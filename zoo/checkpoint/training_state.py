@@ -25,6 +25,9 @@ the tensor it is working on.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -34,13 +37,47 @@ from zoo.checkpoint.files import model_states_path, read_model_states
 from zoo.checkpoint.reshard import optimizer_state_by_name
 from zoo.checkpoint.zero_reshard import PartitionedState, partition_files
 
-__all__ = ["CheckpointTrainingState", "LOSS_SCALER_KEYS", "MOMENTS", "one_stage_names", "param_names_by_group",
-           "precision_of", "entry_of", "stage_of_entry", "recorded_parts"]
+__all__ = ["CheckpointTrainingState", "LOSS_SCALER_KEYS", "MOMENTS", "ReadAccount", "one_stage_names",
+           "param_names_by_group", "precision_of", "entry_of", "stage_of_entry", "recorded_parts"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # The dynamic loss scaler of DeepSpeed's fp16 optimizers as their state dicts hold it.
 LOSS_SCALER_KEYS = ("dynamic_loss_scale", "cur_scale", "cur_iter", "last_overflow_iter", "scale_factor",
                     "scale_window")
+
+
+# --------------------------------------------------------------------------- what a reader took
+@dataclass
+class ReadAccount:
+    """What one rank's reader took from a checkpoint.
+
+    ``files``: the paths it opened (memory-mapped, :func:`zoo.checkpoint.safe_load.safe_torch_load`).
+    ``bytes_read``: bytes of the source tensors it handed out, each time it handed one out (the byte ranges of
+    the files the reader's caller touched). ``held`` / ``peak``: bytes of tensors materialised in this
+    process's memory for the move (copies out of the files, merged tensors, this rank's slices) that are alive
+    at once, now and at most. Not counted: the file mappings themselves (their pages are the page cache's,
+    which the OS may drop and read again), the unpickled non-tensor parts of the files (counters, config,
+    a few kB), and the state the run's engine holds anyway (its weights and optimizer state, which the move
+    fills in place)."""
+
+    files: set[str] = field(default_factory=set)
+    bytes_read: int = 0
+    held: int = 0
+    peak: int = 0
+
+    def opened(self, path: Path) -> None:
+        self.files.add(str(path))
+
+    def read(self, tensor: torch.Tensor) -> torch.Tensor:
+        self.bytes_read += tensor.nbytes
+        return tensor
+
+    def hold(self, nbytes: int) -> None:
+        self.held += nbytes
+        self.peak = max(self.peak, self.held)
+
+    def release(self, nbytes: int) -> None:
+        self.held -= nbytes
 
 
 # --------------------------------------------------------------------------- names
@@ -141,10 +178,11 @@ class ModelStatesOptimizer:
         self.group_of = {name: g for g, group in enumerate(groups) for name in group}
         self.group_steps = [group.get("step") for group in inner.get("param_groups", [])]
 
-    def tensor(self, name: str, key: str) -> torch.Tensor:
+    def tensor(self, name: str, key: str) -> tuple[torch.Tensor, int]:
+        """(``key`` of ``name``: a view of the memory-mapped file, 0 bytes copied)."""
         if key != "master":
-            return self.state[name][key]
-        return self.masters[name] if self.masters is not None else self.weights()[name]
+            return self.state[name][key], 0
+        return (self.masters[name] if self.masters is not None else self.weights()[name]), 0
 
     def step(self, name: str) -> Any:
         step = self.state[name].get("step")
@@ -167,8 +205,9 @@ class CheckpointTrainingState:
 
     def __init__(self, tag_dir: Path, tp: int, pp: int, wanted: set[str]):
         self.tag_dir, self.tp, self.pp = Path(tag_dir), tp, pp
+        self.account = ReadAccount()
         first_path = model_states_path(self.tag_dir, 0)
-        self.first = read_model_states(first_path)
+        self.first = self.read_states(first_path)
         ds_config = self.first.get("ds_config")
         self.precision = precision_of(ds_config)
         self.zero_stage = zero_stage_of(ds_config)
@@ -177,7 +216,7 @@ class CheckpointTrainingState:
                              "not move to another layout; resume it at its own layout, or export it "
                              "(launch/export.py) and start the new layout with --pretrained.")
         model_config = self.first["model_config"]
-        n_layer = model_config["n_layer"]
+        n_layer = model_config.get("n_layer", model_config.get("num_hidden_layers"))   # GPT-2's or BERT's key
         shapes = local_shapes(model_config, tp, first_path)
         self.partitions = partition_files(self.tag_dir)
         entries = sorted({entry_of(name, n_layer) for name in wanted}) if pp > 1 else []
@@ -189,7 +228,7 @@ class CheckpointTrainingState:
             for tp_rank in range(tp):
                 rank = stage * tp + tp_rank
                 path = model_states_path(self.tag_dir, rank)
-                states = self.first if rank == 0 else read_model_states(path)
+                states = self.first if rank == 0 else self.read_states(path)
                 groups = states.get("param_names")
                 if groups is None and pp == 1:
                     groups = one_stage_param_names(model_config, tp)
@@ -202,18 +241,26 @@ class CheckpointTrainingState:
                     if name in wanted:
                         self.owner[tp_rank].setdefault(name, source)
 
+    def read_states(self, path: Path) -> dict[str, Any]:
+        self.account.opened(path)
+        return read_model_states(path)
+
     def rank_source(self, states, groups, shapes, path, tp_rank, n_layer, entries):
         """The per-name reader of one source rank's optimizer state."""
         if self.partitions is not None:
             mp_rank = int(path.name.split("_")[2])
             paths = [self.partitions.path(self.tag_dir, d, mp_rank) for d in range(self.partitions.dp_size)]
-            return PartitionedState(paths, [[(name, shapes[name]) for name in group] for group in groups])
+            return PartitionedState(paths, [[(name, shapes[name]) for name in group] for group in groups],
+                                    self.account.opened)
         cache: dict[str, torch.Tensor] = {}
 
         def weights() -> dict[str, torch.Tensor]:
-            from zoo.checkpoint.pipeline_files import pipeline_module_states
+            from zoo.checkpoint.pipeline_files import layer_path, pipeline_module_states
 
             if not cache:
+                if self.pp > 1:
+                    for entry in entries:
+                        self.account.opened(layer_path(self.tag_dir, entry, tp_rank))
                 cache.update(states["module"] if self.pp == 1 else
                              pipeline_module_states(self.tag_dir, tp_rank, n_layer, entries))
             return cache
@@ -224,12 +271,36 @@ class CheckpointTrainingState:
     def dp_size(self) -> int:
         return self.partitions.dp_size if self.partitions is not None else int(self.first.get("dp_world_size", 1))
 
-    def shards(self, name: str, key: str = "master") -> list[torch.Tensor]:
-        return [self.owner[tp_rank][name].tensor(name, key) for tp_rank in range(self.tp)]
+    @contextmanager
+    def merged(self, name: str, spec, key: str = "master") -> Iterator[torch.Tensor]:
+        """The merged (padded for the source tp) fp32 ``key`` of ``name`` ("master", "exp_avg" or "exp_avg_sq"),
+        held (counted in :attr:`account`) until the block ends; the caller keeps no view of it past the block.
+
+        The source's TP shards are views of the mapped files, except a shard that straddles two ZeRO/BF16
+        partitions (copied out of both); the shards copied are held while they are merged, so the most this
+        holds at once is the merged tensor and, for a straddling name, its copied shards (together at most one
+        more merged tensor). A name the source did not split is its rank-0 tensor: a view, nothing held."""
+        shards, copied = [], 0
+        for tp_rank in range(self.tp if spec.is_sharded else 1):
+            shard, copy = self.owner[tp_rank][name].tensor(name, key)
+            shards.append(self.account.read(shard))
+            copied += copy
+            self.account.hold(copy)
+        merged = spec.merge(shards)
+        made = merged.nbytes if spec.is_sharded else 0
+        self.account.hold(made)
+        del shards
+        self.account.release(copied)
+        try:
+            yield merged
+        finally:
+            del merged
+            self.account.release(made)
 
     def master(self, name: str, spec, key: str = "master") -> torch.Tensor:
-        """The merged (padded for the source tp) fp32 ``key`` of ``name``: "master", "exp_avg" or "exp_avg_sq"."""
-        return spec.merge(self.shards(name, key))
+        """The merged (padded for the source tp) fp32 ``key`` of ``name``, as a tensor of its own."""
+        with self.merged(name, spec, key) as merged:
+            return merged.clone() if not spec.is_sharded else merged
 
     def step(self, name: str) -> Any:
         return self.owner[0][name].step(name)
@@ -237,7 +308,8 @@ class CheckpointTrainingState:
     def optimizer_groups(self) -> list[dict[str, Any]]:
         """The first rank's optimizer groups' hyper-parameters (lr, betas, ...), in group order."""
         if self.partitions is not None:
-            optimizer = PartitionedState([self.partitions.path(self.tag_dir, 0, 0)], []).partition(0)
+            optimizer = PartitionedState([self.partitions.path(self.tag_dir, 0, 0)], [],
+                                         self.account.opened).partition(0)
             return optimizer["base_optimizer_state"]["param_groups"]
         optimizer = self.first["optimizer"]
         return optimizer.get("optimizer_state_dict", optimizer)["param_groups"]

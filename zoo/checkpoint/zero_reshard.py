@@ -1,54 +1,37 @@
-"""Reshard a ZeRO-1/2 (or BF16_Optimizer) checkpoint of zoo to another tp x dp layout.
+"""Reading the optimizer state of a ZeRO-1/2 (or BF16_Optimizer) checkpoint of zoo, per parameter.
 
 DeepSpeed's ZeRO stages 1 and 2 and its BF16_Optimizer keep the optimizer state in one file per
 (dp rank, tp rank): ``[bf16_]zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt``. For each optimizer
-group (zoo's :func:`zoo.models.families.param_groups` order, recorded as ``param_shapes`` in the
+group (zoo's :func:`zoo.models.families.param_groups` order, recorded by name as ``param_names`` in the
 model-states files) the group's parameters are flattened in order, padded to a multiple of
 2 x dp, and dp rank d owns the d-th equal slice: its fp32 master weights
 (``single_partition_of_fp32_groups``, the padding stripped) and its Adam moments
 (``base_optimizer_state``, padded). DeepSpeed itself refuses to load such a checkpoint at another dp
 ("Automatic adjustment of ZeRO's optimizer state partitioning with a new world size is not currently
-supported") and zoo's non-ZeRO resharder cannot read it.
+supported").
 
-How: for every old TP rank, the dp slices of each group are concatenated (padding cut) and split by
-``param_shapes`` into per-parameter tensors (fp32 master, exp_avg, exp_avg_sq); each parameter is then
-resharded along its TP dimension by :class:`zoo.checkpoint.reshard.TensorResharder` (fused-QKV stride,
-vocab padding cut and re-added), regrouped in the new layout's parameter order, flattened, padded and
-sliced for the new dp exactly as DeepSpeed lays a fresh run out; each group's scalar state (Adam's step
-tensor) is its own copy in every group of every file (:func:`own_copies`). The files written are an
-ordinary checkpoint of the new layout, so the run loads them with its usual ds_config (no ``load_universal``).
+:class:`PartitionedState` reads one model-parallel rank's files per parameter: a parameter's fp32 master or
+moment is cut out of the one or two partitions that hold it, memory-mapped, without assembling its group.
+:mod:`zoo.checkpoint.training_state` builds the layout-free form of the whole checkpoint from it, and the
+ranks of a run at another layout fill their engines from that (:mod:`zoo.training.layout_change`).
 
-Why not DeepSpeed's universal checkpoint (``ds_to_universal`` + ``"checkpoint": {"load_universal": true}``):
-loading one needs ``load_universal`` in the ds_config before ``deepspeed.initialize`` and model-states
-files at the new tp (DeepSpeed still reads ``mp_rank_XX_model_states.pt`` of the new rank), needs the
-model to publish per-pattern universal-checkpoint info (including the per-rank [q|k|v] stride of zoo's
-fused QKV as sub-parameter shapes), and converts through one file per parameter and state. zoo already
-knows every parameter's partition dim, stride and vocab rows (the same table the export and the non-ZeRO
-resharder use), so one pass over the partition files gives the new layout directly, through the same
-``--load`` and ``checkpoint_to_load`` as the non-ZeRO case.
-
-Layouts it cannot convert are refused in one sentence before anything is written: ZeRO stage 3, a
-checkpoint written with ``zero_optimization.parameter_alignment`` (per-parameter padding), partition
-files missing for a (dp, tp) rank, or a model that cannot be laid out at the new tp.
-
-Memory: the partition files are memory-mapped; the old checkpoint's fp32 state (master and two
-moments, merged per TP rank) and one new TP rank's merged state are held while its dp partitions are
-written: about 3 + 3/tp_new fp32 copies of the model, in the one process that reshards.
+Layouts it cannot read are refused in one sentence: ZeRO stage 3, a checkpoint written with
+``zero_optimization.parameter_alignment`` (per-parameter padding), ``round_robin_gradients`` or
+``elastic_checkpoint``, partition files missing for a (dp, tp) rank.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from zoo.checkpoint.files import MODEL_STATES, first_line, model_states_path
-from zoo.checkpoint.layout import optimizer_groups
+from zoo.checkpoint.files import first_line
 from zoo.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
 
 OPTIM_STATES_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
@@ -119,9 +102,9 @@ REFUSED_ZERO_OPTIONS = ("round_robin_gradients", "elastic_checkpoint")
 
 def check_reshardable_zero_config(states: dict[str, Any], path: Path) -> None:
     """The ZeRO options recorded in a checkpoint (DeepSpeed keeps the run's ``ds_config`` in its model-states
-    and partition files) lay the partitions out as zoo's resharder reads them: ``round_robin_gradients``
+    and partition files) lay the partitions out as :class:`PartitionedState` reads them: ``round_robin_gradients``
     reorders each group's parameters across ranks and ``elastic_checkpoint`` saves the optimizer state per
-    parameter instead of per partition, so such checkpoints are refused rather than resharded wrongly."""
+    parameter instead of per partition, so such checkpoints are refused rather than read wrongly."""
     config = states.get("ds_config")
     zero = config.get("zero_optimization") if isinstance(config, dict) else None
     if not isinstance(zero, dict):
@@ -133,10 +116,6 @@ def check_reshardable_zero_config(states: dict[str, Any], path: Path) -> None:
                          "launch/export.py).")
 
 
-def group_layout(param_shapes: list[dict[str, torch.Size]]) -> list[list[tuple[str, torch.Size]]]:
-    return [[(name, torch.Size(shape)) for name, shape in group.items()] for group in param_shapes]
-
-
 # --------------------------------------------------------------------------- reading one rank's dp partitions
 class PartitionedState:
     """One model-parallel rank's optimizer state in its dp partition files, read per parameter.
@@ -146,10 +125,12 @@ class PartitionedState:
     parameter at [offset, offset + numel) of the group lies in the partitions ``offset // size`` to
     ``(offset + numel - 1) // size``: :meth:`tensor` opens only those files (lazily, memory-mapped, each
     once) and copies only the parameter's elements; the whole group is never assembled. The layout is
-    checked against DeepSpeed's (:func:`partition_bounds`) from the first partition's sizes and paddings."""
+    checked against DeepSpeed's (:func:`partition_bounds`) from the first partition's sizes and paddings.
+    ``opened`` is told the path of each file as it is opened."""
 
-    def __init__(self, paths: list[Path], groups: list[list[tuple[str, torch.Size]]]):
-        self.paths, self.groups = paths, groups
+    def __init__(self, paths: list[Path], groups: list[list[tuple[str, torch.Size]]],
+                 opened: Callable[[Path], None] = lambda path: None):
+        self.paths, self.groups, self.opened = paths, groups, opened
         self._partitions: dict[int, dict[str, Any]] = {}
         self.where: dict[str, tuple[int, int, torch.Size]] = {}
         for g, group in enumerate(groups):
@@ -160,6 +141,7 @@ class PartitionedState:
 
     def partition(self, dp_rank: int) -> dict[str, Any]:
         if dp_rank not in self._partitions:
+            self.opened(self.paths[dp_rank])
             self._partitions[dp_rank] = read_partition(self.paths[dp_rank])[OPTIMIZER]
         return self._partitions[dp_rank]
 
@@ -178,8 +160,10 @@ class PartitionedState:
                              "checkpoint, re-save it.")
         return size
 
-    def tensor(self, name: str, key: str) -> torch.Tensor:
-        """Parameter ``name``'s fp32 ``key`` ("master", "exp_avg" or "exp_avg_sq"), shaped like the parameter."""
+    def tensor(self, name: str, key: str) -> tuple[torch.Tensor, int]:
+        """(Parameter ``name``'s fp32 ``key`` ("master", "exp_avg" or "exp_avg_sq") shaped like the parameter, the
+        bytes copied for it): a view of the mapped file, or, where the parameter straddles two partitions, a copy
+        of its pieces (copied bytes = its size)."""
         g, offset, shape = self.where[name]
         size = self.partition_size(g)
         lo, hi = offset, offset + shape.numel()
@@ -189,7 +173,10 @@ class PartitionedState:
             start = max(lo, dp_rank * size) - dp_rank * size
             stop = min(hi, (dp_rank + 1) * size) - dp_rank * size
             pieces.append(flat.reshape(-1).narrow(0, start, stop - start))
-        return (pieces[0] if len(pieces) == 1 else torch.cat(pieces)).view(shape)
+        if len(pieces) == 1:
+            return pieces[0].view(shape), 0
+        copy = torch.cat(pieces).view(shape)
+        return copy, copy.nbytes
 
     def scalars(self, g: int) -> dict[str, Any]:
         """Group ``g``'s non-tensor-shaped Adam state (its step), from the first partition."""
@@ -199,121 +186,9 @@ class PartitionedState:
         return self.scalars(self.where[name][0]).get("step")
 
 
-def merged_tp_rank(partitions: list[dict[str, Any]], groups: list[list[tuple[str, torch.Size]]],
-                   paths: list[Path]) -> tuple[dict[str, dict[str, torch.Tensor]], list[dict[str, Any]]]:
-    """({state: {parameter name: tensor}} for 'master', 'exp_avg', 'exp_avg_sq'; each group's scalars,
-    such as Adam's step) of one TP rank, from its dp partitions (already read: ``partitions``)."""
-    state = PartitionedState(paths, groups)
-    state._partitions = {d: partition[OPTIMIZER] for d, partition in enumerate(partitions)}
-    by_state = {key: {name: state.tensor(name, key) for group in groups for name, _ in group}
-                for key in ("master",) + MOMENTS}
-    return by_state, [state.scalars(g) for g in range(len(groups))]
-
-
-# --------------------------------------------------------------------------- partitioning for the new dp
 def partition_bounds(total: int, dp_size: int) -> tuple[int, list[int]]:
     """(partition size, padding of each dp rank) of a group of ``total`` elements, as DeepSpeed lays it out."""
     alignment = ALIGNMENT_FACTOR * dp_size
     size = math.ceil(total / alignment) * alignment // dp_size
     paddings = [min(size, max(0, (rank + 1) * size - total)) for rank in range(dp_size)]
     return size, paddings
-
-
-def slice_mappings(group: list[tuple[str, torch.Size]], start: int, size: int) -> OrderedDict:
-    """DeepSpeed's ``param_slice_mappings`` of one group's partition [start, start + size)."""
-    from deepspeed.utils.tensor_fragment import fragment_address  # local: DeepSpeed import ~1.5 s
-
-    mappings, offset = OrderedDict(), 0
-    for name, shape in group:
-        lo, hi = max(offset, start), min(offset + shape.numel(), start + size)
-        if lo < hi:
-            mappings[name] = fragment_address(numel=hi - lo, start=lo - start)
-        offset += shape.numel()
-    return mappings
-
-
-def new_partitions(template: dict[str, Any], merged: dict[str, dict[str, torch.Tensor]],
-                   scalars: list[dict[str, Any]], groups: list[list[tuple[str, torch.Size]]],
-                   dp_size: int) -> list[dict[str, Any]]:
-    """The ``dp_size`` partition files of one new TP rank, from its merged per-parameter state and each
-    group's scalars (``scalars[g]``)."""
-    flats = {key: [torch.cat([by_name[name].reshape(-1) for name, _ in group]) for group in groups]
-             for key, by_name in merged.items()}
-    bounds = [partition_bounds(flat.numel(), dp_size) for flat in flats["master"]]
-    template_optimizer = template[OPTIMIZER]
-    out = []
-    for rank in range(dp_size):
-        fp32, state, mappings = [], {}, []
-        for g, (group, (size, paddings)) in enumerate(zip(groups, bounds)):
-            start, keep = rank * size, size - paddings[rank]
-            fp32.append(flats["master"][g].narrow(0, start, keep).clone())
-            entry = own_copies(scalars[g])
-            for key in MOMENTS:
-                moment = flats[key][g].new_zeros(size)
-                moment[:keep] = flats[key][g].narrow(0, start, keep)
-                entry[key] = moment
-            state[g] = entry
-            mappings.append(slice_mappings(group, start, size))
-        base_groups = [{**group, "params": [g]} for g, group in enumerate(template_optimizer[BASE]["param_groups"])]
-        optimizer = {**template_optimizer, FP32: fp32, BASE: {"state": state, "param_groups": base_groups},
-                     PADDINGS: [paddings[rank] for _, paddings in bounds],
-                     "partition_count": [dp_size] * len(groups), "param_slice_mappings": mappings}
-        if ALIGNMENT_PADDINGS in template_optimizer:
-            optimizer[ALIGNMENT_PADDINGS] = [[0] * len(group) for group in groups]
-        out.append({**template, OPTIMIZER: optimizer})
-    return out
-
-
-def own_copies(scalars: dict[str, Any]) -> dict[str, Any]:
-    """``scalars`` with every tensor cloned. torch's AdamW keeps ``step`` as a tensor it increments in place,
-    and torch.save / torch.load keep one tensor shared: a step tensor shared by a file's two groups would
-    be incremented once per group per iteration after the resume, so the second group would use the wrong
-    bias correction (measured: 2e-5 in the loss and 4e-4 to 2e-3 in the grad norm from the second iteration
-    after a new-layout resume)."""
-    return {key: value.clone() if torch.is_tensor(value) else value for key, value in scalars.items()}
-
-
-# --------------------------------------------------------------------------- the whole tag
-def write_zero_resharded(tag_dir: Path, files: PartitionFiles, tensors, model_states: list[dict[str, Any]],
-                         new_dp: int, staging: Path, new_model_states) -> None:
-    """Write every new (tp, dp) rank's model-states and partition files into ``staging``.
-
-    ``tensors`` is the :class:`~zoo.checkpoint.reshard.TensorResharder` of old -> new tp;
-    ``new_model_states(rank)`` gives new TP rank ``rank``'s model-states dict (module resharded).
-    """
-    old_groups = group_layout(model_states[0]["param_shapes"])
-    new_groups = new_group_layout(tensors.new)
-    check_group_names(old_groups, new_groups, tag_dir)
-    merged_old, scalars = [], []
-    for t in range(files.tp_size):
-        paths = [files.path(tag_dir, d, t) for d in range(files.dp_size)]
-        partitions = [read_partition(path) for path in paths]
-        if t == 0:
-            template = partitions[0]
-        groups = group_layout(model_states[t]["param_shapes"])
-        by_state, scalars = merged_tp_rank(partitions, groups, paths)
-        merged_old.append(by_state)
-    for rank in range(tensors.new_tp):
-        merged = {key: {name: tensors.reshard(name, [old[key][name] for old in merged_old], rank)
-                        for group in new_groups for name, _ in group} for key in merged_old[0]}
-        for d, partition in enumerate(new_partitions(template, merged, scalars, new_groups, new_dp)):
-            torch.save(partition, staging / OPTIM_STATES.format(prefix=files.prefix, dp=d, tp=rank))
-        del merged
-        states = new_model_states(rank)
-        states["param_shapes"] = [OrderedDict(group) for group in new_groups]
-        states["dp_world_size"] = new_dp
-        torch.save(states, staging / MODEL_STATES.format(rank))
-
-
-def new_group_layout(layout: torch.nn.Module) -> list[list[tuple[str, torch.Size]]]:
-    """(name, shape) of every parameter per optimizer group, in the order DeepSpeed's partitions hold them."""
-    shapes = {name: param.shape for name, param in layout.named_parameters()}
-    return [[(name, shapes[name]) for name in group] for group in optimizer_groups(layout)]
-
-
-def check_group_names(old: list[list[tuple[str, torch.Size]]], new: list[list[tuple[str, torch.Size]]],
-                      tag_dir: Path) -> None:
-    if [[name for name, _ in group] for group in old] != [[name for name, _ in group] for group in new]:
-        raise ValueError(f"the optimizer groups recorded in {model_states_path(tag_dir, 0)} (param_shapes) are not "
-                         "zoo's parameter groups of this model; the checkpoint was not written by this version of zoo's "
-                         "pretrain and cannot be resharded.")

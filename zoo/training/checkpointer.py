@@ -6,8 +6,9 @@ random generator the run draws from (Python, NumPy, torch, the accelerator and D
 tracker), and the run's identity (preset, model config, tp, seed, split, sequence length, LR schedule),
 which resuming checks and warns about. Writing goes through :func:`zoo.checkpoint.save.save_checkpoint`
 (a tag counts only once every rank finished it); reading through
-:func:`zoo.training.resume.checkpoint_to_load` (located, checked and, at another tp, resharded on every
-rank) and DeepSpeed's loader under the weights-only unpickler.
+:func:`zoo.training.resume.checkpoint_to_load` (located and checked on every rank) and DeepSpeed's loader under
+the weights-only unpickler at the checkpoint's own layout; at any other layout, the run's ranks move it into the
+engine (:mod:`zoo.training.layout_change`), and the resume line says what the move did.
 """
 
 from __future__ import annotations
@@ -20,14 +21,30 @@ from typing import Any
 import numpy as np
 import torch
 
-from zoo.checkpoint.files import CHECKPOINT_SUBDIR
+from zoo.checkpoint.files import CHECKPOINT_SUBDIR, model_states_path, read_model_states
 from zoo.checkpoint.safe_load import weights_only_loads
 from zoo.checkpoint.save import save_checkpoint
+from zoo.checkpoint.training_state import precision_of
+from zoo.checkpoint.zero_reshard import partition_files
 from zoo.distributed import first_rank_result, raise_on_any_rank
 from zoo.parallel.random import model_parallel_seed, seed_after_layout_change
-from zoo.training.layout_change import load_at_new_layout, needs_layout_change, param_names_by_group
+from zoo.training.layout_change import (
+    check_precision,
+    engine_optimizer_files,
+    engine_precision,
+    load_at_new_layout,
+    move_line,
+    needs_layout_change,
+    param_names_by_group,
+)
 from zoo.training.loop import LoopState
-from zoo.training.resume import check_rank_states, checkpoint_to_load, has_checkpoint, resume_tag_and_layout
+from zoo.training.resume import (
+    check_latest_files,
+    check_rank_states,
+    checkpoint_to_load,
+    has_checkpoint,
+    resume_tag_and_layout,
+)
 from zoo.training.run_config import RunConfig, lr_schedule, schedule_change_warning
 
 __all__ = ["Checkpointer", "resumed_line", "rng_state", "set_rng_state"]
@@ -37,15 +54,18 @@ def layout_name(tp: int, pp: int, dp: int | None) -> str:
     return f"tp{tp}×pp{pp}×dp{'?' if dp is None else dp}"
 
 
-def resumed_line(tag: str, state: LoopState, source: tuple[int, int, int | None], layout: tuple[int, int, int]) -> str:
+def resumed_line(tag: str, state: LoopState, source: tuple[int, int, int | None], layout: tuple[int, int, int],
+                 moved: dict[str, Any] | None = None) -> str:
     """``resumed from iter_0000020 (iteration 20, 160 samples consumed) at tp2×pp1×dp1``, with the layout the
-    checkpoint was written at first (``tp1×pp2×dp1 → tp2×pp1×dp1``) when it differs. A checkpoint that does
-    not record its dp shows ``dp?``."""
+    checkpoint was written at first (``tp1×pp2×dp1 → tp2×pp1×dp1``) when it differs, and, after a move
+    (``moved``: the record of :func:`zoo.training.layout_change.load_at_new_layout`), its precision, seconds, peak
+    bytes held per rank (the largest, and which rank) and reads (:func:`zoo.training.layout_change.move_line`).
+    A checkpoint that does not record its dp shows ``dp?``."""
     now = layout_name(*layout)
-    changed = source[:2] != layout[:2] or source[2] not in (None, layout[2])
+    changed = source[:2] != layout[:2] or source[2] not in (None, layout[2]) or moved is not None
     where = f"{layout_name(*source)} → {now}" if changed else now
-    return (f"resumed from {tag} (iteration {state.iteration}, {state.consumed_samples} samples consumed) "
-            f"at {where}")
+    line = f"resumed from {tag} (iteration {state.iteration}, {state.consumed_samples} samples consumed) at {where}"
+    return line if moved is None else f"{line}: {move_line(moved)}"
 
 
 def rng_state() -> dict[str, Any]:
@@ -114,6 +134,7 @@ class Checkpointer:
         load = self.config.load
         if not load:
             return LoopState()
+        first_rank_result(lambda: check_latest_files(load))   # a finished checkpoint missing a file: refused
         if not has_checkpoint(load):
             if self.is_writer:
                 print(f"--load {load}: no checkpoint yet, starting from iteration 0", flush=True)
@@ -123,10 +144,11 @@ class Checkpointer:
         tag_dir, (source_tp, source_pp) = located
         state = self.restore(client)
         if self.is_writer:
-            source_dp = client.get("data_parallel_size") or client.get("dp_world_size") or getattr(
-                self.engine, "loaded_checkpoint_dp_world_size", None)
+            moved = client.get("resharded_from")
+            source_dp = (moved or {}).get("data_parallel_size") or client.get("data_parallel_size") or client.get(
+                "dp_world_size") or getattr(self.engine, "loaded_checkpoint_dp_world_size", None)
             print(resumed_line(tag_dir.name, state, (source_tp, source_pp, source_dp),
-                               (self.ps.tp_size, self.ps.pp_size, self.ps.dp_size)), flush=True)
+                               (self.ps.tp_size, self.ps.pp_size, self.ps.dp_size), moved), flush=True)
         return state
 
     def restore(self, client: dict[str, Any]) -> LoopState:
@@ -146,20 +168,29 @@ class Checkpointer:
         return state
 
     def load(self, load: str, located: tuple[Path, tuple[int, int]] | None = None) -> dict[str, Any]:
-        """Load the engine from ``--load``: the checkpoint is located and checked (readable, same model; by the
-        first rank where every rank would read the same files), then loaded; its client state is returned. A failure on any rank is raised on all. A
-        checkpoint written at another (tp, pp) with pipeline stages on either side is moved into the engine
-        (:mod:`zoo.training.layout_change`). ``located``: the (tag directory, (tp, pp)) already found."""
+        """Load the engine from ``--load``: the checkpoint is located and checked (readable, same model, same
+        precision; by the first rank where every rank would read the same files), then loaded; its client state
+        is returned. A failure on any rank is raised on all. A checkpoint written at another layout (tp, pp, a
+        ZeRO/BF16 partitioning over another dp, another ZeRO stage) is moved into the engine by every rank
+        (:mod:`zoo.training.layout_change`); at its own layout DeepSpeed loads it. ``located``: the (tag
+        directory, (tp, pp)) already found."""
         # one rank looks through the tags and reads the first rank's states; every rank gets what it found
         tag_dir, source = located or first_rank_result(lambda: resume_tag_and_layout(load))
-        if needs_layout_change(source, self.ps):
-            first_rank_result(lambda: check_rank_states(tag_dir, 0, self.model_config, load))
-            return load_at_new_layout(self.engine, tag_dir, source, self.ps, load)
+        engine = self.engine
+
+        def check_first_rank() -> bool:
+            check_rank_states(tag_dir, 0, self.model_config, load)
+            states = read_model_states(model_states_path(tag_dir, 0))
+            check_precision(precision_of(states.get("ds_config")), engine_precision(engine), f"--load {load}")
+            return needs_layout_change(source, self.ps, partition_files(tag_dir), engine_optimizer_files(engine))
+
+        if first_rank_result(check_first_rank):
+            return load_at_new_layout(engine, tag_dir, source, self.ps, load)
         load_dir, tag = checkpoint_to_load(load, self.ps, self.model_config)
 
         def load_here() -> dict[str, Any]:
-            with weights_only_loads(self.engine):   # DeepSpeed's own reads use the weights-only unpickler too
-                _, client = self.engine.load_checkpoint(str(load_dir), tag=tag)
+            with weights_only_loads(engine):   # DeepSpeed's own reads use the weights-only unpickler too
+                _, client = engine.load_checkpoint(str(load_dir), tag=tag)
             if client is None:
                 raise FileNotFoundError(f"the checkpoint under {load} could not be loaded; check its 'latest' tag "
                                         "file and its mp_rank_XX_model_states.pt files.")

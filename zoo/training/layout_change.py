@@ -1,9 +1,9 @@
-"""Resuming a GPT-2 checkpoint at another (tp, pp) layout where either side has pipeline stages: P -> 1,
-1 -> P, P -> P' and any tp (and, for ZeRO/BF16 runs, dp) change with them (a one-stage checkpoint at another
-tp goes through the file resharder, :mod:`zoo.checkpoint.reshard`).
+"""Resuming a checkpoint at another layout: any change of tp, pp and, for ZeRO/BF16 runs, dp, or of the ZeRO stage
+(0, 1, 2), one stage or pipeline stages on either side, GPT-2 or BERT; the one path every such resume takes, on the
+ranks of the new run, and the one the offline conversion (:mod:`zoo.training.offline_reshard`) runs too.
 
 The checkpoint is read in its layout-free form (:class:`zoo.checkpoint.training_state.CheckpointTrainingState`:
-per ``GPT2LMHeadModel`` name the fp32 master, Adam's ``exp_avg`` and ``exp_avg_sq``, the step), whatever
+per global parameter name the fp32 master, Adam's ``exp_avg`` and ``exp_avg_sq``, the step), whatever
 precision and optimizer wrote it: fp32, fp16 (FP16_Optimizer, FP16_UnfusedOptimizer), bf16 (BF16_Optimizer,
 with ZeRO-1 or without) and ZeRO-1/2. For each parameter this rank holds, the checkpoint's TP shards of that
 name are merged, the vocabulary re-padded for this tp and this rank's slice kept (its partition spec says
@@ -14,8 +14,16 @@ rank's partition of a ZeRO or BF16 optimizer. The low-precision weight is the ma
 step leaves it. The LR schedule, DeepSpeed's step counters, the loss scaler (fp16 to fp16) and zoo's client
 state come from the checkpoint's first rank.
 
-Each rank reads only the files of the names it holds, memory-mapped, and holds its share plus the one merged
-tensor it is slicing. A change of precision is refused in one sentence (:func:`check_precision`).
+Memory, per rank, in the planner's terms (:mod:`zoo.training.planner`: ``params_per_rank`` parameters on a rank,
+12 bytes each of fp32 master and two Adam moments): the move holds at most its own share, 12 x params_per_rank
+bytes, plus the largest merged tensor (4 bytes x the numel of the largest parameter, merged over the source's TP
+ranks at its padding); for a ZeRO/BF16 source, the copied shards of a parameter that straddles two partitions
+come on top while they are merged (together at most one more merged tensor). In fact it holds one parameter's
+three slices and one merged tensor at a time (:func:`load_at_new_layout`). The files are memory-mapped and
+each rank opens only the files of the names it holds; it reads every source TP shard of those names.
+
+Every bad case is refused in one sentence before anything is moved (:func:`check_layout_change`, shared with
+the offline conversion).
 """
 
 from __future__ import annotations
@@ -26,6 +34,8 @@ from typing import Any
 
 import torch
 
+from zoo.checkpoint.files import model_states_path, read_model_states
+from zoo.checkpoint.layout import checked_layout_model, config_from_dict
 from zoo.checkpoint.safe_load import check_tag_files
 from zoo.checkpoint.training_state import (
     LOSS_SCALER_KEYS,
@@ -33,17 +43,41 @@ from zoo.checkpoint.training_state import (
     CheckpointTrainingState,
     one_stage_names,
     param_names_by_group,
+    precision_of,
+    zero_stage_of,
 )
-from zoo.distributed import raise_on_any_rank
+from zoo.checkpoint.zero_reshard import check_reshardable_zero_config, partition_files
+from zoo.distributed import agree_max, raise_on_any_rank
 from zoo.parallel.partition import partition_specs
 
 __all__ = ["needs_layout_change", "load_at_new_layout", "param_names_by_group", "one_stage_names",
-           "engine_precision", "check_precision"]
+           "engine_precision", "engine_optimizer_files", "check_precision", "check_layout_change",
+           "check_source_files", "move_line"]
 
 
-def needs_layout_change(source: tuple[int, int], ps) -> bool:
-    """Whether a checkpoint of (tp, pp) ``source`` is resumed through this module by a run at ``ps``."""
-    return source != (ps.tp_size, ps.pp_size) and (source[1] > 1 or ps.pp_size > 1)
+def engine_optimizer_files(engine) -> str | None:
+    """Which optimizer files a DeepSpeed engine reads and writes: None (in the model states),
+    "zero_pp_rank" or "bf16_zero_pp_rank" partitions (ZeRO-1/2, BF16_Optimizer), or "stage3"."""
+    stage = engine.zero_optimization_stage()
+    if stage >= 3:
+        return "stage3"
+    if stage in (1, 2) or type(engine.optimizer).__name__ == "BF16_Optimizer":
+        return "bf16_zero_pp_rank" if engine.bfloat16_enabled() else "zero_pp_rank"
+    return None
+
+
+def needs_layout_change(source: tuple[int, int], ps, partitions=None, engine_files: str | None = None) -> bool:
+    """Whether a checkpoint of (tp, pp) ``source``, with ZeRO/BF16 partition files ``partitions``
+    (:func:`zoo.checkpoint.zero_reshard.partition_files`, None without), is resumed through this module by a run
+    at ``ps`` whose engine reads ``engine_files`` (:func:`engine_optimizer_files`): at another tp or pp, with
+    the optimizer state in other files (another ZeRO stage, or none), or partitioned over another dp (DeepSpeed
+    refuses a new dp for partitioned state). Data parallelism alone without partitions is DeepSpeed's own load."""
+    if tuple(source) != (ps.tp_size, getattr(ps, "pp_size", 1)):
+        return True
+    have = None if partitions is None else f"{partitions.prefix}zero_pp_rank"
+    if engine_files != "stage3" and have != engine_files:
+        return True
+    return partitions is not None and partitions.dp_size != ps.dp_size
 
 
 def engine_precision(engine) -> str:
@@ -67,11 +101,77 @@ def check_precision(source: str, target: str, where: str, keep: str | None = Non
                      f"{target} run with --pretrained.")
 
 
-def local_slice(master: torch.Tensor, spec, param: torch.Tensor, ps) -> torch.Tensor:
-    """This rank's fp32 slice of a merged tensor shaped like ``param``, the vocabulary re-padded for this tp."""
+def layout_words(tp: int, pp: int) -> str:
+    return f"tp={tp}" if pp == 1 else f"tp={tp} x pp={pp}"
+
+
+def check_source_files(tag_dir: Path, tp: int, pp: int) -> None:
+    """Every rank's files of the source tag are there (one model-states file per (stage, TP rank), the layer files
+    of every stage's TP ranks, every ZeRO/BF16 optimizer partition), the first missing one named."""
+    for rank in range(tp * pp):
+        if not model_states_path(tag_dir, rank).is_file():
+            raise FileNotFoundError(f"{model_states_path(tag_dir, rank)} is missing from a {layout_words(tp, pp)} "
+                                    "checkpoint; copy every file of the tag directory.")
+    if pp > 1:
+        layers = {p.name.split("-")[0] for p in tag_dir.glob("layer_*-model_*-model_states.pt")}
+        for layer in sorted(layers):
+            for tp_rank in range(tp):
+                path = tag_dir / f"{layer}-model_{tp_rank:02d}-model_states.pt"
+                if not path.is_file():
+                    raise FileNotFoundError(f"{path} is missing from a {layout_words(tp, pp)} checkpoint; copy "
+                                            "every file of the tag directory.")
+    partitions = partition_files(tag_dir)   # raises on a missing partition of the ranks it found
+    for mp_rank in range(tp * pp) if partitions is not None else ():
+        for dp_rank in range(partitions.dp_size):
+            if not partitions.path(tag_dir, dp_rank, mp_rank).is_file():
+                raise FileNotFoundError(f"{partitions.path(tag_dir, dp_rank, mp_rank)} is missing from a "
+                                        f"{layout_words(tp, pp)} checkpoint partitioned over dp={partitions.dp_size}; "
+                                        "copy every file of the tag directory.")
+
+
+def check_layout_change(tag_dir: Path, source: tuple[int, int], tp: int, precision: str | None, zero_stage: int | None,
+                        where: str, keep: str | None = None, zero_fix: str = "set zero_optimization.stage to 0, 1 "
+                        "or 2 in the ds_config") -> dict[str, Any]:
+    """Every reason the checkpoint in ``tag_dir`` (written at (tp, pp) ``source``) cannot move to a run at tp
+    ``tp`` training in ``precision`` with ZeRO stage ``zero_stage`` (None: the checkpoint's own), each one
+    sentence (ValueError/FileNotFoundError) in the order a user fixes them: a rank's file missing, ZeRO-3 on
+    either side, ZeRO options whose partitions cannot be read, a precision change (:func:`check_precision`,
+    ``where`` and ``keep`` word it; ``{source}`` in ``keep`` is the checkpoint's precision), a model the new tp cannot split (heads, MLP, vocabulary padding).
+    Reads only the first rank's model states (returned) and the tag's file names; nothing is written."""
+    tag_dir = Path(tag_dir)
+    check_source_files(tag_dir, *source)
+    first_path = model_states_path(tag_dir, 0)
+    first = read_model_states(first_path)
+    recorded = first.get("ds_config")
+    if zero_stage_of(recorded) >= 3:
+        raise ValueError(f"{tag_dir} was written with ZeRO stage 3, whose partitioned parameters zoo does not move "
+                         "to another layout; resume it at its own layout, or export it (launch/export.py) and "
+                         "start the new layout with --pretrained.")
+    if zero_stage is not None and zero_stage >= 3:
+        raise ValueError(f"this layout uses ZeRO stage {zero_stage} (ZeRO-3), whose partitioned parameters zoo does "
+                         f"not fill from a checkpoint of another layout; {zero_fix}.")
+    if partition_files(tag_dir) is not None:
+        check_reshardable_zero_config(first, first_path)
+    source_precision = precision_of(recorded)
+    check_precision(source_precision, precision or source_precision, where, keep and keep.format(source=source_precision))
+    checked_layout_model(config_from_dict(first["model_config"], first_path), tp, first_path)
+    return first
+
+
+def local_slice(merged: torch.Tensor, spec, param: torch.Tensor, ps) -> torch.Tensor:
+    """This rank's fp32 slice of a merged tensor shaped like ``param``, in storage of its own (no view keeps the
+    merged tensor alive), the vocabulary re-padded for this tp: the rows of the vocabulary that fall in this
+    rank's slice are copied, the padding rows are zeros, and the re-padded whole is never built."""
+    if spec.vocab_rows is not None and spec.dim == 0 and spec.stride == 1:
+        rows = param.shape[0]
+        out = torch.zeros((rows, *merged.shape[1:]), dtype=torch.float32, device=param.device)
+        first, last = ps.tp_rank * rows, min((ps.tp_rank + 1) * rows, spec.vocab_rows)
+        if last > first:
+            out[: last - first].copy_(merged.narrow(0, first, last - first))
+        return out
     if spec.vocab_rows is not None:
-        master = spec.repad(master, param.shape[0] * ps.tp_size)
-    return spec.shard(master, ps.tp_rank, ps.tp_size).to(param.device, torch.float32)
+        merged = spec.repad(merged, param.shape[0] * ps.tp_size)
+    return spec.shard(merged, ps.tp_rank, ps.tp_size).to(param.device, torch.float32, copy=True)
 
 
 # --------------------------------------------------------------------------- where the run keeps its state
@@ -110,8 +210,7 @@ class TorchTarget:
     def put(self, param, master: torch.Tensor, moments: dict[str, torch.Tensor], step: Any) -> None:
         param.copy_(master)
         state = self.optimizer.state[param]
-        for key, value in moments.items():
-            state[key] = value.clone()
+        state.update(moments)   # the move's slices, in storage of their own: the optimizer keeps them
         state["step"] = step.clone() if torch.is_tensor(step) else step
 
 
@@ -188,9 +287,6 @@ class PartitionedTarget:
 def optimizer_target(engine):
     """Where ``engine``'s optimizer keeps the fp32 master and Adam's state of a parameter."""
     optimizer = engine.optimizer
-    if engine.zero_optimization_stage() >= 3:
-        raise ValueError("this run uses ZeRO stage 3, whose partitioned parameters zoo does not fill from a "
-                         "checkpoint of another layout; resume with zero_optimization stage 0, 1 or 2.")
     if any(hasattr(param, "_hp_mapping") for param in engine.module.parameters()):
         return PartitionedTarget(optimizer)
     if hasattr(optimizer, "fp32_groups_flat") and hasattr(optimizer, "fp16_groups"):
@@ -211,33 +307,54 @@ def set_loss_scaler(optimizer, saved: dict[str, Any] | None) -> None:
 
 
 # --------------------------------------------------------------------------- the move
+def held_bytes(module) -> tuple[int, int]:
+    """(This rank's share in the planner's terms: 12 bytes (fp32 master and two Adam moments) per parameter it
+    holds; 0, filled by the move with the largest merged tensor's bytes)."""
+    return 12 * sum(param.numel() for param in module.parameters()), 0
+
+
 @torch.no_grad()
 def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load: str) -> dict[str, Any]:
     """Fill the engine's module and optimizer state from a checkpoint written at (tp, pp) ``source``; returns its
-    client state (marked ``resharded_from``: the source layout and precision, the seconds the move took and the
-    peak bytes this rank held for it). Collective: every rank reads the files of its own names; a failure
-    anywhere is raised on every rank."""
+    client state, marked ``resharded_from`` (:func:`move_record`: source layout and precision, seconds, and each
+    rank's peak held bytes, files opened and bytes read, with the largest over ranks). Collective: every rank
+    reads the files of its own names; a failure anywhere is raised on every rank, before anything is moved when
+    it is a bad case (:func:`check_layout_change`).
+
+    Per parameter, per key (master, exp_avg, exp_avg_sq): the merged tensor is held only while this rank's slice
+    is copied out of it; the three slices are held until the optimizer target has them. So the bytes the move
+    holds at once (:class:`zoo.checkpoint.training_state.ReadAccount`) are one parameter's slices, one merged
+    tensor and, for a ZeRO/BF16 source, the copied shards of a straddling parameter: at most this rank's share
+    plus the largest merged tensor (plus its copied shards), as the module docstring states."""
     started = time.perf_counter()
+    precision, files = engine_precision(engine), engine_optimizer_files(engine)
+    stage = engine.zero_optimization_stage()
+    raise_on_any_rank(lambda: check_layout_change(tag_dir, source, ps.tp_size, precision, stage, f"--load {load}"))
     raise_on_any_rank(lambda: check_tag_files(tag_dir, ps.rank, ps.world_size))
     names = one_stage_names(engine.module)
     state = raise_on_any_rank(lambda: CheckpointTrainingState(tag_dir, *source, wanted=set(names.values())))
-    raise_on_any_rank(lambda: check_precision(state.precision, engine_precision(engine), f"--load {load}"))
     target = raise_on_any_rank(lambda: optimizer_target(engine))
-    peak = [0]
+    share, largest = held_bytes(engine.module)
+    account = state.account
 
-    def fill() -> None:
+    def fill() -> int:
+        nonlocal largest
         specs = partition_specs(engine.module)
         for local_name, param in engine.module.named_parameters():
             name, spec = names[local_name], specs[local_name]
             pieces = {}
             for key in ("master",) + MOMENTS:   # one merged tensor at a time, then this rank's slice of it
-                merged = state.master(name, spec, key)
-                pieces[key] = local_slice(merged, spec, param, ps)
-                peak[0] = max(peak[0], merged.nbytes + sum(piece.nbytes for piece in pieces.values()))
-                del merged
+                with state.merged(name, spec, key) as merged:
+                    largest = max(largest, merged.nbytes)
+                    pieces[key] = local_slice(merged, spec, param, ps)
+                    account.hold(pieces[key].nbytes)
+                    del merged
             master = pieces.pop("master")
             target.put(param, master, pieces, state.step(name))
+            account.release(master.nbytes + sum(piece.nbytes for piece in pieces.values()))
+            del master, pieces
         set_steps(target.inner, state.step(next(iter(names.values()))))
+        return largest
 
     raise_on_any_rank(fill)
     first = state.first
@@ -251,8 +368,47 @@ def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load:
     engine.global_steps, engine.global_samples = first["global_steps"], first["global_samples"]
     engine.skipped_steps = first.get("skipped_steps", 0)
     client = {key: value for key, value in first.items() if key not in ("module", "optimizer")}
+    mine = {"seconds": time.perf_counter() - started, "peak_bytes": account.peak, "files": len(account.files),
+            "bytes_read": account.bytes_read, "share_bytes": share, "largest_bytes": largest,
+            "bound_bytes": share + largest}
     client["resharded_from"] = {"tensor_parallel_size": source[0], "pipeline_model_parallel_size": source[1],
                                 "data_parallel_size": state.dp_size, "precision": state.precision,
-                                "layout": state.describe(), "seconds": time.perf_counter() - started,
-                                "peak_bytes": peak[0]}
+                                "zero_stage": state.zero_stage, "layout": state.describe(),
+                                "to_precision": precision, "to_zero_stage": stage if files else 0,
+                                **mine, **move_record(mine, ps)}
     return client
+
+
+RECORDED = ("seconds", "peak_bytes", "bound_bytes", "files", "bytes_read")
+
+
+def move_record(mine: dict[str, Any], ps) -> dict[str, Any]:
+    """Every rank's ``seconds``, ``peak_bytes``, ``bound_bytes`` (its share + the largest tensor it merged),
+    ``files`` and ``bytes_read`` of the move (``ranks``: one list per rank in global rank order, in that key
+    order) and the largest of each (``max_seconds``, ``max_peak_bytes`` with ``peak_rank`` and that rank's
+    ``peak_rank_bound``, ``max_files``, ``max_bytes_read``). Collective: one all-reduce of 5 integers per rank."""
+    world, rank = ps.world_size, ps.rank
+    values = [0] * (len(RECORDED) * world)
+    for i, key in enumerate(RECORDED):
+        values[i * world + rank] = round(mine[key] * 1e6) if key == "seconds" else int(mine[key])
+    everyone = agree_max(values)
+    per_key = {key: everyone[i * world:(i + 1) * world] for i, key in enumerate(RECORDED)}
+    per_key["seconds"] = [micros / 1e6 for micros in per_key["seconds"]]
+    peaks = per_key["peak_bytes"]
+    return {"ranks": [[per_key[key][r] for key in RECORDED] for r in range(world)],
+            "max_seconds": max(per_key["seconds"]), "max_peak_bytes": max(peaks), "peak_rank": peaks.index(max(peaks)),
+            "peak_rank_bound": per_key["bound_bytes"][peaks.index(max(peaks))], "max_files": max(per_key["files"]), "max_bytes_read": max(per_key["bytes_read"])}
+
+
+def move_line(moved: dict[str, Any]) -> str:
+    """What a move did, for the resume line: ``fp32 moved in 0.41 s; peak 1,234,567 bytes held (rank 3, whose
+    share + largest tensor is 2,345,678), at most 9 files and 3,456,789 bytes read per rank``."""
+    def precision(value: str, stage: int) -> str:
+        return f"{value}{f' ZeRO-{stage}' if stage else ''}"
+
+    source = precision(moved["precision"], moved.get("zero_stage", 0))
+    target = precision(moved.get("to_precision", moved["precision"]), moved.get("to_zero_stage", 0))
+    what = source if source == target else f"{source} → {target}"
+    return (f"{what} moved in {moved['max_seconds']:.2f} s; peak {moved['max_peak_bytes']:,} bytes held (rank "
+            f"{moved['peak_rank']}, whose share + largest tensor is {moved['peak_rank_bound']:,}), "
+            f"at most {moved['max_files']} files and {moved['max_bytes_read']:,} bytes read per rank")

@@ -12,8 +12,9 @@ exactly that layout, with no second move. The source is only read.
 
 Everything a user can get wrong is checked before the process group is joined and before anything is written
 (:func:`plan_conversion`): a source missing a rank's files, a model shape the new tp cannot split, ZeRO-3 on
-either side, a precision other than the checkpoint's, a world size that is not tp x pp x dp, an output that
-exists and is not empty.
+either side, a precision other than the checkpoint's (the same check and sentences as a resume at another
+layout, :func:`zoo.training.layout_change.check_layout_change`), a world size that is not tp x pp x dp, an
+output that exists and is not empty.
 """
 
 from __future__ import annotations
@@ -27,21 +28,11 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import check_output_directory, give_default_modes, write_text_atomic
-from zoo.checkpoint.files import (
-    CHECKPOINT_SUBDIR,
-    COMPLETE_MARKER,
-    LATEST_FILE,
-    checkpoints_root,
-    model_states_path,
-    read_latest,
-    read_model_states,
-)
+from zoo.checkpoint.files import CHECKPOINT_SUBDIR, checkpoints_root
 from zoo.checkpoint.safe_load import check_tag_files
 from zoo.checkpoint.training_state import precision_of, zero_stage_of
-from zoo.checkpoint.zero_reshard import partition_files
-from zoo.models.config import validate_tp_shapes
-from zoo.training.layout_change import check_precision
-from zoo.training.resume import has_checkpoint, resume_tag_and_layout
+from zoo.training.layout_change import check_layout_change
+from zoo.training.resume import check_latest_files, has_checkpoint, resume_tag_and_layout
 from zoo.training.run_config import RunConfig
 
 __all__ = ["Conversion", "default_output", "plan_conversion", "convert_checkpoint"]
@@ -91,55 +82,6 @@ def check_new_or_empty(output: Path) -> None:
                          "move it away, or pass another --out.")
 
 
-def check_latest_files(load: str) -> None:
-    """Every file the completion record of the tag ``latest`` names is there, the first missing one named
-    (a conversion reads that tag and never falls back to an older one)."""
-    root = checkpoints_root(load)
-    latest = read_latest(root)
-    marker = root / latest / COMPLETE_MARKER if latest else None
-    if marker is None or not marker.is_file():
-        return
-    try:
-        files = json.loads(marker.read_text())["files"]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
-        return   # an unreadable record: the tag's own checks say what is wrong
-    missing = [name for name in files if not (root / latest / name).is_file()]
-    if missing:
-        raise FileNotFoundError(f"{root / latest / missing[0]} is missing from checkpoint {latest} (its "
-                                f"{COMPLETE_MARKER} lists it); copy every file of the tag directory, or write an "
-                                f"older complete tag into {root / LATEST_FILE}.")
-
-
-def check_source_files(tag_dir: Path, tp: int, pp: int) -> None:
-    """Every rank's files of the source tag are there: one model-states file per (stage, TP rank), the layer files
-    of every stage's TP ranks, every ZeRO/BF16 optimizer partition; and each loads weights-only."""
-    for rank in range(tp * pp):
-        if not model_states_path(tag_dir, rank).is_file():
-            raise FileNotFoundError(f"{model_states_path(tag_dir, rank)} is missing from a tp={tp} x pp={pp} "
-                                    "checkpoint; copy every file of the tag directory.")
-    if pp > 1:
-        layers = {p.name.split("-")[0] for p in tag_dir.glob("layer_*-model_*-model_states.pt")}
-        for layer in sorted(layers):
-            for tp_rank in range(tp):
-                path = tag_dir / f"{layer}-model_{tp_rank:02d}-model_states.pt"
-                if not path.is_file():
-                    raise FileNotFoundError(f"{path} is missing from a tp={tp} x pp={pp} checkpoint; copy every "
-                                            "file of the tag directory.")
-    partition_files(tag_dir)   # raises on a missing partition
-    check_tag_files(tag_dir)
-
-
-def check_shape_splits(model: dict[str, Any], tp: int) -> None:
-    """The model's heads and MLP split over ``tp`` (GPT-2 or BERT config keys); the vocabulary always does, since
-    it is padded to a multiple of tp at every layout."""
-    gpt2 = "n_head" in model
-    hidden = model["n_embd"] if gpt2 else model["hidden_size"]
-    heads = model["n_head"] if gpt2 else model["num_attention_heads"]
-    ffn = (model.get("n_inner") if gpt2 else model.get("intermediate_size")) or 4 * hidden
-    validate_tp_shapes(hidden, heads, ffn, tp, hidden_name="n_embd" if gpt2 else "hidden_size",
-                       heads_name="n_head" if gpt2 else "num_attention_heads")
-
-
 def source_run_config(load: str, run: Path, ds_config: str | None, tp: int, pp: int, zero_stage: int | None,
                       output: Path) -> RunConfig:
     """The source run's settings (its ``config.json``, or ``ds_config``) at tp x pp, saving to and loading from
@@ -177,21 +119,12 @@ def plan_conversion(load: str, tp: int, pp: int, dp: int | None, zero_stage: int
         raise ValueError(f"this job has {world_size} rank{'s' * (world_size != 1)} but the new layout tp={tp} x "
                          f"pp={pp} x dp={dp} needs {ranks}; launch it with {ranks} (deepspeed --num_gpus {ranks} "
                          "launch/reshard.py ...).")
-    if zero_stage is not None and zero_stage >= 3:
-        raise ValueError(f"--zero-stage {zero_stage}: zoo does not fill ZeRO-3's partitioned parameters from a "
-                         "checkpoint of another layout; pass --zero-stage 0, 1 or 2.")
     tag_dir, (source_tp, source_pp) = resume_tag_and_layout(load)
-    check_source_files(tag_dir, source_tp, source_pp)
-    first = read_model_states(model_states_path(tag_dir, 0))
+    first = check_layout_change(tag_dir, (source_tp, source_pp), tp, precision, zero_stage, f"--load {load}",
+                                keep="drop --precision to convert it in {source}", zero_fix="pass --zero-stage 0, 1 or 2")
+    check_tag_files(tag_dir)
     recorded = first.get("ds_config")
-    if zero_stage_of(recorded) >= 3:
-        raise ValueError(f"{tag_dir} was written with ZeRO stage 3, whose partitioned parameters zoo does not move "
-                         "to another layout; resume it at its own layout, or export it (launch/export.py) and "
-                         "start the new layout with --pretrained.")
     source_precision = precision_of(recorded)
-    check_precision(source_precision, precision or source_precision, f"--load {load}",
-                    keep=f"drop --precision to convert it in {source_precision}")
-    check_shape_splits(first["model_config"], tp)
     run = run_directory_of(load)
     output = Path(out) if out else default_output(load, tp, pp, dp)
     check_output_beside_source(output, run)

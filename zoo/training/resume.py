@@ -1,4 +1,4 @@
-"""Finding and checking the checkpoint a ``--load`` run resumes from, before DeepSpeed reads it.
+"""Finding and checking the checkpoint a ``--load`` run resumes from, before anything reads it.
 
 Which tag to resume and its layout are found once, by the first rank (every rank would stat the same files
 of a shared filesystem), and handed to every rank (:func:`zoo.distributed.first_rank_result`); every check
@@ -7,14 +7,14 @@ so a checkpoint that one rank cannot read (a truncated ``mp_rank_01_model_states
 another model shape ends the run with the same sentence on every rank, never with one rank's traceback
 and a transport error on the others.
 
-A checkpoint written at another layout is resharded once, by rank 0, into a copy the run then loads
-with its ordinary ds_config: another tp (:mod:`zoo.checkpoint.reshard`), and for ZeRO-1/2 and BF16
-checkpoints, whose optimizer state is partitioned over dp, another tp or dp
-(:mod:`zoo.checkpoint.zero_reshard`; DeepSpeed itself refuses a new dp for those).
+A checkpoint at the run's own layout is DeepSpeed's to load (:func:`checkpoint_to_load`); one written at
+another layout is moved into the run's engine by its ranks (:mod:`zoo.training.layout_change`), which nothing
+here writes or copies.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
@@ -22,21 +22,21 @@ from typing import Any
 import torch.distributed as dist
 
 from zoo.checkpoint.files import (
+    COMPLETE_MARKER,
     LATEST_FILE,
     checkpoints_root,
     has_complete_checkpoint,
     layout_of_tag,
     model_states_path,
+    read_latest,
     read_model_states,
     resume_tag_directory,
 )
-from zoo.checkpoint.reshard import ensure_resharded, resharded_directory
 from zoo.checkpoint.safe_load import check_tag_files
-from zoo.checkpoint.zero_reshard import partition_files
-from zoo.distributed import directory_bytes, first_rank_result, raise_on_any_rank, run_on_first_rank
+from zoo.distributed import first_rank_result, raise_on_any_rank
 
-__all__ = ["checkpoint_to_load", "check_rank_states", "has_checkpoint", "model_config_differences",
-           "resume_tag_and_layout"]
+__all__ = ["checkpoint_to_load", "check_latest_files", "check_rank_states", "has_checkpoint",
+           "model_config_differences", "resume_tag_and_layout"]
 
 # How a pretraining run picks another checkpoint when `latest` names a missing one (it has no --tag).
 LATEST_FIX = ("write the tag of a complete checkpoint ({tags}) into {latest}, or start the run without --load")
@@ -57,59 +57,58 @@ def has_checkpoint(load: str | os.PathLike) -> bool:
     return has_complete_checkpoint(path)
 
 
-def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any] | None = None,
-                       engine=None) -> tuple[Path, str]:
-    """The (DeepSpeed load directory, tag) to resume from at this run's layout (found by the first rank,
-    handed to all), checked on every rank.
+def check_latest_files(load: str | os.PathLike) -> None:
+    """Every file the completion record of the tag ``latest`` names is there, the first missing one named: a
+    finished checkpoint that lost a rank's file is a damaged copy, which a resume or a conversion refuses rather
+    than fall back to an older tag (or to iteration 0)."""
+    try:
+        root = checkpoints_root(load)
+    except FileNotFoundError:
+        return
+    latest = read_latest(root)
+    marker = root / latest / COMPLETE_MARKER if latest else None
+    if marker is None or not marker.is_file():
+        return
+    try:
+        files = json.loads(marker.read_text())["files"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return   # an unreadable record: the tag's own checks say what is wrong
+    missing = [name for name in files if not (root / latest / name).is_file()]
+    if missing:
+        raise FileNotFoundError(f"{root / latest / missing[0]} is missing from checkpoint {latest} (its "
+                                f"{COMPLETE_MARKER} lists it); copy every file of the tag directory, or write an "
+                                f"older complete tag into {root / LATEST_FILE}.")
+
+
+def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any] | None = None) -> tuple[Path, str]:
+    """The (DeepSpeed load directory, tag) a run at the checkpoint's own (tp, pp) resumes from (found by the first
+    rank, handed to all), checked on every rank.
 
     The checkpoint is the tag ``latest`` names when that save finished, else the newest complete tag
     (:func:`zoo.checkpoint.files.resume_tag_directory`, said in one line on rank 0). Every ``.pt`` file it
     holds is first loaded with the weights-only unpickler (:mod:`zoo.checkpoint.safe_load`): a file that
     names any other global ends the run on every rank with one sentence, before DeepSpeed unpickles it.
-
-    When the checkpoint named by ``latest`` was written at another tp (or, for a ZeRO/BF16 checkpoint,
-    another tp x dp), rank 0 writes (or reuses) a resharded copy under
-    ``<checkpoints>/resharded/<tag>-tp<N>[-dp<M>]/`` and every rank reads that. Each rank proves it can
-    read its own model-states file, and that the file's recorded model config equals ``model_config``
-    (this run's ``hf_config_dict()``), before any rank loads anything. With ``engine`` (this run's
-    DeepSpeed engine), a checkpoint whose optimizer files the engine would not read (ZeRO partitions
-    for a non-ZeRO run, bf16 partitions for an fp32 one, ...) is refused in one sentence.
+    Each rank proves it can read its own model-states file, and that the file's recorded model config equals
+    ``model_config`` (this run's ``hf_config_dict()``), before any rank loads anything. A checkpoint of
+    another (tp, pp) is refused here: the run's ranks move it (:mod:`zoo.training.layout_change`).
     """
-    def locate() -> tuple[Path, Path, int, Any]:
+    def locate() -> tuple[Path, Path, int, int]:
         root = checkpoints_root(load)
         tag_dir, (source_tp, source_pp) = resume_tag_and_layout(load, announce=True)
-        partitions = partition_files(tag_dir)
-        if engine is not None:
-            check_optimizer_files(partitions, engine_optimizer_files(engine), load)
-        return root, tag_dir, source_tp, source_pp, partitions
+        return root, tag_dir, source_tp, source_pp
 
-    root, tag_dir, source_tp, source_pp, partitions = first_rank_result(locate)   # one rank reads the tags
+    root, tag_dir, source_tp, source_pp = first_rank_result(locate)   # one rank reads the tags
     # Every .pt of the tag loads with the weights-only unpickler (each rank a share, agreed) before
     # DeepSpeed's load_checkpoint, which unpickles with weights_only=False, reads any of them.
     raise_on_any_rank(lambda: check_tag_files(tag_dir, *rank_and_world()))
-    same_dp = partitions is None or partitions.dp_size == ps.dp_size
     pp_size = getattr(ps, "pp_size", 1)
-    if (source_tp, source_pp) == (ps.tp_size, pp_size) and same_dp:
-        model_parallel_rank = getattr(ps, "pp_rank", 0) * ps.tp_size + ps.tp_rank   # DeepSpeed's mp_rank_XX
-        raise_on_any_rank(lambda: check_rank_states(tag_dir, model_parallel_rank, model_config, load))
-        return root, tag_dir.name
-    if source_pp > 1 or pp_size > 1:
-        raise ValueError(f"--load {load} holds a checkpoint written at tp={source_tp} x pp={source_pp}"
-                         f"{'' if same_dp else ' (another dp)'} and this run is tp={ps.tp_size} x pp={pp_size}; "
-                         f"resume it at tp={source_tp} x pp={source_pp}, or export it (launch/export.py) and start "
-                         "the new layout with --pretrained.")
-    # The shape first (from rank 0's file, every rank), so that no copy of another model is resharded.
-    raise_on_any_rank(lambda: check_rank_states(tag_dir, 0, model_config, load))
-    new_dp = None if partitions is None else ps.dp_size
-    target = resharded_directory(root, tag_dir.name, ps.tp_size, new_dp)
-    # Rank 0 reshards while the others wait on a host group whose timeout is sized from the checkpoint's
-    # bytes (zoo.distributed.run_on_first_rank): a checkpoint of a hundred gigabytes takes longer than
-    # the process group's timeout.
-    run_on_first_rank(lambda: ensure_resharded(tag_dir, ps.tp_size, target, new_dp),
-                      work_bytes=directory_bytes(tag_dir))
-    raise_on_any_rank(lambda: check_tag_files(target, *rank_and_world()))
-    raise_on_any_rank(lambda: check_rank_states(target, ps.tp_rank, model_config, load))
-    return target.parent, target.name
+    if (source_tp, source_pp) != (ps.tp_size, pp_size):
+        raise ValueError(f"--load {load} holds a checkpoint written at tp={source_tp} x pp={source_pp} and this run "
+                         f"is tp={ps.tp_size} x pp={pp_size}; resume it through zoo's pretraining (launch/pretrain.py "
+                         "--load), which moves it to the new layout.")
+    model_parallel_rank = getattr(ps, "pp_rank", 0) * ps.tp_size + ps.tp_rank   # DeepSpeed's mp_rank_XX
+    raise_on_any_rank(lambda: check_rank_states(tag_dir, model_parallel_rank, model_config, load))
+    return root, tag_dir.name
 
 
 def resume_tag_and_layout(load: str | os.PathLike, announce: bool = False) -> tuple[Path, tuple[int, int]]:
@@ -135,38 +134,6 @@ def rank_and_world() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
-
-
-def engine_optimizer_files(engine) -> str | None:
-    """Which optimizer files a DeepSpeed engine reads: None (model states), "zero_pp_rank" or
-    "bf16_zero_pp_rank" partitions, or "stage3" (which zoo does not reshard)."""
-    stage = engine.zero_optimization_stage()
-    if stage >= 3:
-        return "stage3"
-    partitioned = stage in (1, 2) or type(engine.optimizer).__name__ == "BF16_Optimizer"
-    if not partitioned:
-        return None
-    return "bf16_zero_pp_rank" if engine.bfloat16_enabled() else "zero_pp_rank"
-
-
-def check_optimizer_files(partitions, wanted: str | None, load: str | os.PathLike) -> None:
-    """The checkpoint's optimizer files are the kind this run's engine reads."""
-    have = None if partitions is None else f"{partitions.prefix}zero_pp_rank"
-    if have == wanted:
-        return
-    if wanted == "stage3":
-        raise ValueError(f"--load {load} holds a {describe_files(have)} checkpoint, which a ZeRO stage 3 run cannot "
-                         "load; resume it with zero_optimization stage 1 or 2 (or none) in the ds_config.")
-    raise ValueError(f"--load {load} holds a {describe_files(have)} checkpoint but this run's ds_config reads "
-                     f"{describe_files(wanted)} checkpoints; resume it with the zero_optimization stage and bf16 "
-                     "setting it was written with (or start a new run without --load).")
-
-
-def describe_files(kind: str | None) -> str:
-    return {None: "non-ZeRO (optimizer in mp_rank_XX_model_states.pt)",
-            "zero_pp_rank": "ZeRO-partitioned fp32/fp16 (zero_pp_rank_*_optim_states.pt)",
-            "bf16_zero_pp_rank": "bf16 ZeRO/BF16-optimizer-partitioned (bf16_zero_pp_rank_*_optim_states.pt)"}.get(
-        kind, str(kind))
 
 
 def check_rank_states(tag_dir: Path, tp_rank: int, model_config: dict[str, Any] | None,

@@ -1,0 +1,194 @@
+"""Every layout change on resume is one path: the new run's ranks move the checkpoint (zoo.training.layout_change),
+each rank reading only the files of the names it holds and holding at most its share plus the largest tensor.
+
+One spawn of 4 ranks (dropout off):
+  gpt2    ZeRO-1 fp32 at tp2 x dp2, 3 iterations, checkpoint at iteration 2;
+  counted that checkpoint resumed at tp4 x dp1 (ZeRO-1) for iteration 3: every rank's move record (files opened,
+          bytes of source tensors read, peak bytes held, share + largest tensor) and the resume line;
+  bert    BERT (pre-norm, SOP) at tp2 x dp2, 4 iterations, checkpoint at 2, resumed at tp1 x dp4 for 3 and 4;
+  bad     on resume, the checkpoint missing a rank's file and the checkpoint resumed in bf16: one sentence each,
+          the same on every rank, the same sentence the offline conversion gives (one check function), nothing
+          written beside the source.
+Claims: no rank holds more than its share (12 bytes x the parameters it holds: fp32 master and two Adam moments,
+the planner's accounting) plus the largest merged tensor; a rank opens at most the source's files of its names;
+the resume line says source and new layout, precision, tag, iteration, samples, seconds and the largest peak
+with its rank; the BERT run continues the uninterrupted one within 1e-5 relative (fp32: only the reduction order
+differs between layouts). Seen to fail: a move whose reader merged every name's master and moments before filling
+any (as a one-process resharder holds them) held 3,210,752 bytes on every rank, 2.85x its bound of 1,127,552.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import io
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tests.spawn import spawn
+from tests.test_zero import MODEL, make_corpus, rel, train_events
+
+REPO = Path(__file__).resolve().parent.parent
+PARITY = 1e-5
+BERT_MODEL = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, hidden_dropout_prob=0.0,
+                  attention_probs_dropout_prob=0.0)
+MISSING = "mp_rank_01_model_states.pt"
+
+
+def gpt2_config(data, save, tp, iters, load=None, save_interval=0, bf16=False):
+    from tests.test_pretrain import run_config
+
+    config = run_config(data, save, tp, 2, 8, train_iters=iters, model_overrides=dict(MODEL), load=load,
+                        save_interval=save_interval, data_workers=0)
+    config.ds_config["zero_optimization"] = {"stage": 1}
+    if bf16:
+        config.ds_config["bf16"] = {"enabled": True}
+    return config
+
+
+def bert_config(data, save, tp, iters, load=None, save_interval=0):
+    from tests.test_pretrain import run_config
+
+    config = run_config(data, save, tp, 2, 8, train_iters=iters, model="bert-tiny", model_overrides=dict(BERT_MODEL),
+                        load=load, save_interval=save_interval, data_workers=0)
+    config.ds_config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1, "warmup_max_lr": 1e-3,
+                                                                         "total_num_steps": 10}}
+    return config
+
+
+def saved_copy(root: Path, run: str, name: str, rank: int, drop: str | None = None) -> Path:
+    """``run``'s iteration-2 checkpoint as run directory ``name`` of its own (without file ``drop``)."""
+    import torch.distributed as dist
+
+    if rank == 0:
+        tag = root / run / "checkpoints" / "iter_0000002"
+        shutil.copytree(tag, root / name / "checkpoints" / tag.name)
+        (root / name / "checkpoints" / "latest").write_text(tag.name)
+        if drop:
+            (root / name / "checkpoints" / tag.name / drop).unlink()
+    dist.barrier()
+    return root / name
+
+
+def _runs(rank, world_size, gpt2_data, bert_data, root):
+    os.environ["LOCAL_RANK"] = str(rank)
+    from zoo.training import checkpointer
+    from zoo.training.pretrain import pretrain
+
+    root = Path(root)
+    original_load, moved = checkpointer.Checkpointer.load, {}
+
+    def load_and_record(self, load, *args, **kwargs):
+        client = original_load(self, load, *args, **kwargs)
+        moved[self.config.save] = client.get("resharded_from")
+        return client
+
+    checkpointer.Checkpointer.load = load_and_record   # this rank's process ends with the spawn
+    pretrain(gpt2_config(gpt2_data, str(root / "gpt2"), 2, 3, save_interval=2))
+    source = saved_copy(root, "gpt2", "gpt2-saved", rank)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        pretrain(gpt2_config(gpt2_data, str(root / "counted"), 4, 3, load=str(source)))
+    pretrain(bert_config(bert_data, str(root / "bert"), 2, 4, save_interval=2))
+    pretrain(bert_config(bert_data, str(root / "bert-tp1"), 1, 4, load=str(saved_copy(root, "bert", "bert-saved", rank))))
+    refused = {}
+    for case, config in (
+            ("missing", gpt2_config(gpt2_data, str(root / "bad-missing"), 4, 3,
+                                    load=str(saved_copy(root, "gpt2", "gpt2-missing", rank, drop=MISSING)))),
+            ("precision", gpt2_config(gpt2_data, str(root / "bad-precision"), 4, 3, load=str(source), bf16=True))):
+        try:
+            pretrain(config)
+        except (ValueError, FileNotFoundError) as err:
+            refused[case] = str(err)
+    return {"counted": moved[str(root / "counted")], "bert": moved[str(root / "bert-tp1")], "out": out.getvalue(),
+            "refused": refused}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    from zoo.data import preprocess_bert
+
+    root = tmp_path_factory.mktemp("one_path")
+    gpt2_data = make_corpus(root / "random")
+    with gzip.open(REPO / "zoo" / "assets" / "corpora" / "wiki-sample.jsonl.gz", "rt") as src:
+        (root / "small.jsonl").write_text("".join(next(src) for _ in range(12)))
+    preprocess_bert([str(root / "small.jsonl")], str(root / "bert_small"), workers=1, progress=False)
+    return root, spawn(_runs, 4, gpt2_data, str(root / "bert_small"), str(root), timeout=600)
+
+
+# ----------------------------------------------------------------------------- what each rank read and held
+def within_bound(record: dict) -> bool:
+    """No rank held more than its share plus the largest merged tensor (``ranks``: per rank, in order, the
+    seconds, peak bytes, share + largest tensor bytes, files, bytes read; zoo.training.layout_change.move_record)."""
+    return all(peak <= bound for _, peak, bound, _, _ in record["ranks"])
+
+
+def test_each_rank_holds_at_most_its_share_plus_the_largest_tensor(runs):
+    root, per_rank = runs
+    records = [result["counted"] for result in per_rank]
+    assert all(record["ranks"] == records[0]["ranks"] for record in records)   # agreed on every rank
+    ranks = records[0]["ranks"]
+    print("per rank (seconds, peak bytes, share + largest, files, bytes read):", ranks)
+    assert len(ranks) == 4 and within_bound(records[0]), ranks
+    for rank, (record, (_, peak, bound, files, bytes_read)) in enumerate(zip(records, ranks)):
+        assert (record["peak_bytes"], record["files"], record["bytes_read"]) == (peak, files, bytes_read), rank
+        assert 0 < peak and record["largest_bytes"] < bound, (rank, record)
+        # tp2 x dp2 ZeRO-1 source: 2 model-states files and 2 x 2 partitions; every name of a rank at tp4 is in
+        # both TP ranks' files, so a rank opens them all and no other
+        assert files == 6, (rank, files)
+        # each of the rank's names: every source TP shard of its master and two moments, read once; the whole
+        # merged tensor of each of its tp4 slices, so at most tp x its share (not only the byte ranges it keeps)
+        assert bytes_read <= 4 * record["share_bytes"], (rank, bytes_read)
+    assert records[0]["max_peak_bytes"] == max(peak for _, peak, _, _, _ in ranks)
+    assert ranks[records[0]["peak_rank"]][1] == records[0]["max_peak_bytes"]
+
+
+def test_the_resume_line_says_what_the_move_did(runs):
+    _, per_rank = runs
+    record = per_rank[0]["counted"]
+    line = next(line for line in per_rank[0]["out"].splitlines() if line.startswith("resumed from"))
+    assert line.startswith("resumed from iter_0000002 (iteration 2, 16 samples consumed) at tp2×pp1×dp2 → "
+                           "tp4×pp1×dp1: fp32 ZeRO-1 moved in "), line
+    assert f"peak {record['max_peak_bytes']:,} bytes held (rank {record['peak_rank']}, whose share + largest tensor " \
+           f"is {record['peak_rank_bound']:,}), at most 6 files and {record['max_bytes_read']:,} bytes read per rank" \
+           in line, line
+    assert not any(line.startswith("resumed from") for line in per_rank[1]["out"].splitlines())
+
+
+# ----------------------------------------------------------------------------- BERT through the same path
+def test_bert_tp2_resumes_at_tp1_and_continues_the_run(runs):
+    root, per_rank = runs
+    record = per_rank[0]["bert"]
+    assert (record["tensor_parallel_size"], record["data_parallel_size"], record["precision"]) == (2, 2, "fp32")
+    reference = [e for e in train_events(root / "bert") if e["iteration"] > 2]
+    resumed = train_events(root / "bert-tp1")
+    assert [e["iteration"] for e in resumed] == [e["iteration"] for e in reference] == [3, 4], resumed
+    for ours, theirs in zip(resumed, reference):
+        assert rel(ours["loss"], theirs["loss"]) <= PARITY, (ours, theirs)
+        assert rel(ours["grad_norm"], theirs["grad_norm"]) <= PARITY, (ours, theirs)
+        assert ours["lr"] == theirs["lr"] and ours["consumed_samples"] == theirs["consumed_samples"]
+
+
+# ----------------------------------------------------------------------------- bad cases on resume
+def test_bad_cases_on_resume_are_the_offline_sentences_and_write_nothing(runs):
+    from zoo.training.layout_change import check_layout_change
+
+    root, per_rank = runs
+    refused = per_rank[0]["refused"]
+    assert all(result["refused"] == refused for result in per_rank), [r["refused"] for r in per_rank]
+    tag = root / "gpt2-missing" / "checkpoints" / "iter_0000002"
+    assert refused["missing"] == (f"{tag / MISSING} is missing from checkpoint iter_0000002 (its zoo_complete.json "
+                                  f"lists it); copy every file of the tag directory, or write an older complete tag "
+                                  f"into {tag.parent / 'latest'}."), refused
+    source = root / "gpt2-saved"
+    with pytest.raises(ValueError) as err:
+        check_layout_change(source / "checkpoints" / "iter_0000002", (2, 1), 4, "bf16", 1, f"--load {source}")
+    assert refused["precision"] == str(err.value), refused
+    assert "the optimizer's master weights would change type" in refused["precision"], refused
+    for name in ("gpt2-saved", "gpt2-missing"):
+        assert sorted(p.name for p in (root / name / "checkpoints").iterdir()) == ["iter_0000002", "latest"]
+    for case in ("missing", "precision"):
+        assert not (root / f"bad-{case}" / "checkpoints").exists(), case
