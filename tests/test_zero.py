@@ -2,16 +2,18 @@
 
 One launch of a driver that runs, in the same 4 processes, at tp = 2 x dp = 2 unless said:
   base   no ZeRO, 5 iterations (also the one-node reference of tests/test_multinode.py)
-  zero1  ZeRO stage 1, checkpoints every 2 iterations          zero2  ZeRO stage 2
+  zero1  ZeRO stage 1, checkpoints every 2 iterations          zero2  ZeRO stage 2, the same
   same   zero1's iteration-2 checkpoint resumed at tp = 2 x dp = 2 (ZeRO-1)
   tp4    the same checkpoint resumed at tp = 4 x dp = 1        tp1   ... at tp = 1 x dp = 4
+  zero2-tp1  zero2's iteration-2 checkpoint resumed at tp = 1 x dp = 4 (ZeRO-2: one stage, since DeepSpeed's
+         pipeline engine refuses ZeRO-2)
   bf16-0 / bf16-1  bf16 without ZeRO (DeepSpeed's BF16_Optimizer) and with ZeRO-1, 3 iterations
 Claims: ZeRO-1/2 losses and grad norms equal the non-ZeRO run <= 1e-5 (fp32); the same-layout resume
-is identical; the new-layout resumes match the uninterrupted ZeRO-1 run <= 1e-5 for iterations 3..5;
+is identical; the new-layout resumes (moved by the new run's ranks, zoo.training.layout_change) match the
+uninterrupted ZeRO-1/ZeRO-2 run <= 1e-5 for iterations 3..5 and write nothing beside the source;
 each rank's optimizer partition holds ~1/dp of its TP rank's optimizer state (measured at dp = 2 and 4).
-No-process tests: the ZeRO resharder round-trips a real partition set bit-exactly (each group with its
-own Adam step tensor), and an impossible
-layout is refused in one sentence with nothing written.
+No-process tests: the layout-free reader gives back a real partition set bit-exactly (laid out again as
+DeepSpeed lays it out), and an impossible layout is refused in one sentence with nothing written.
 """
 
 from __future__ import annotations
@@ -53,14 +55,16 @@ def run(name, tp, stage, iters={iters}, load=None, save_interval=0, bf16=False):
 
 run("base", 2, 0)
 run("zero1", 2, 1, save_interval={saved_at})
-run("zero2", 2, 2)
-if dist.get_rank() == 0:   # zero1's iteration-{saved_at} checkpoint as its own run directory, 'latest' naming it
-    source = root / "zero1" / "checkpoints" / "iter_{saved_at:07d}"
-    shutil.copytree(source, root / "saved" / "checkpoints" / source.name)
-    (root / "saved" / "checkpoints" / "latest").write_text(source.name)
+run("zero2", 2, 2, save_interval={saved_at})
+if dist.get_rank() == 0:   # each iteration-{saved_at} checkpoint as its own run directory, 'latest' naming it
+    for run_name, saved in (("zero1", "saved"), ("zero2", "saved2")):
+        source = root / run_name / "checkpoints" / "iter_{saved_at:07d}"
+        shutil.copytree(source, root / saved / "checkpoints" / source.name)
+        (root / saved / "checkpoints" / "latest").write_text(source.name)
 dist.barrier()
 for name, tp in (("same", 2), ("tp4", 4), ("tp1", 1)):
     run(name, tp, 1, load=str(root / "saved"))
+run("zero2-tp1", 1, 2, load=str(root / "saved2"))
 run("bf16-0", 2, 0, iters=3, bf16=True)
 run("bf16-1", 2, 1, iters=3, bf16=True)
 """
@@ -165,8 +169,17 @@ def test_zero1_resume_at_tp4_dp1_and_tp1_dp4_continues_the_run(runs):
     for event in first:   # the first iteration after the resume: same weights, same batch
         assert rel(event["loss"], reference[0]["loss"]) <= PARITY and rel(event["grad_norm"],
                                                                           reference[0]["grad_norm"]) <= PARITY
-    copies = sorted(p.name for p in (runs / "saved" / "checkpoints" / "resharded").iterdir())
-    assert copies == [f"iter_{SAVED_AT:07d}-tp1-dp4", f"iter_{SAVED_AT:07d}-tp4-dp1"], copies
+    written = sorted(p.name for p in (runs / "saved" / "checkpoints").iterdir())
+    assert written == ["iter_0000002", "latest"], written   # moved by the ranks: no copy beside the source
+
+
+def test_zero2_resume_at_tp1_dp4_continues_the_run(runs):
+    """ZeRO-2 at tp = 2 x dp = 2 -> tp = 1 x dp = 4, filled through DeepSpeed's hp-fragment mapping of the
+    stage-1/2 optimizer: losses and grad norms <= 1e-5 of the uninterrupted ZeRO-2 run for iterations 3..5."""
+    reference = [e for e in train_events(runs / "zero2") if e["iteration"] > SAVED_AT]
+    assert len(reference) == 3
+    assert_matches(train_events(runs / "zero2-tp1"), reference, PARITY, "zero2 tp1 x dp4")
+    assert sorted(p.name for p in (runs / "saved2" / "checkpoints").iterdir()) == ["iter_0000002", "latest"]
 
 
 def test_bf16_with_and_without_zero1(runs):
@@ -215,41 +228,52 @@ def test_optimizer_memory_per_rank_is_one_over_dp(runs):
           non_zero)
 
 
-# ----------------------------------------------------------------------------- resharder, no processes
-def test_zero_reshard_round_trip_is_bit_exact(runs, tmp_path):
-    """tp2 x dp2 -> tp4 x dp1 -> tp2 x dp2 gives back every partition tensor of the real checkpoint, and each
-    optimizer group of a written partition has its own Adam step tensor (torch.load keeps a shared one shared,
-    and AdamW increments it in place once per group)."""
-    from zoo.checkpoint.reshard import reshard_checkpoint
+# ----------------------------------------------------------------------------- reader, no processes
+def test_zero_reader_gives_back_every_partition_bit_exactly(runs):
+    """tp2 x dp2 ZeRO-1: every parameter's fp32 master and Adam moments as the layout-free reader gives them,
+    flattened in group order and cut into dp slices as DeepSpeed lays a group out (zoo.checkpoint.zero_reshard
+    .partition_bounds), equal every partition file's tensors bit-exactly (the moments' padding is zeros); each
+    group's Adam step is the source's."""
+    from zoo.checkpoint.training_state import CheckpointTrainingState
+    from zoo.checkpoint.zero_reshard import partition_bounds
 
     source = runs / "saved" / "checkpoints" / f"iter_{SAVED_AT:07d}"
-    reshard_checkpoint(source, 4, tmp_path / "tp4", new_dp=1)
-    reshard_checkpoint(tmp_path / "tp4", 2, tmp_path / "back", new_dp=2)
-    for path in [*(tmp_path / "tp4").glob("zero_pp_rank_*"), *(tmp_path / "back").glob("zero_pp_rank_*")]:
-        steps = [state["step"] for state in torch.load(path, weights_only=False)[
-            "optimizer_state_dict"]["base_optimizer_state"]["state"].values()]
-        assert len(steps) == 2 and steps[0].untyped_storage().data_ptr() != steps[1].untyped_storage().data_ptr(), path
-    for d in (0, 1):
-        for t in (0, 1):
-            name = f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt"
-            old = torch.load(source / name, weights_only=False)["optimizer_state_dict"]
-            new = torch.load(tmp_path / "back" / name, weights_only=False)["optimizer_state_dict"]
-            for a, b in zip(old["single_partition_of_fp32_groups"], new["single_partition_of_fp32_groups"]):
-                assert torch.equal(a, b), name
-            for g, state in old["base_optimizer_state"]["state"].items():
-                for key, value in state.items():
-                    assert torch.equal(value, new["base_optimizer_state"]["state"][g][key]), (name, g, key)
-            assert old["group_paddings"] == new["group_paddings"] and old["partition_count"] == new["partition_count"]
-            assert [dict(m) for m in old["param_slice_mappings"]] == [dict(m) for m in new["param_slice_mappings"]]
+    state = CheckpointTrainingState(source, 2, 1, wanted=set())
+    for t in (0, 1):
+        groups = torch.load(source / f"mp_rank_{t:02d}_model_states.pt", weights_only=False)["param_names"]
+        reader = state.rank_source(state.read_states(source / f"mp_rank_{t:02d}_model_states.pt"), groups,
+                                   state_shapes(source, t), source / f"mp_rank_{t:02d}_model_states.pt", t, 2, [])
+        for g, group in enumerate(groups):
+            for key, file_key in (("master", None), ("exp_avg", "exp_avg"), ("exp_avg_sq", "exp_avg_sq")):
+                flat = torch.cat([reader.tensor(name, key)[0].reshape(-1) for name in group])
+                size, paddings = partition_bounds(flat.numel(), 2)
+                for d in (0, 1):
+                    saved = torch.load(source / f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt",
+                                       weights_only=False)["optimizer_state_dict"]
+                    keep = size - paddings[d]
+                    if file_key is None:
+                        assert torch.equal(saved["single_partition_of_fp32_groups"][g], flat[d * size:d * size + keep])
+                        continue
+                    want = saved["base_optimizer_state"]["state"][g][file_key]
+                    assert torch.equal(want[:keep], flat[d * size:d * size + keep]), (t, g, key, d)
+                    assert not want[keep:].any(), (t, g, key, d)
+            assert float(reader.step(group[0])) == SAVED_AT
+
+
+def state_shapes(tag_dir: Path, tp_rank: int) -> dict[str, torch.Size]:
+    """Every parameter's local shape on TP rank ``tp_rank``, from its model-states file."""
+    module = torch.load(tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt", weights_only=False)["module"]
+    return {name: tensor.shape for name, tensor in module.items()}
 
 
 def test_impossible_zero_layout_is_one_sentence(runs, tmp_path):
-    from zoo.checkpoint.reshard import reshard_checkpoint
+    from zoo.training.layout_change import check_layout_change
 
     source = runs / "saved" / "checkpoints" / f"iter_{SAVED_AT:07d}"
     with pytest.raises(ValueError, match=r"cannot be laid out at tp=8") as err:
-        reshard_checkpoint(source, 8, tmp_path / "tp8", new_dp=1)
+        check_layout_change(source, (2, 1), 8, None, None, "--load saved")
     assert "\n" not in str(err.value)
-    with pytest.raises(ValueError, match=r"ZeRO/BF16 partitions over dp=2; pass the new data-parallel degree") as err:
-        reshard_checkpoint(source, 4, tmp_path / "tp4")
-    assert not (tmp_path / "tp8").exists() and not (tmp_path / "tp4").exists()
+    with pytest.raises(ValueError, match=r"this layout uses ZeRO stage 3 \(ZeRO-3\)") as err:
+        check_layout_change(source, (2, 1), 4, None, 3, "--load saved")
+    assert "\n" not in str(err.value)
+    assert sorted(p.name for p in source.parent.iterdir()) == ["iter_0000002", "latest"]
