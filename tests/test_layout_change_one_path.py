@@ -8,7 +8,8 @@ One spawn of 4 ranks (dropout off):
   bert    BERT (pre-norm, SOP) at tp2 x dp2, 4 iterations, checkpoint at 2, resumed at tp1 x dp4 for 3 and 4;
   bad     on resume, the checkpoint missing a rank's file and the checkpoint resumed in bf16: one sentence each,
           the same on every rank, the same sentence the offline conversion gives (one check function), nothing
-          written beside the source.
+          written beside the source; launch/pretrain.py (one rank) prints the first as its one error line and
+          exits 2.
 Claims: no rank holds more than its share (12 bytes x the parameters it holds: fp32 master and two Adam moments,
 the planner's accounting) plus the largest merged tensor; a rank opens at most the source's files of its names;
 the resume line says source and new layout, precision, tag, iteration, samples, seconds and the largest peak
@@ -24,6 +25,8 @@ import gzip
 import io
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -116,7 +119,7 @@ def runs(tmp_path_factory):
     with gzip.open(REPO / "zoo" / "assets" / "corpora" / "wiki-sample.jsonl.gz", "rt") as src:
         (root / "small.jsonl").write_text("".join(next(src) for _ in range(12)))
     preprocess_bert([str(root / "small.jsonl")], str(root / "bert_small"), workers=1, progress=False)
-    return root, spawn(_runs, 4, gpt2_data, str(root / "bert_small"), str(root), timeout=600)
+    return root, spawn(_runs, 4, gpt2_data, str(root / "bert_small"), str(root), timeout=600), gpt2_data
 
 
 # ----------------------------------------------------------------------------- what each rank read and held
@@ -127,7 +130,7 @@ def within_bound(record: dict) -> bool:
 
 
 def test_each_rank_holds_at_most_its_share_plus_the_largest_tensor(runs):
-    root, per_rank = runs
+    root, per_rank, _ = runs
     records = [result["counted"] for result in per_rank]
     assert all(record["ranks"] == records[0]["ranks"] for record in records)   # agreed on every rank
     ranks = records[0]["ranks"]
@@ -147,9 +150,10 @@ def test_each_rank_holds_at_most_its_share_plus_the_largest_tensor(runs):
 
 
 def test_the_resume_line_says_what_the_move_did(runs):
-    _, per_rank = runs
+    _, per_rank, _ = runs
     record = per_rank[0]["counted"]
     line = next(line for line in per_rank[0]["out"].splitlines() if line.startswith("resumed from"))
+    print(line)
     assert line.startswith("resumed from iter_0000002 (iteration 2, 16 samples consumed) at tp2×pp1×dp2 → "
                            "tp4×pp1×dp1: fp32 ZeRO-1 moved in "), line
     assert f"peak {record['max_peak_bytes']:,} bytes held (rank {record['peak_rank']}, whose share + largest tensor " \
@@ -160,7 +164,7 @@ def test_the_resume_line_says_what_the_move_did(runs):
 
 # ----------------------------------------------------------------------------- BERT through the same path
 def test_bert_tp2_resumes_at_tp1_and_continues_the_run(runs):
-    root, per_rank = runs
+    root, per_rank, _ = runs
     record = per_rank[0]["bert"]
     assert (record["tensor_parallel_size"], record["data_parallel_size"], record["precision"]) == (2, 2, "fp32")
     reference = [e for e in train_events(root / "bert") if e["iteration"] > 2]
@@ -176,7 +180,7 @@ def test_bert_tp2_resumes_at_tp1_and_continues_the_run(runs):
 def test_bad_cases_on_resume_are_the_offline_sentences_and_write_nothing(runs):
     from zoo.training.layout_change import check_layout_change
 
-    root, per_rank = runs
+    root, per_rank, _ = runs
     refused = per_rank[0]["refused"]
     assert all(result["refused"] == refused for result in per_rank), [r["refused"] for r in per_rank]
     tag = root / "gpt2-missing" / "checkpoints" / "iter_0000002"
@@ -192,3 +196,22 @@ def test_bad_cases_on_resume_are_the_offline_sentences_and_write_nothing(runs):
         assert sorted(p.name for p in (root / name / "checkpoints").iterdir()) == ["iter_0000002", "latest"]
     for case in ("missing", "precision"):
         assert not (root / f"bad-{case}" / "checkpoints").exists(), case
+
+
+def test_a_source_missing_a_rank_file_exits_2_from_the_script(runs):
+    """launch/pretrain.py, one rank, resuming the checkpoint that lost mp_rank_01 with the source run's own
+    settings (its config.json) at tp1: the same one sentence as an error line, exit code 2, nothing written."""
+    from tests.spawn import free_port
+
+    root, per_rank, corpus = runs
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1", HF_HUB_OFFLINE="1")
+    proc = subprocess.run([sys.executable, "launch/pretrain.py", "--deepspeed_config", str(root / "gpt2" / "config.json"),
+                           "--tensor-parallel-size", "1", "--data-path", corpus, "--save", str(root / "cli-missing"),
+                           "--load", str(root / "gpt2-missing")], env=env, cwd=REPO, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+    assert errors == [f"error: {per_rank[0]['refused']['missing']}"], proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert not (root / "cli-missing" / "checkpoints").exists()
