@@ -13,7 +13,7 @@ from tests.spawn import spawn
 from zoo.data import BertDataset, GPTDataset, IndexedDatasetBuilder
 from zoo.data.blend_cache import blend_cache_path, shared_blend_index
 from zoo.data.blending import BlendedDataset, blend_index, check_data_path, parse_data_path
-from zoo.models.presets import model_config
+from zoo.models import model_config
 from zoo.parallel import ParallelState
 from zoo.training.pretraining_data import PretrainingData
 

@@ -21,7 +21,7 @@ PREPROCESSING_S, GROUP_TIMEOUT_S = 4.0, 2.0
 
 def _bundled_corpus_under_a_short_group_timeout(rank, world_size, port, directory):
     import zoo.training.pretraining_data as pretraining_data
-    from zoo.models.presets import model_config
+    from zoo.models import model_config
     from zoo.parallel import ParallelState
 
     dist.destroy_process_group()

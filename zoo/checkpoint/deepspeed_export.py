@@ -47,6 +47,7 @@ from zoo.checkpoint.layout import (
     recover_config,
 )
 from zoo.checkpoint.mapped_pages import mapped_ranges, release_pages
+from zoo.models.families import shape_of
 from zoo.models.hf_io import (
     DEFAULT_MAX_SHARD_SIZE,
     HFParam,
@@ -190,14 +191,14 @@ def export_pipeline_checkpoint(tag_dir: Path, first: dict, out, dtype: torch.dty
 
     tp_size, pp_size = layout_of_tag(tag_dir)
     first_path = model_states_path(tag_dir, 0)
-    n_layer = config_from_dict(first.get("model_config") or {}, first_path).n_layer
+    n_layer = shape_of(config_from_dict(first.get("model_config") or {}, first_path)).layers
     modules = [pipeline_module_states(tag_dir, rank, n_layer) for rank in range(tp_size)]
     config, source = recover_config({**first, "module": modules[0]}, tp_size, first_path)
     layout = checked_layout_model(config, tp_size, first_path)
     for rank, module in enumerate(modules):
         check_layout(layout, module, layer_path(tag_dir, 0, rank))
     out_dtype = dtype or modules[0][embedding_key(config)].dtype
-    ranges = mapped_ranges(layer_path(tag_dir, index, rank) for index in range(config.n_layer + 3)
+    ranges = mapped_ranges(layer_path(tag_dir, index, rank) for index in range(n_layer + 3)
                            for rank in range(tp_size))
     stream_export(out, layout, modules, out_dtype, ranges, max_shard_size)
     return ExportResult(out=Path(out), tag_dir=tag_dir, tp_size=tp_size, dtype=out_dtype, config_source=source,

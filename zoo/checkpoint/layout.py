@@ -1,8 +1,8 @@
 """The model behind a zoo DeepSpeed checkpoint, as layout only: config, names, local shapes and
 partition tags at a given tp degree, built on the meta device without processes or memory.
 
-A checkpoint is GPT-2 (``GPT2LMHeadModel``) or BERT (``BertForPreTraining``, pre-norm or post-norm):
-the pretraining models of :mod:`zoo.models.families`. Each parameter's partition spec, declared by its
+A checkpoint holds the pretraining model of one of the families of :mod:`zoo.models.families`
+(``GPT2LMHeadModel``, ``BertForPreTraining`` pre-norm or post-norm, ``LlamaForCausalLM``, ...). Each parameter's partition spec, declared by its
 layer (:func:`zoo.parallel.partition.partition_specs`: split dimension, stride, vocab rows), says how its
 shards merge and split; with the model's transformers key names, that is all the exporter and the tp
 resharder need.
@@ -15,11 +15,15 @@ from typing import Any
 
 import torch
 
-from zoo.models.config import BertConfig, GPT2Config
-from zoo.models.families import build_model, family_of, family_of_model_type, param_groups
+from zoo.models.families import (
+    ModelConfig,
+    build_model,
+    family_of,
+    family_of_model_type,
+    known_model_types,
+    param_groups,
+)
 from zoo.parallel.state import ParallelState
-
-ModelConfig = GPT2Config | BertConfig
 
 
 def layout_only_state(tp_size: int, tp_rank: int = 0) -> ParallelState:
@@ -74,9 +78,15 @@ def config_from_dict(values: dict[str, Any], path: Path) -> ModelConfig:
     """A recorded transformers-style config dict: its ``model_type`` picks the family."""
     family = family_of_model_type(values.get("model_type"))
     if family is None:
-        raise ValueError(f"{path} records model_type {values.get('model_type')!r}, which is neither 'gpt2', 'bert' "
-                         "nor 'megatron-bert'; it is not a checkpoint of a zoo model.")
-    return family.config_class.from_dict(values)
+        raise ValueError(f"{path} records model_type {values.get('model_type')!r}, which is {model_types_sentence()}; "
+                         "it is not a checkpoint of a zoo model.")
+    return family.config_from_hf(values)
+
+
+def model_types_sentence() -> str:
+    """"neither 'gpt2', 'bert' nor 'megatron-bert'": the model types zoo builds, for a refusal."""
+    names = [repr(name) for name in known_model_types()]
+    return f"neither {', '.join(names[:-1])} nor {names[-1]}"
 
 def _match_vocab_padding(config: ModelConfig, module: dict[str, torch.Tensor], tp_size: int,
                          path: Path) -> ModelConfig:

@@ -1,30 +1,46 @@
-"""The model families zoo trains, as data: one :class:`ModelFamily` per family, looked up from a config
-or from a transformers ``model_type``. Training, checkpoint export and resharding all ask this
-registry instead of dispatching on config classes themselves.
+"""The model families zoo trains, as data: one :class:`ModelFamily` per family, looked up from a config,
+a preset name or a transformers ``model_type``. This registry is the one place that knows which families
+exist; training, planning, checkpoint export and resharding ask it instead of dispatching on config
+classes or model-type strings themselves. A new family is its own folder under ``zoo/models/`` plus one
+entry of :data:`FAMILIES`.
 
-    family_of(config).pretraining_model(config, parallel=ps)      # GPT2LMHeadModel / BertForPreTraining
-    family_of(config).shape(config).layers                          # for the FLOPs formula
+    family_of(config).pretraining_model(config, parallel=ps)      # GPT2LMHeadModel / BertForPreTraining / ...
+    model_config("llama-tiny", hidden_dropout=0.0)                # any family's preset, by name
+    family_of(config).shape(config).layers                        # for the FLOPs formula
+
+What pretraining does with a family beyond its model (datasets, corpus, extra metrics) lives on the
+training side, which is above this package: a family names its pretraining ``objective`` here and
+:mod:`zoo.training.families` holds the one table of objectives.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from zoo.models.bert import BertForPreTraining
-from zoo.models.config import BertConfig, GPT2Config
+from zoo.models.config import BertConfig, GPT2Config, check_hf_config_values
 from zoo.models.gpt2 import GPT2LMHeadModel
-from zoo.models.llama import LlamaConfig, LlamaForCausalLM
+from zoo.models.gpt2_pipeline import gpt2_pipeline_module, load_stage_weights
+from zoo.models.hf_io import read_config_json
+from zoo.models.llama import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, llama_config
+from zoo.models.llama.config import check_llama_config_values
+from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS, bert_config, gpt2_config
 from zoo.parallel.state import ParallelState
 
-ModelConfig = GPT2Config | BertConfig
+ModelConfig = GPT2Config | BertConfig | LlamaConfig
+
+CAUSAL_LM = "causal_lm"     # next-token prediction on a stream of documents (GPT-2, Llama)
+MLM_SOP = "mlm_sop"         # masked LM plus sentence-order prediction on sentence pairs (BERT)
 
 
 @dataclass(frozen=True)
 class ModelShape:
+    """The numbers Megatron's FLOPs formula and the planner's activation formulas read."""
+
     layers: int
     hidden: int
     heads: int
@@ -33,26 +49,64 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
+class PipelineStages:
+    """How a family runs as DeepSpeed pipeline stages: ``build(config, parallel, seed, partition_method,
+    replay_init)`` gives this rank's stage module, ``load_weights(module, directory, parallel)`` fills it from
+    a transformers directory (this stage's tensors, this rank's slices)."""
+
+    build: Callable[..., torch.nn.Module]
+    load_weights: Callable[[torch.nn.Module, str, ParallelState], None]
+
+
+@dataclass(frozen=True)
 class ModelFamily:
-    name: str                                   # "gpt2" | "bert": the key the training side uses
-    display_name: str                           # for messages: "GPT-2", "BERT"
+    """Everything outside a family's folder needs to know about it.
+
+    ``check_hf_config(values, path)`` refuses a transformers config.json of the family whose shape fields are
+    missing or out of bounds (one sentence naming the file and the field); ``config_from_hf(values)`` builds
+    the family's config from one (transformers' field names). ``objective`` names the pretraining objective
+    (:data:`CAUSAL_LM` or :data:`MLM_SOP`) whose data and metrics :mod:`zoo.training.families` provides.
+    ``generates_text``: the pretraining model samples text (a run's ``sample_prompts``).
+    ``pipeline``: None where the family has no pipeline stages. ``lm_head_transform``: the LM head runs a
+    dense + GeLU + LayerNorm transform before the decoder (BERT's MLM head), which the planner counts.
+    ``layout_fields``: config fields a ``--pretrained`` run keeps from its own overrides although they are
+    no dropout or run field, because they pick the layer order the directory's weights must match.
+    """
+
+    name: str                                   # "gpt2" | "bert" | "llama"
+    display_name: str                           # for messages: "GPT-2", "BERT", "Llama"
     config_class: type
     pretraining_model: type                     # the model pretraining builds and checkpoints hold
     model_types: tuple[str, ...]                # transformers' model_type values of the family
     embedding_key: str                          # the vocab-parallel word embedding in the state dict
     shape: Callable[[Any], ModelShape]
+    presets: Mapping[str, dict]
+    make_config: Callable[..., Any]             # (preset, **overrides) -> config
+    config_from_hf: Callable[[dict], Any]
+    check_hf_config: Callable[[dict, Any], None]
+    objective: str
+    generates_text: bool
+    pipeline: PipelineStages | None = None
+    lm_head_transform: bool = False
+    layout_fields: tuple[str, ...] = ()
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("gpt2", "GPT-2", GPT2Config, GPT2LMHeadModel, ("gpt2",), "transformer.wte.weight",
-                lambda c: ModelShape(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.n_positions)),
+                lambda c: ModelShape(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.n_positions),
+                GPT2_PRESETS, gpt2_config, GPT2Config.from_dict, check_hf_config_values, CAUSAL_LM,
+                generates_text=True, pipeline=PipelineStages(gpt2_pipeline_module, load_stage_weights)),
     ModelFamily("bert", "BERT", BertConfig, BertForPreTraining, ("bert", "megatron-bert"),
                 "bert.embeddings.word_embeddings.weight",
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
-                                     c.max_position_embeddings)),
+                                     c.max_position_embeddings),
+                BERT_PRESETS, bert_config, BertConfig.from_dict, check_hf_config_values, MLM_SOP,
+                generates_text=False, lm_head_transform=True, layout_fields=("pre_norm",)),
     ModelFamily("llama", "Llama", LlamaConfig, LlamaForCausalLM, ("llama",), "model.embed_tokens.weight",
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
-                                     c.max_position_embeddings)),
+                                     c.max_position_embeddings),
+                LLAMA_PRESETS, llama_config, LlamaConfig.from_hf_dict, check_llama_config_values, CAUSAL_LM,
+                generates_text=True),
 )
 
 
@@ -67,6 +121,38 @@ def family_of(config: ModelConfig) -> ModelFamily:
 def family_of_model_type(model_type: str | None) -> ModelFamily | None:
     """The family a transformers ``model_type`` belongs to, or None for one zoo does not build."""
     return next((family for family in FAMILIES if model_type in family.model_types), None)
+
+
+def known_model_types() -> list[str]:
+    """Every transformers ``model_type`` zoo builds, for messages."""
+    return [model_type for family in FAMILIES for model_type in family.model_types]
+
+
+def family_of_preset(preset: str) -> ModelFamily:
+    """The family whose presets name ``preset``; an unknown name is one sentence listing them all."""
+    for family in FAMILIES:
+        if preset in family.presets:
+            return family
+    names = [name for family in FAMILIES for name in sorted(family.presets)]
+    raise ValueError(f"unknown model preset {preset!r}; choose one of {names}.")
+
+
+def model_config(preset: str, **overrides) -> ModelConfig:
+    """The config of any zoo preset with optional field overrides; the family follows from the name."""
+    return family_of_preset(preset).make_config(preset, **overrides)
+
+
+def pretrained_config(directory: str, family: ModelFamily | None = None) -> ModelConfig:
+    """The checked config of a transformers-layout directory's config.json, read as ``family``'s (by default
+    the family of its ``model_type``, and a model type zoo does not build is one sentence)."""
+    path = f"{directory}/config.json"
+    values = read_config_json(directory)
+    family = family or family_of_model_type(values.get("model_type"))
+    if family is None:
+        raise ValueError(f"{path} has model_type {values.get('model_type')!r}, which zoo does not build; pass a "
+                         f"directory of one of {known_model_types()}.")
+    family.check_hf_config(values, path)
+    return family.config_from_hf(values)
 
 
 def build_model(config: ModelConfig, parallel: ParallelState | None) -> torch.nn.Module:

@@ -1,4 +1,5 @@
-"""Model presets as data: a name maps to the fields that differ from the config defaults."""
+"""GPT-2 and BERT presets as data: a name maps to the fields that differ from the config defaults. Any
+family's preset is looked up through the registry (:func:`zoo.models.families.model_config`)."""
 
 from __future__ import annotations
 
@@ -49,11 +50,3 @@ def bert_config(preset: str, **overrides) -> BertConfig:
         raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(BERT_PRESETS)}.")
     return BertConfig(**{**BERT_PRESETS[preset], **overrides})
 
-
-def model_config(preset: str, **overrides) -> GPT2Config | BertConfig:
-    """The config of any zoo preset; the family (GPT-2 or BERT) follows from the name."""
-    if preset in GPT2_PRESETS:
-        return gpt2_config(preset, **overrides)
-    if preset in BERT_PRESETS:
-        return bert_config(preset, **overrides)
-    raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(GPT2_PRESETS) + sorted(BERT_PRESETS)}.")

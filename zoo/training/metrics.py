@@ -66,8 +66,6 @@ def format_log_line(event: dict[str, Any], train_iters: int) -> str:
     if "nan_iterations" in event:
         parts.append(f"nan/inf {event['nan_iterations']}")
     parts.append(f"ETA {format_duration(event['eta_s'])}")
-    if "sop_acc" in event:
-        parts += [f"MLM {event['mlm_loss']:.4f}", f"SOP {event['sop_loss']:.4f}", f"SOP acc {event['sop_acc']:.3f}"]
     return " | ".join(parts)
 
 

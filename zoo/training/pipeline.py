@@ -75,35 +75,32 @@ def pipeline_ds_dict(ds: dict[str, Any], sequence_parallel: bool) -> tuple[dict[
 
 
 def pipeline_model_config(config: RunConfig):
-    """The GPT-2 config of a pipeline run: the preset's, or with ``--pretrained`` the directory's (checked as a
+    """The model config of a pipeline run: the preset's, or with ``--pretrained`` the directory's (checked as a
     one-stage run checks it), with the run's dropout, recomputation and sequence-parallel fields."""
-    from zoo.models import GPT2LMHeadModel
     from zoo.models import model_config as build_model_config
-    from zoo.models.config import check_hf_config_values
-    from zoo.models.hf_io import read_config_json
+    from zoo.models.families import family_of, pretrained_config
     from zoo.training.families import pretrained_overrides
 
     preset = build_model_config(config.model, **{**config.model_run_fields(), **config.model_overrides})
     if not config.pretrained:
         return preset
     kept = pretrained_overrides(config.pretrained, preset, config.model, config.model_overrides)
-    values = read_config_json(config.pretrained)
-    model_config = GPT2LMHeadModel.config_from_hf(values)
-    check_hf_config_values(values, f"{config.pretrained}/config.json")
-    return model_config.replace(**kept)
+    return pretrained_config(config.pretrained, family_of(preset)).replace(**kept)
 
 
 def build_pipeline_model(config: RunConfig, model_config, ps, device):
     """(this rank's stage module, model config): ``--pretrained`` weights (this stage's tensors, this rank's
-    slices) or the one-stage model's random init of ``--seed``, built on ``device``."""
-    from zoo.models.gpt2_pipeline import gpt2_pipeline_module, load_stage_weights
+    slices) or the one-stage model's random init of ``--seed``, built on ``device`` (the family's
+    :class:`zoo.models.families.PipelineStages`)."""
+    from zoo.models.families import family_of
 
+    stages = family_of(model_config).pipeline
     with torch.device(device):
-        module = gpt2_pipeline_module(model_config, ps, config.seed, config.pipeline_partition_method,
-                                      replay_init=not config.pretrained)
+        module = stages.build(model_config, ps, config.seed, config.pipeline_partition_method,
+                              replay_init=not config.pretrained)
     if config.pretrained:
         with torch.no_grad():
-            raise_on_any_rank(lambda: load_stage_weights(module, config.pretrained, ps))
+            raise_on_any_rank(lambda: stages.load_weights(module, config.pretrained, ps))
     return module
 
 

@@ -358,12 +358,11 @@ def model_config_of(config: RunConfig):
     """The model's config as pretraining builds it: the preset with overrides, or the shapes of the
     ``pretrained`` directory's config.json; activation checkpointing as the run config says."""
     # local: zoo.models imports torch and transformers (seconds); plan --help runs without them
-    from zoo.models import model_config
-    from zoo.models.hf_io import read_config_json  # local: torch and transformers import cost
+    from zoo.models.families import family_of, model_config, pretrained_config
 
     built = model_config(config.model, **{**config.model_run_fields(), **config.model_overrides})
     if config.pretrained:
-        built = type(built).from_dict(read_config_json(config.pretrained))
+        built = pretrained_config(config.pretrained, family_of(built))
         built = built.replace(**config.model_run_fields())
     return built.validate(config.tensor_parallel_size)
 
@@ -383,9 +382,8 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     bad input.
     """
     # local: zoo.models imports torch and transformers (seconds); plan --help runs without them
-    from zoo.models import BertConfig
     from zoo.models.config import recompute_mode  # local: torch and transformers import cost
-    from zoo.models.families import shape_of  # local: torch and transformers import cost
+    from zoo.models.families import family_of  # local: torch and transformers import cost
 
     for name, value in (("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -404,7 +402,8 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
                          f"multiple of {tp * pp} devices.")
     gas = validate_for_world(config, world)
     model_config = model_config_of(config)
-    shape = shape_of(model_config)
+    family = family_of(model_config)
+    shape = family.shape(model_config)
     if config.seq_length > shape.max_positions:
         raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
                          f"{shape.max_positions}; pass a seq_length of {shape.max_positions} or less.")
@@ -423,7 +422,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     widths = {"value_bytes": DTYPE_BYTES[dtype], "mask_bytes": DTYPE_BYTES[dtype] if spec is None else 1}
     layers_bytes = activation_bytes(s, b, h, heads, shape.layers, tp, sequence_parallel, recompute, **widths)
     output_bytes = output_activation_bytes(s, b, h, padded_vocab, tp, sequence_parallel, **widths,
-                                           mlm_transform=isinstance(model_config, BertConfig))
+                                           mlm_transform=family.lm_head_transform)
     scores_held = {"none": shape.layers, "selective": 0, "full": 1}[recompute]   # full: the recomputed layer's
     scores_bytes = scores_held * attention_scores_bytes(s, b, heads, tp, **widths)
     activations = round(layers_bytes + output_bytes)

@@ -1,5 +1,6 @@
-"""GPT-2 pretraining through DeepSpeed: zoo builds the tensor-parallel model and the data, DeepSpeed
-does data parallelism, loss scaling, clipping, the optimizer, the LR schedule and checkpoint files.
+"""Pretraining of any registered model family (:mod:`zoo.models.families`) through DeepSpeed: zoo builds
+the tensor-parallel model and the data, DeepSpeed does data parallelism, loss scaling, clipping, the
+optimizer, the LR schedule and checkpoint files.
 
     deepspeed --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/tp8.json
 """
@@ -264,9 +265,8 @@ def print_summary(run_dir: Path, iteration: int, last: dict[str, Any], validatio
         print(validation_summary(validation, unigram))
     for line in samples:
         print(line)
-    if "sop_acc" in last:
-        print(f"last logged window: MLM loss {last['mlm_loss']:.4f}, SOP loss {last['sop_loss']:.4f}, "
-              f"SOP accuracy {last['sop_acc']:.3f}")
+    if closing := data.objective.closing_line(last):
+        print(closing)
     print(f"done: {iteration} iterations, final train loss {last.get('loss', float('nan')):.4f}; "
           f"metrics in {run_dir / 'metrics.jsonl'}, plot in {run_dir / 'loss.png'}, "
           f"checkpoints in {run_dir / CHECKPOINT_SUBDIR}")

@@ -15,7 +15,7 @@ from zoo.data.blending import BlendedDataset, check_data_path
 from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader, shut_down_workers
 from zoo.data.indexed_dataset import IndexedDataset
 from zoo.distributed import raise_on_any_rank, run_on_first_rank
-from zoo.training.families import build_dataset, default_corpus
+from zoo.training.families import build_dataset, default_corpus, objective_of
 from zoo.training.run_config import RunConfig
 
 __all__ = ["PretrainingData", "can_start_workers"]
@@ -51,6 +51,7 @@ class PretrainingData:
                               work_bytes=BUNDLED_CORPUS_BYTES)
             blend = [(1.0, default_corpus(model_config, progress=False))]
         self.is_bundled_corpus = config.data_path is None
+        self.objective = objective_of(model_config)   # its extra metrics and their log lines
         self.blend = [(weight, prefix) for weight, prefix in blend if weight > 0]
         self.ps = ps
         self.micro_batch = micro_batch

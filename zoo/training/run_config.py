@@ -350,7 +350,7 @@ def check_input_paths(config: RunConfig) -> RunConfig:
 
 def validate_static(config: RunConfig) -> RunConfig:
     """Checks that need no process group."""
-    from zoo.models.presets import model_config  # local: torch import cost (the parser is built without torch)
+    from zoo.models.families import model_config  # local: torch import cost (the parser is built without torch)
 
     check_field_types(config)
     check_ds_config(config.ds_config, config.ds_config_path, needs_optimizer=False)
@@ -398,8 +398,10 @@ def validate_static(config: RunConfig) -> RunConfig:
 
 
 def check_sample_prompts(config: RunConfig, family_config) -> None:
-    """``sample_prompts`` are strings, for a GPT model, each leaving room for new tokens in its
-    ``n_positions`` (GPT-2 BPE tokens): checked before training, not after it, where they are used."""
+    """``sample_prompts`` are strings, for a family that generates text, each leaving room for new tokens in
+    its context (GPT-2 BPE tokens, the sampler's): checked before training, not after it, where they are used."""
+    from zoo.models.families import family_of  # local: torch import cost (the parser is built without torch)
+
     prompts = config.sample_prompts
     if not prompts:
         return
@@ -407,7 +409,8 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
     if bad is not None:
         raise ValueError(f"sample_prompts holds {shown(bad)} ({json_kind(bad)}), not a string; write it as e.g. "
                          "\"sample_prompts\": [\"The history of\"].")
-    if family_config.model_type != "gpt2":
+    family = family_of(family_config)
+    if not family.generates_text:
         raise ValueError(f"sample_prompts are for GPT models, but model {config.model!r} is a "
                          f"{family_config.model_type} model, which does not generate text; remove sample_prompts "
                          "from the zoo block.")
@@ -415,7 +418,7 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
         return
     from zoo.data.tokenizers import load_gpt2_tokenizer  # local: torch import cost (the parser is built without torch)
 
-    n_positions = family_config.n_positions
+    n_positions = family.shape(family_config).max_positions
     tokenizer = load_gpt2_tokenizer()
     for index, prompt in enumerate(prompts):
         length = len(tokenizer.encode(prompt))
@@ -425,8 +428,10 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
 
 
 def check_pipeline(config: RunConfig, family_config) -> None:
-    """A pipeline layout zoo and DeepSpeed's pipeline engine can run: GPT-2, a known partition method, every
-    stage with a layer (``uniform``: the same number), ZeRO stage 0 or 1."""
+    """A pipeline layout zoo and DeepSpeed's pipeline engine can run: a family with pipeline stages, a known
+    partition method, every stage with a layer (``uniform``: the same number), ZeRO stage 0 or 1."""
+    from zoo.models.families import FAMILIES, family_of  # local: torch import cost (the parser is built without torch)
+
     pp = config.pipeline_model_parallel_size
     if config.pipeline_partition_method not in ("parameters", "uniform"):
         raise ValueError(f"pipeline_partition_method {config.pipeline_partition_method!r} is not 'parameters' or "
@@ -434,11 +439,13 @@ def check_pipeline(config: RunConfig, family_config) -> None:
                          "uniform (equal transformer layers per stage).")
     if pp == 1:
         return
-    if family_config.model_type != "gpt2":
-        raise ValueError(f"pipeline stages are built for GPT-2 only, and model {config.model!r} is not GPT-2 "
-                         f"(model_type {family_config.model_type!r}); train it with --pipeline-model-parallel-size 1 (tensor, "
-                         "sequence and data parallelism).")
-    layers = family_config.n_layer
+    family = family_of(family_config)
+    if family.pipeline is None:
+        staged = " and ".join(f.display_name for f in FAMILIES if f.pipeline is not None)
+        raise ValueError(f"pipeline stages are built for {staged} only, and model {config.model!r} is not "
+                         f"{staged} (model_type {family_config.model_type!r}); train it with "
+                         "--pipeline-model-parallel-size 1 (tensor, sequence and data parallelism).")
+    layers = family.shape(family_config).layers
     if config.pretrained is None and layers < pp:
         raise ValueError(f"--pipeline-model-parallel-size {pp} asks for more stages than the {layers} transformer "
                          f"layers of model {config.model!r}; pass at most {layers} stages.")

@@ -1,5 +1,5 @@
 """What a training job adds to the loop (:class:`zoo.training.loop.TrainingLoop`): the :class:`TrainTask`
-protocol, and :class:`PretrainTask`, the GPT-2 and BERT pretraining task (the per-family forward and
+protocol, and :class:`PretrainTask`, the pretraining task of every family (the forward and the objective's
 metrics are :func:`zoo.training.families.forward_with_metrics`)."""
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ class TrainTask(Protocol):
 
 
 class PretrainTask:
-    """GPT-2 or BERT pretraining on ``data``: ``gas`` micro-batches per iteration from the consumed-samples
+    """Pretraining on ``data`` (any family; its objective's extra metrics are logged): ``gas`` micro-batches per iteration from the consumed-samples
     position, Megatron's throughput figures in each log event. Where DeepSpeed's grad norm is missing
     (fp32) or still carries the loss scale (unfused fp16), zoo's own unscaled norm is logged."""
 
@@ -67,7 +67,7 @@ class PretrainTask:
         return self.data.train_micro_batches(state.consumed_samples, self.gas)
 
     def forward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
-        return forward_with_metrics(engine, batch)
+        return forward_with_metrics(engine, batch, self.data.objective.extra_metrics)
 
     def own_grad_norm(self, engine) -> torch.Tensor | None:
         return unscaled_grad_norm(engine, self.ps) if self.uses_own_norm else None
@@ -90,4 +90,4 @@ class PretrainTask:
         }
 
     def log_line(self, event: dict[str, Any]) -> str:
-        return format_log_line(event, self.config.train_iters)
+        return " | ".join([format_log_line(event, self.config.train_iters), *self.data.objective.log_parts(event)])

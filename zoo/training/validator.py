@@ -27,7 +27,7 @@ def validation_means(engine, data: PretrainingData, config: RunConfig, ps) -> di
     batches = data.valid_micro_batches(config.eval_iters)
     with torch.no_grad():
         for batch in batches:
-            _, metrics = forward_with_metrics(engine, to_device(batch, engine.device))
+            _, metrics = forward_with_metrics(engine, to_device(batch, engine.device), data.objective.extra_metrics)
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
     engine.train()
