@@ -1,4 +1,4 @@
-"""Export a zoo DeepSpeed checkpoint (GPT-2 or BERT), trained at any tp degree, to a transformers directory
+"""Export a zoo DeepSpeed checkpoint (any model family), trained at any tp degree, to a transformers directory
 (see zoo.cli.export).
 
     python launch/export.py --load runs/demo --out runs/demo/hf [--tag iter_0000300] [--dtype float16|bfloat16|float32]

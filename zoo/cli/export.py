@@ -1,6 +1,6 @@
-"""``launch/export.py``: export a zoo DeepSpeed checkpoint (GPT-2 or BERT), trained at any tp degree, to a
-transformers directory: GPT2LMHeadModel, MegatronBertForPreTraining (pre-norm BERT) or BertForPreTraining
-(post-norm BERT), in one process.
+"""``launch/export.py``: export a zoo DeepSpeed checkpoint of any registered family, trained at any tp degree,
+to a transformers directory of the family's pretraining class (GPT2LMHeadModel, MegatronBertForPreTraining for
+pre-norm BERT, BertForPreTraining for post-norm BERT, LlamaForCausalLM, ...), in one process.
 
     python launch/export.py --load runs/demo --out runs/demo/hf [--tag iter_0000300] [--dtype float16|bfloat16|float32]
 """

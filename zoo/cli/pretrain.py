@@ -1,4 +1,5 @@
-"""``launch/pretrain.py``: pretrain GPT-2 or BERT with Megatron tensor parallelism under DeepSpeed.
+"""``launch/pretrain.py``: pretrain any model family of :mod:`zoo.models.families` with Megatron tensor
+parallelism under DeepSpeed.
 
     deepspeed --num_gpus 8 launch/pretrain.py --deepspeed_config ds_configs/tp8.json --data-path PREFIX [--lr ...]
     deepspeed --num_gpus 2 launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json   # CPU, gloo
