@@ -215,3 +215,26 @@ def test_a_source_missing_a_rank_file_exits_2_from_the_script(runs):
     assert errors == [f"error: {per_rank[0]['refused']['missing']}"], proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
     assert not (root / "cli-missing" / "checkpoints").exists()
+
+
+def test_which_resumes_move():
+    """A move for another tp or pp, another dp of partitioned optimizer state, optimizer state in other files
+    (another ZeRO stage, or ZeRO-3 on one side, which the check then refuses); DeepSpeed's own load for dp alone
+    without partitions, and for ZeRO-3 on both sides at one layout."""
+    from types import SimpleNamespace
+
+    from zoo.checkpoint.zero_reshard import PartitionFiles
+    from zoo.training.layout_change import needs_layout_change
+
+    at = SimpleNamespace(tp_size=2, pp_size=1, dp_size=2)
+    zero, bf16 = PartitionFiles("", 2, 2), PartitionFiles("bf16_", 2, 2)
+    assert needs_layout_change((1, 1), at) and needs_layout_change((2, 2), at)
+    assert not needs_layout_change((2, 1), at)                                   # dp 1 -> 2 without partitions
+    assert not needs_layout_change((2, 1), at, zero, "zero_pp_rank", 1)
+    assert needs_layout_change((2, 1), at, PartitionFiles("", 4, 2), "zero_pp_rank", 1)   # partitions over dp 4
+    assert needs_layout_change((2, 1), at, zero, None, 1)                        # ZeRO-1 checkpoint, no ZeRO now
+    assert needs_layout_change((2, 1), at, None, "zero_pp_rank", 0)              # and the other way round
+    assert needs_layout_change((2, 1), at, zero, "bf16_zero_pp_rank", 1) and not needs_layout_change(
+        (2, 1), at, bf16, "bf16_zero_pp_rank", 1)
+    assert needs_layout_change((2, 1), at, zero, "stage3", 1) and needs_layout_change((2, 1), at, zero, None, 3)
+    assert not needs_layout_change((2, 1), at, zero, "stage3", 3)

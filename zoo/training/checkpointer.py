@@ -24,7 +24,7 @@ import torch
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR, model_states_path, read_model_states
 from zoo.checkpoint.safe_load import weights_only_loads
 from zoo.checkpoint.save import save_checkpoint
-from zoo.checkpoint.training_state import precision_of
+from zoo.checkpoint.training_state import precision_of, zero_stage_of
 from zoo.checkpoint.zero_reshard import partition_files
 from zoo.distributed import first_rank_result, raise_on_any_rank
 from zoo.parallel.random import model_parallel_seed, seed_after_layout_change
@@ -182,7 +182,8 @@ class Checkpointer:
             check_rank_states(tag_dir, 0, self.model_config, load)
             states = read_model_states(model_states_path(tag_dir, 0))
             check_precision(precision_of(states.get("ds_config")), engine_precision(engine), f"--load {load}")
-            return needs_layout_change(source, self.ps, partition_files(tag_dir), engine_optimizer_files(engine))
+            return needs_layout_change(source, self.ps, partition_files(tag_dir), engine_optimizer_files(engine),
+                                       zero_stage_of(states.get("ds_config")))
 
         if first_rank_result(check_first_rank):
             return load_at_new_layout(engine, tag_dir, source, self.ps, load)

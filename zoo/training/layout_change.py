@@ -66,16 +66,23 @@ def engine_optimizer_files(engine) -> str | None:
     return None
 
 
-def needs_layout_change(source: tuple[int, int], ps, partitions=None, engine_files: str | None = None) -> bool:
+def needs_layout_change(source: tuple[int, int], ps, partitions=None, engine_files: str | None = None,
+                        source_stage: int = 0) -> bool:
     """Whether a checkpoint of (tp, pp) ``source``, with ZeRO/BF16 partition files ``partitions``
-    (:func:`zoo.checkpoint.zero_reshard.partition_files`, None without), is resumed through this module by a run
-    at ``ps`` whose engine reads ``engine_files`` (:func:`engine_optimizer_files`): at another tp or pp, with
-    the optimizer state in other files (another ZeRO stage, or none), or partitioned over another dp (DeepSpeed
-    refuses a new dp for partitioned state). Data parallelism alone without partitions is DeepSpeed's own load."""
+    (:func:`zoo.checkpoint.zero_reshard.partition_files`, None without) written at ZeRO stage ``source_stage``, is
+    resumed through this module by a run at ``ps`` whose engine reads ``engine_files``
+    (:func:`engine_optimizer_files`): at another tp or pp, with the optimizer state in other files (another ZeRO
+    stage, or none), or partitioned over another dp (DeepSpeed refuses a new dp for partitioned state). ZeRO-3
+    on one side only is such a change too (and :func:`check_layout_change` refuses it in one sentence); data
+    parallelism alone without partitions, and ZeRO-3 on both sides at one layout, are DeepSpeed's own load."""
     if tuple(source) != (ps.tp_size, getattr(ps, "pp_size", 1)):
         return True
+    if (engine_files == "stage3") != (source_stage >= 3):
+        return True
+    if engine_files == "stage3":
+        return False
     have = None if partitions is None else f"{partitions.prefix}zero_pp_rank"
-    if engine_files != "stage3" and have != engine_files:
+    if have != engine_files:
         return True
     return partitions is not None and partitions.dp_size != ps.dp_size
 
