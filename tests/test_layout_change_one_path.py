@@ -11,11 +11,13 @@ One spawn of 4 ranks (dropout off):
           written beside the source; launch/pretrain.py (one rank) prints the first as its one error line and
           exits 2.
 Claims: no rank holds more than its share (12 bytes x the parameters it holds: fp32 master and two Adam moments,
-the planner's accounting) plus the largest merged tensor; a rank opens at most the source's files of its names;
+the planner's accounting) plus the largest merged tensor, nor reads more bytes out of the files; a rank opens only
+the source's files of its names;
 the resume line says source and new layout, precision, tag, iteration, samples, seconds and the largest peak
 with its rank; the BERT run continues the uninterrupted one within 1e-5 relative (fp32: only the reduction order
 differs between layouts). Seen to fail: a move whose reader merged every name's master and moments before filling
-any (as a one-process resharder holds them) held 3,210,752 bytes on every rank, 2.85x its bound of 1,127,552.
+any (as a one-process resharder holds them) held 3,210,752 bytes on every rank, 2.85x its bound of 1,127,552; a
+reader that merged each name's whole tensor and sliced it read 2,380,800 bytes a rank (seen: 504,960 to 799,872).
 """
 
 from __future__ import annotations
@@ -142,9 +144,9 @@ def test_each_rank_holds_at_most_its_share_plus_the_largest_tensor(runs):
         # tp2 x dp2 ZeRO-1 source: 2 model-states files and 2 x 2 partitions; every name of a rank at tp4 is in
         # both TP ranks' files, so a rank opens them all and no other
         assert files == 6, (rank, files)
-        # each of the rank's names: every source TP shard of its master and two moments, read once; the whole
-        # merged tensor of each of its tp4 slices, so at most tp x its share (not only the byte ranges it keeps)
-        assert bytes_read <= 4 * record["share_bytes"], (rank, bytes_read)
+        # only the ranges of its own slices (its share), and the whole of a shard straddling two partitions;
+        # reading every name's whole merged tensors instead would be 2,380,800 bytes a rank here
+        assert bytes_read <= record["share_bytes"] + record["largest_bytes"], (rank, bytes_read)
     assert records[0]["max_peak_bytes"] == max(peak for _, peak, _, _, _ in ranks)
     assert ranks[records[0]["peak_rank"]][1] == records[0]["max_peak_bytes"]
 

@@ -192,14 +192,12 @@ def flatten(tensors: list[torch.Tensor]) -> torch.Tensor:
 @pytest.mark.parametrize("kind", ["torch", "fp16_unfused", "fp16_fused"])
 def test_optimizer_layouts_read_exactly(tmp_path, kind):
     """The layout-free reader gives back every written tensor (merged over the 2 TP ranks, padded at tp=2), the
-    counters, hyper-parameters and loss scaler; each tp=4 rank's slice is the tp=2 master re-sliced."""
-    from types import SimpleNamespace
-
+    counters, hyper-parameters and loss scaler; each tp=4 rank's slice, read straight out of the tp=2 shards, is
+    the tp=2 master re-padded and re-sliced."""
     from zoo.checkpoint.layout import layout_model
     from zoo.checkpoint.training_state import CheckpointTrainingState
     from zoo.models import GPT2Config
     from zoo.parallel.partition import partition_specs
-    from zoo.training.layout_change import local_slice
 
     written = synthetic_checkpoint(tmp_path / "tp2", 2, kind)
     tp4 = dict(layout_model(GPT2Config(**TINY), 4).named_parameters())
@@ -212,8 +210,8 @@ def test_optimizer_layouts_read_exactly(tmp_path, kind):
             got = state.master(name, specs[name], key)
             assert torch.equal(got, want), (which, name)
             for rank in range(4):
-                at_tp4 = local_slice(got, specs[name], torch.empty(tp4[name].shape),
-                                     SimpleNamespace(tp_rank=rank, tp_size=4))
+                at_tp4, merged_bytes = state.local(name, specs[name], key, tp4[name].shape, rank, 4)
+                assert merged_bytes == 4 * got.numel(), name
                 full = tensor[:TINY["vocab_size"]] if name == "transformer.wte.weight" else tensor
                 expected = specs[name].shard(specs[name].repad(full, tp4[name].shape[0] * 4), rank, 4)
                 assert torch.equal(at_tp4, (expected.half() if which == "weight" else expected).float()), (name, rank)

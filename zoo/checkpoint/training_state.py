@@ -297,6 +297,56 @@ class CheckpointTrainingState:
             del merged
             self.account.release(made)
 
+    def local(self, name: str, spec, key: str, shape: torch.Size, tp_rank: int, tp_size: int,
+              device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
+        """(TP rank ``tp_rank`` of ``tp_size``'s fp32 slice of ``key`` of ``name``, shaped ``shape`` and in storage of
+        its own; the bytes of the merged tensor it is a slice of), copied straight out of the source's TP shards:
+        each source shard gives only the ranges of the slice it holds (per block of a strided dimension, the
+        fused [q | k | v]), the vocabulary rows are the real ones and the padding of the new tp zeros. The merged
+        tensor is never built: this holds the slice and, where a shard straddles two ZeRO/BF16 partitions, that
+        shard's copy while it is read (:attr:`account`: the slice stays held until the caller releases it), and
+        reads the bytes it copies (a straddling shard whole)."""
+        out = torch.zeros(shape, dtype=torch.float32, device=device)
+        self.account.hold(out.nbytes)
+        ranks = range(self.tp) if spec.is_sharded else range(1)
+        merged_bytes = 0
+        for source_rank in ranks:
+            shard, copied = self.owner[source_rank][name].tensor(name, key)
+            self.account.hold(copied)
+            merged_bytes += shard.numel() * 4
+            read = self.copy_ranges(shard, out, spec, source_rank, tp_rank, tp_size) if spec.is_sharded else \
+                out.copy_(shard).nbytes
+            self.account.bytes_read += copied or read
+            del shard
+            self.account.release(copied)
+        return out, merged_bytes
+
+    def copy_ranges(self, shard: torch.Tensor, out: torch.Tensor, spec, source_rank: int, tp_rank: int,
+                    tp_size: int) -> int:
+        """Copy into ``out`` (new TP rank ``tp_rank``'s slice) the ranges of source TP rank ``source_rank``'s
+        ``shard`` that it needs; returns the bytes copied. Coordinates are the merged dimension's: with stride s it
+        is s equal blocks, each split over the ranks (:func:`zoo.parallel.utils.shard_index`); the vocabulary's
+        real rows keep their index at every tp and rows past them are padding (zeros in ``out``)."""
+        dim, stride = spec.dim, spec.stride
+        if spec.vocab_rows is not None and stride != 1:
+            raise ValueError(f"a vocabulary dimension split with stride {stride} is not a layout zoo writes.")
+        piece = shard.shape[dim] // stride                  # rows of one block on one source rank
+        new_piece = out.shape[dim] // stride                # rows of one block on one new rank
+        real = spec.vocab_rows
+        copied = 0
+        for block in range(stride):
+            have = block * piece * self.tp + source_rank * piece
+            want = block * new_piece * tp_size + tp_rank * new_piece
+            lo, hi = max(have, want), min(have + piece, want + new_piece)
+            if real is not None:
+                hi = min(hi, real)
+            if lo >= hi:
+                continue
+            part = shard.narrow(dim, block * piece + lo - have, hi - lo)
+            out.narrow(dim, block * new_piece + lo - want, hi - lo).copy_(part)
+            copied += part.nbytes
+        return copied
+
     def master(self, name: str, spec, key: str = "master") -> torch.Tensor:
         """The merged (padded for the source tp) fp32 ``key`` of ``name``, as a tensor of its own."""
         with self.merged(name, spec, key) as merged:

@@ -17,10 +17,11 @@ state come from the checkpoint's first rank.
 Memory, per rank, in the planner's terms (:mod:`zoo.training.planner`: ``params_per_rank`` parameters on a rank,
 12 bytes each of fp32 master and two Adam moments): the move holds at most its own share, 12 x params_per_rank
 bytes, plus the largest merged tensor (4 bytes x the numel of the largest parameter, merged over the source's TP
-ranks at its padding); for a ZeRO/BF16 source, the copied shards of a parameter that straddles two partitions
-come on top while they are merged (together at most one more merged tensor). In fact it holds one parameter's
-three slices and one merged tensor at a time (:func:`load_at_new_layout`). The files are memory-mapped and
-each rank opens only the files of the names it holds; it reads every source TP shard of those names.
+ranks at its padding). In fact it holds one parameter's three slices of this rank and, for a ZeRO/BF16 source, the
+copy of one source shard that straddles two partitions while it is read; the merged tensor is never built
+(:meth:`zoo.checkpoint.training_state.CheckpointTrainingState.local`). Reads: the files are memory-mapped, each
+rank opens only the files of the names it holds and copies out of them only the ranges of its own slices (a
+straddling shard whole); its bytes read are about its share (tests/test_layout_change_one_path.py counts both).
 
 Every bad case is refused in one sentence before anything is moved (:func:`check_layout_change`, shared with
 the offline conversion).
@@ -163,22 +164,6 @@ def check_layout_change(tag_dir: Path, source: tuple[int, int], tp: int, precisi
     check_precision(source_precision, precision or source_precision, where, keep and keep.format(source=source_precision))
     checked_layout_model(config_from_dict(first["model_config"], first_path), tp, first_path)
     return first
-
-
-def local_slice(merged: torch.Tensor, spec, param: torch.Tensor, ps) -> torch.Tensor:
-    """This rank's fp32 slice of a merged tensor shaped like ``param``, in storage of its own (no view keeps the
-    merged tensor alive), the vocabulary re-padded for this tp: the rows of the vocabulary that fall in this
-    rank's slice are copied, the padding rows are zeros, and the re-padded whole is never built."""
-    if spec.vocab_rows is not None and spec.dim == 0 and spec.stride == 1:
-        rows = param.shape[0]
-        out = torch.zeros((rows, *merged.shape[1:]), dtype=torch.float32, device=param.device)
-        first, last = ps.tp_rank * rows, min((ps.tp_rank + 1) * rows, spec.vocab_rows)
-        if last > first:
-            out[: last - first].copy_(merged.narrow(0, first, last - first))
-        return out
-    if spec.vocab_rows is not None:
-        merged = spec.repad(merged, param.shape[0] * ps.tp_size)
-    return spec.shard(merged, ps.tp_rank, ps.tp_size).to(param.device, torch.float32, copy=True)
 
 
 # --------------------------------------------------------------------------- where the run keeps its state
@@ -328,11 +313,11 @@ def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load:
     reads the files of its own names; a failure anywhere is raised on every rank, before anything is moved when
     it is a bad case (:func:`check_layout_change`).
 
-    Per parameter, per key (master, exp_avg, exp_avg_sq): the merged tensor is held only while this rank's slice
-    is copied out of it; the three slices are held until the optimizer target has them. So the bytes the move
-    holds at once (:class:`zoo.checkpoint.training_state.ReadAccount`) are one parameter's slices, one merged
-    tensor and, for a ZeRO/BF16 source, the copied shards of a straddling parameter: at most this rank's share
-    plus the largest merged tensor (plus its copied shards), as the module docstring states."""
+    Per parameter, per key (master, exp_avg, exp_avg_sq): this rank's slice is copied straight out of the source's
+    shards; the three slices are held until the optimizer target has them. So the bytes the move holds at once
+    (:class:`zoo.checkpoint.training_state.ReadAccount`) are one parameter's slices and, for a ZeRO/BF16 source,
+    one straddling shard's copy: at most this rank's share plus the largest merged tensor, as the module
+    docstring states."""
     started = time.perf_counter()
     precision, files = engine_precision(engine), engine_optimizer_files(engine)
     stage = engine.zero_optimization_stage()
@@ -350,12 +335,10 @@ def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load:
         for local_name, param in engine.module.named_parameters():
             name, spec = names[local_name], specs[local_name]
             pieces = {}
-            for key in ("master",) + MOMENTS:   # one merged tensor at a time, then this rank's slice of it
-                with state.merged(name, spec, key) as merged:
-                    largest = max(largest, merged.nbytes)
-                    pieces[key] = local_slice(merged, spec, param, ps)
-                    account.hold(pieces[key].nbytes)
-                    del merged
+            for key in ("master",) + MOMENTS:   # this rank's slice, straight out of the source's shards
+                pieces[key], merged_bytes = state.local(name, spec, key, param.shape, ps.tp_rank, ps.tp_size,
+                                                        param.device)
+                largest = max(largest, merged_bytes)
             master = pieces.pop("master")
             target.put(param, master, pieces, state.step(name))
             account.release(master.nbytes + sum(piece.nbytes for piece in pieces.values()))
