@@ -80,7 +80,7 @@ def run_parallel_worker(report_dir: str, argv: list[str]) -> None:
         rank = int(os.environ.get("RANK", "0"))
         moved = records[0] if records else {}
         report = {"rank": rank, "vmhwm": peak_resident_bytes(), "seconds": moved.get("seconds"),
-                  "peak_bytes": moved.get("peak_bytes"), "zoo": zoo.__file__}
+                  "peak_bytes": moved.get("peak_bytes"), "bytes_read": moved.get("bytes_read"), "zoo": zoo.__file__}
         Path(report_dir, f"rank{rank}.json").write_text(json.dumps(report))
 
 
@@ -178,7 +178,8 @@ def measure(command: list[str], env: dict[str, str], reports: Path) -> dict:
     reports.mkdir(parents=True)
     load_before = os.getloadavg()[0]
     started = time.perf_counter()
-    result = subprocess.run(command, env=env, cwd=env.get("PYTHONPATH", REPO), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    result = subprocess.run(command, env=env, cwd=env.get("PYTHONPATH", REPO), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
     wall = time.perf_counter() - started
     load_after = os.getloadavg()[0]
     if result.returncode != 0:
@@ -213,10 +214,12 @@ def row(conversion: str, tool: str, ranks: int, figures: dict) -> str:
     vmhwm = "/".join(gib(r["vmhwm"]) for r in per_rank)
     held = [r["peak_bytes"] for r in per_rank if r["peak_bytes"] is not None]
     held_text = "/".join(f"{b / 2**20:.0f}" for b in held) if held else "-"
+    read = [r.get("bytes_read") for r in per_rank if r.get("bytes_read") is not None]
+    read_text = "/".join(f"{b / 2**20:.0f}" for b in read) if read else "-"
     load = "{:.1f}-{:.1f}".format(*figures["load"])
     move_text = "-" if move is None else f"{move:.1f}"
     return (f"| {conversion} | {tool} | {ranks} | {figures['wall']:.1f} | {move_text} | {vmhwm} | {held_text} "
-            f"| {load} |")
+            f"| {read_text} | {load} |")
 
 
 def main() -> None:
@@ -240,8 +243,9 @@ def main() -> None:
           f" ~{12 * params / 2**30:.2f} GiB of fp32 state; {os.cpu_count()} CPUs")
     for name, run in sources.items():
         print(f"source {name}: {tag_directory(run)} ({state_bytes(tag_directory(run)) / 2**30:.2f} GiB on disk)")
-    print("\n| conversion | tool | ranks | wall s | move s | VmHWM GiB per rank | move held MiB per rank | load 1-min |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| conversion | tool | ranks | wall s | move s | VmHWM GiB per rank | move held MiB per rank "
+          "| move read MiB per rank | load 1-min |")
+    print("|---|---|---|---|---|---|---|---|---|")
     outputs = cache / "outputs"
     for conversion, source, tp, pp, dp in CONVERSIONS:
         if args.only and args.only not in conversion:

@@ -37,7 +37,15 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_reshard import REPO, build_source, launcher, launcher_env, make_corpus, source_config, tag_directory  # noqa: E402
+from bench_reshard import (  # noqa: E402
+    REPO,
+    build_source,
+    launcher,
+    launcher_env,
+    make_corpus,
+    source_config,
+    tag_directory,
+)
 
 UNIVERSAL_VERSION = 0.4
 
@@ -83,7 +91,9 @@ def prepared_copy(tag: Path, into: Path, info: dict | None) -> Path:
 def convert(copy: Path, out: Path, inject: bool) -> dict:
     """Run ``ds_to_universal``; its wall seconds, peak RSS, exit code, last lines, and the output's size."""
     command = ["/usr/bin/time", "-f", "TIME %e %M", sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal",
-               "--input_folder", str(copy), "--output_folder", str(out)] + (["--inject_missing_state"] if inject else [])
+               "--input_folder", str(copy), "--output_folder", str(out)]
+    if inject:
+        command.append("--inject_missing_state")
     result = subprocess.run(command, env=launcher_env(), capture_output=True, text=True)
     timing = [line for line in result.stderr.splitlines() if line.startswith("TIME ")]
     seconds, peak_kb = (float(v) for v in timing[-1].split()[1:]) if timing else (None, None)
