@@ -15,20 +15,23 @@ checkpoints", has the measured comparison). So a universal checkpoint or ``load_
 
 * :func:`check_no_load_universal`: a ds_config whose ``checkpoint.load_universal`` is set;
 * :func:`check_not_universal`: a ``--load`` that is a universal folder, or a save directory (or run directory)
-  whose ``latest`` names one or that has only a ``latest_universal``.
+  whose ``latest`` names one or that has only a ``latest_universal``;
+* :func:`check_conversion_not_universal`: both, for ``launch/reshard.py`` (its ds_config is ``--deepspeed_config``
+  or the run's ``config.json``).
 
 A run directory that holds zoo's own ``latest`` tag is resumed as usual, whatever else lies beside it.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 from typing import Any
 
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR, LATEST_FILE
 
-__all__ = ["check_no_load_universal", "check_not_universal", "universal_folder"]
+__all__ = ["check_conversion_not_universal", "check_no_load_universal", "check_not_universal", "universal_folder"]
 
 LATEST_UNIVERSAL = "latest_universal"             # written by ds_to_universal beside the tags
 UNIVERSAL_OPTIMIZER_STATE = ("zero", "optimizer_state.pt")
@@ -85,3 +88,18 @@ def check_no_load_universal(ds_config: dict[str, Any], path: str | os.PathLike |
     if isinstance(block, dict) and block.get("load_universal"):
         raise ValueError(f"DeepSpeed config {path} sets \"checkpoint\": {{\"load_universal\": "
                          f"{str(block['load_universal']).lower()}}}, which zoo does not use; remove it: {FIX}.")
+
+
+def check_conversion_not_universal(load: str | os.PathLike, ds_config_path: str | os.PathLike | None) -> None:
+    """Neither ``--load`` nor the ds_config a conversion builds its engine from (``ds_config_path``, else the run's
+    ``config.json``) asks for a universal checkpoint; a missing or unreadable config is left to the conversion's
+    own checks."""
+    check_not_universal(load)
+    run = Path(load).parent if Path(load).name == CHECKPOINT_SUBDIR else Path(load)
+    path = Path(ds_config_path) if ds_config_path else run / "config.json"
+    try:
+        settings = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, ValueError):
+        return
+    if isinstance(settings, dict):
+        check_no_load_universal(settings, path)

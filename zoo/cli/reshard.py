@@ -51,12 +51,13 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
     def work() -> None:
+        from zoo.checkpoint.universal import check_conversion_not_universal  # local: torch import cost
         from zoo.errors import alike_on_every_rank
         from zoo.training.offline_reshard import convert_checkpoint, plan_conversion  # local: torch import cost
         from zoo.training.preflight import launcher_world_size
 
         with alike_on_every_rank():   # every rank reads the same flags and files: the writer says it once
-            check_universal_inputs(args.load, args.deepspeed_config)
+            check_conversion_not_universal(args.load, args.deepspeed_config)
             conversion = plan_conversion(args.load, args.tensor_parallel_size, args.pipeline_model_parallel_size,
                                          args.data_parallel_size, args.zero_stage, args.precision, args.out,
                                          launcher_world_size(), args.deepspeed_config)
@@ -65,25 +66,6 @@ def main(argv: list[str] | None = None) -> None:
             print(conversion_line(conversion, record), flush=True)
 
     run_command(work)
-
-
-def check_universal_inputs(load: str, ds_config: str | None) -> None:
-    """Neither ``--load`` nor the ds_config the engine is built from (``--deepspeed_config``, else the run's
-    config.json) asks for a DeepSpeed universal checkpoint (zoo.checkpoint.universal)."""
-    import json
-    from pathlib import Path
-
-    from zoo.checkpoint.universal import check_no_load_universal, check_not_universal  # local: torch import cost
-
-    check_not_universal(load)
-    run = Path(load).parent if Path(load).name == "checkpoints" else Path(load)
-    path = Path(ds_config) if ds_config else run / "config.json"
-    try:
-        settings = json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, ValueError):
-        return   # missing or unreadable: the conversion's own checks say so
-    if isinstance(settings, dict):
-        check_no_load_universal(settings, path)
 
 
 def conversion_line(conversion, record) -> str:
