@@ -13,6 +13,8 @@ torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
+from tests.helpers.corpora import wiki_sample_corpus  # noqa: E402
+
 
 @pytest.fixture(autouse=True)
 def environment_of_the_session():
@@ -23,3 +25,10 @@ def environment_of_the_session():
     yield
     os.environ.clear()
     os.environ.update(saved)
+
+
+@pytest.fixture(scope="module")
+def corpus_prefix(tmp_path_factory):
+    """A small real corpus: the first 12 articles of the bundled Wikipedia sample, built once per test
+    module that asks for it (a module may define its own ``corpus_prefix`` instead)."""
+    return wiki_sample_corpus(tmp_path_factory.mktemp("corpus"))

@@ -18,9 +18,9 @@ import struct
 import numpy as np
 import pytest
 
+from tests.helpers.pretraining import TINY_MODEL, run_config
+from tests.helpers.pretraining import ds_config as _ds_config
 from tests.spawn import spawn
-from tests.test_pretrain import TINY_MODEL, run_config
-from tests.test_pretrain import ds_config as _ds_config
 
 
 def _one_sentence(message: str) -> str:
@@ -30,7 +30,7 @@ def _one_sentence(message: str) -> str:
 
 
 def _run_config(data_path, save, tp, micro, global_batch, train_iters, **changes):
-    """test_pretrain's run config at 16 tokens, all documents in the training split."""
+    """tests/helpers/pretraining.py's run config at 16 tokens, all documents in the training split."""
     return run_config(data_path, save, tp, micro, global_batch, train_iters,
                       **{"seq_length": 16, "split": "1,0,0", **changes})
 

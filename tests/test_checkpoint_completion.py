@@ -22,15 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.pretraining import run_config, train_events
+from tests.helpers.random_corpus import MODEL, make_corpus
 from tests.spawn import spawn
 
 COMPLETE = "zoo_complete.json"
 
 
 def _config(data_path, save, **changes):
-    from tests.test_pretrain import run_config
-    from tests.test_zero import MODEL
-
     return run_config(data_path, save, 2, 1, 1, train_iters=changes.pop("train_iters", 2), model_overrides=dict(MODEL),
                       data_workers=0, save_interval=1, **changes)
 
@@ -43,8 +42,6 @@ def _train(rank, world_size, data_path, save):
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> tuple[Path, str]:
-    from tests.test_zero import make_corpus
-
     root = tmp_path_factory.mktemp("completion")
     corpus = make_corpus(root / "random")
     spawn(_train, 2, corpus, str(root / "run"))
@@ -65,7 +62,6 @@ def test_saves_write_a_marker_then_latest(real_run):
 
 
 def _resume(rank, world_size, data_path, run):
-    from tests.test_pretrain import train_events
     from zoo.training.pretrain import pretrain
 
     pretrain(_config(data_path, run, train_iters=1, load=run))

@@ -3,12 +3,14 @@ once, the same sample sequence at any data-parallel degree and after a resume, a
 errors for bad blends and splits."""
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
+from tests.helpers.blend_corpora import CORPUS_IDS, EOD, SEQ, WEIGHTS, blend_items, data_fields, write_corpus
+from tests.helpers.pretraining import run_config as pretrain_config
+from tests.helpers.pretraining import train_events
 from tests.spawn import spawn
 from zoo.data import BertDataset, GPTDataset, IndexedDatasetBuilder
 from zoo.data.blend_cache import blend_cache_path, shared_blend_index
@@ -17,35 +19,12 @@ from zoo.models import model_config
 from zoo.parallel import ParallelState
 from zoo.training.pretraining_data import PretrainingData
 
-SEQ = 8
-WEIGHTS = (0.2, 0.3, 0.5)
-EOD = 50256
-CORPUS_IDS = 1000  # corpus k writes ids in [k * CORPUS_IDS, (k + 1) * CORPUS_IDS) and EOD
 SINGLE = ParallelState.single()
-
-
-def write_corpus(prefix, k: int, documents: int = 60, end_id: int = EOD, dtype=None, seed: int = 0):
-    """``documents`` documents of 10..40 ids of corpus ``k``'s own range, each ending with ``end_id``."""
-    rng = np.random.default_rng((seed, k))
-    with IndexedDatasetBuilder(prefix, vocab_size=50257, dtype=dtype) as builder:
-        for n in rng.integers(10, 40, size=documents):
-            builder.add_document(np.append(rng.integers(k * CORPUS_IDS, (k + 1) * CORPUS_IDS, size=n - 1), end_id))
-    return str(prefix)
 
 
 @pytest.fixture
 def corpora(tmp_path):
     return [write_corpus(tmp_path / f"corpus{k}", k) for k in range(3)]
-
-
-def blend_items(prefixes, weights=WEIGHTS) -> list[str]:
-    return [item for weight, prefix in zip(weights, prefixes) for item in (str(weight), prefix)]
-
-
-def run_config(data_path, train_iters: int, split: str = "90,10,0", eval_interval: int = 0):
-    """The fields of a RunConfig that PretrainingData reads."""
-    return SimpleNamespace(data_path=data_path, split=split, seed=1234, seq_length=SEQ, train_iters=train_iters,
-                           eval_iters=2, eval_interval=eval_interval)
 
 
 def corpus_of(input_ids: torch.Tensor) -> np.ndarray:
@@ -61,7 +40,7 @@ def read_global_batches(data: PretrainingData, consumed: int, micro: int, steps:
 def test_shares_match_the_weights_in_every_global_batch(corpora):
     """10,000 samples of a 0.2/0.3/0.5 blend: each corpus's share within 1 % of its weight overall, and
     within 1 + K * w samples in every global batch of 50."""
-    data = PretrainingData(run_config(blend_items(corpora), train_iters=200), model_config("gpt2-tiny"), SINGLE,
+    data = PretrainingData(data_fields(blend_items(corpora), train_iters=200), model_config("gpt2-tiny"), SINGLE,
                            micro_batch=50, global_batch=50, workers=0, pin_memory=False)
     train = data.train
     assert isinstance(train, BlendedDataset) and len(train) == 10_000
@@ -77,8 +56,8 @@ def test_shares_match_the_weights_in_every_global_batch(corpora):
 def test_one_corpus_of_positive_weight_reads_as_a_single_prefix(corpora):
     """A single prefix, and a blend where only one corpus weighs anything, give the plain dataset of that
     corpus (the same windows in the same order), with no blend index written."""
-    single = PretrainingData(run_config(corpora[2], 4), model_config("gpt2-tiny"), SINGLE, 2, 4, 0, False)
-    zeroed = PretrainingData(run_config(["0", corpora[0], "0", corpora[1], "3", corpora[2]], 4),
+    single = PretrainingData(data_fields(corpora[2], 4), model_config("gpt2-tiny"), SINGLE, 2, 4, 0, False)
+    zeroed = PretrainingData(data_fields(["0", corpora[0], "0", corpora[1], "3", corpora[2]], 4),
                              model_config("gpt2-tiny"), SINGLE, 2, 4, 0, False)
     for data in (single, zeroed):
         assert isinstance(data.train, GPTDataset) and data.indexed.prefix == corpora[2]
@@ -92,7 +71,7 @@ def _read_at_tp2(rank, world_size, prefixes, micro, global_batch, steps, resume_
     """tp=2 x dp=2: the blend index (built once), each step's micro-batch of this rank, and the same
     after a restart at ``resume_at`` consumed samples."""
     ps = ParallelState.initialize(2)
-    config = run_config(blend_items(prefixes), train_iters=steps * global_batch // (micro * ps.dp_size))
+    config = data_fields(blend_items(prefixes), train_iters=steps * global_batch // (micro * ps.dp_size))
     data = PretrainingData(config, model_config("gpt2-tiny"), ps, micro, global_batch, 0, False)
     batches = [data.train_micro_batches(0, 1)[0]["input_ids"] for _ in range(steps)]
     resumed = PretrainingData(config, model_config("gpt2-tiny"), ps, micro, global_batch, 0, False)
@@ -112,7 +91,7 @@ def test_index_built_once_across_4_ranks_and_same_sequence_at_dp1_dp2_and_after_
     dp2 = torch.cat([torch.cat([by_rank[(0, 0)][0][s], by_rank[(0, 1)][0][s]]) for s in range(steps)])
     resumed = torch.cat([torch.cat([a, b]) for a, b in zip(by_rank[(0, 0)][1], by_rank[(0, 1)][1])])
 
-    one = PretrainingData(run_config(blend_items(corpora), train_iters=steps * micro * 2 // global_batch),
+    one = PretrainingData(data_fields(blend_items(corpora), train_iters=steps * micro * 2 // global_batch),
                           model_config("gpt2-tiny"), SINGLE, global_batch, global_batch, 0, False)
     dp1 = torch.cat(read_global_batches(one, 0, global_batch, steps * micro * 2 // global_batch))
     assert torch.equal(dp2, dp1)
@@ -133,7 +112,7 @@ def test_bert_pretraining_blends_its_corpora(tmp_path):
                     builder.add_item(rng.integers(2000 + 10000 * k, 12000 + 10000 * k, size=n))
                 builder.end_document()
         prefixes.append(str(prefix))
-    config = run_config(["1", prefixes[0], "3", prefixes[1]], train_iters=10, eval_interval=5)
+    config = data_fields(["1", prefixes[0], "3", prefixes[1]], train_iters=10, eval_interval=5)
     config.seq_length = 32
     data = PretrainingData(config, model_config("bert-tiny"), SINGLE, 2, 4, 0, False)
     assert all(isinstance(d, BertDataset) for d in data.train.datasets + data.valid.datasets)
@@ -207,7 +186,6 @@ def test_cache_path_depends_on_the_blend(corpora):
 
 
 def _pretrain_on_a_blend(rank, world_size, data_path, save):
-    from tests.test_pretrain import run_config as pretrain_config  # local: a test module, imported only here
     from zoo.training.pretrain import pretrain  # local: imports DeepSpeed (~1.5 s), needed only by this test
 
     pretrain(pretrain_config(data_path, save, 1, 2, 4, train_iters=2))  # what --data-path 0.5 A 0.5 B parses to
@@ -215,8 +193,6 @@ def _pretrain_on_a_blend(rank, world_size, data_path, save):
 
 def test_pretraining_trains_on_a_blend(corpora, tmp_path):
     """--data-path 0.5 A 0.5 B reaches the training loop: two iterations logged with a finite loss."""
-    from tests.test_pretrain import train_events  # local: a test module, imported only here
-
     spawn(_pretrain_on_a_blend, 1, ["0.5", corpora[0], "0.5", corpora[1]], str(tmp_path / "run"))
     events = train_events(tmp_path / "run")
     assert [e["iteration"] for e in events] == [1, 2] and all(np.isfinite(e["loss"]) for e in events)

@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 
 from tests.checks import one_error_line
+from tests.helpers.pretraining import TINY_MODEL, ds_config
 from tests.spawn import spawn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -263,7 +264,6 @@ def _settings_worker(rank, world_size, data_path, save):
     import contextlib
     import io
 
-    from tests.test_pretrain import TINY_MODEL, ds_config
     from zoo.training.deepspeed_overrides import apply_overrides
     from zoo.training.metrics import read_metrics
     from zoo.training.pretrain import pretrain

@@ -9,8 +9,8 @@ import io
 
 import pytest
 
+from tests.helpers.pretraining import run_config
 from tests.spawn import spawn
-from tests.test_pretrain import corpus_prefix, run_config  # noqa: F401  (corpus_prefix is a fixture)
 
 PROMPTS = ["The history of", "In 1990, the"]
 

@@ -21,8 +21,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers.pretraining import run_config
+from tests.helpers.repo import REPO
 from tests.spawn import spawn
-from tests.test_pretrain import REPO, corpus_prefix, run_config  # noqa: F401 - fixture
 
 DAY = 86400
 
@@ -78,7 +79,7 @@ def _first_hour_worker(rank, world_size, data_path, root):
 
 
 @pytest.fixture(scope="module")
-def resumed_run(corpus_prefix, tmp_path_factory):  # noqa: F811
+def resumed_run(corpus_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("first_hour")
     return root, spawn(_first_hour_worker, 2, corpus_prefix, str(root))
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from tests.helpers.blend_corpora import data_fields, write_corpus
 from tests.spawn import free_port, spawn
-from tests.test_data_blend import run_config, write_corpus
 
 PREPROCESSING_S, GROUP_TIMEOUT_S = 4.0, 2.0
 
@@ -36,7 +36,7 @@ def _bundled_corpus_under_a_short_group_timeout(rank, world_size, port, director
         return prefix
 
     pretraining_data.default_corpus = slow_preprocessing
-    data = pretraining_data.PretrainingData(run_config(None, train_iters=2), model_config("gpt2-tiny"),
+    data = pretraining_data.PretrainingData(data_fields(None, train_iters=2), model_config("gpt2-tiny"),
                                             ParallelState.initialize(1), 2, 4, 0, False)
     return len(data.train)
 

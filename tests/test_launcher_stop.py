@@ -27,8 +27,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_preemption import SLOW_DRIVER, _launcher, _logged_iterations
-from tests.test_pretrain import NO_DROPOUT, corpus_prefix, ds_config  # noqa: F401
+from tests.helpers.launcher_runs import SLOW_DRIVER, launcher_command, logged_iterations
+from tests.helpers.pretraining import NO_DROPOUT, ds_config
 
 REPO = Path(__file__).resolve().parent.parent
 ITERS = 200         # 0.5 s each under the slow driver: far more than the 30 s a kill may take
@@ -182,7 +182,7 @@ def _start(cmd: list[str], tmp_path: Path) -> tuple[subprocess.Popen, Path, Path
 
 def _wait_for_iteration(proc: subprocess.Popen, run: Path, iteration: int, err: Path) -> None:
     deadline = time.monotonic() + 300
-    while max(_logged_iterations(run), default=0) < iteration:
+    while max(logged_iterations(run), default=0) < iteration:
         assert proc.poll() is None and time.monotonic() < deadline, err.read_text()[-3000:]
         time.sleep(0.05)
 
@@ -208,12 +208,12 @@ def _complete_tags(checkpoints: Path) -> dict[str, bool]:
     return {tag.name: tag.name in complete for tag in checkpoints.glob("iter_*")}
 
 
-def test_killing_the_deepspeed_runner_stops_every_rank(corpus_prefix, tmp_path):  # noqa: F811
+def test_killing_the_deepspeed_runner_stops_every_rank(corpus_prefix, tmp_path):
     import psutil
 
     config = _config(tmp_path)
     run = tmp_path / "run"
-    proc, out, err = _start(_launcher(str(tmp_path / "slow_pretrain.py"), config, corpus_prefix, run), tmp_path)
+    proc, out, err = _start(launcher_command(str(tmp_path / "slow_pretrain.py"), config, corpus_prefix, run), tmp_path)
     try:
         _wait_for_iteration(proc, run, 2, err)
         job = _job(proc.pid)
@@ -228,7 +228,7 @@ def test_killing_the_deepspeed_runner_stops_every_rank(corpus_prefix, tmp_path):
         _kill_group(proc)
     assert not alive, ([p.cmdline() for p in alive], err.read_text()[-3000:])
     print(f"kill -9 of the deepspeed runner to the last process of the job gone: {seconds:.1f} s")
-    reached = max(_logged_iterations(run))
+    reached = max(logged_iterations(run))
     assert 2 <= reached < ITERS
     checkpoints = run / "checkpoints"
     assert (checkpoints / "latest").read_text() == f"iter_{reached:07d}", out.read_text()[-3000:]
@@ -237,12 +237,12 @@ def test_killing_the_deepspeed_runner_stops_every_rank(corpus_prefix, tmp_path):
             in out.read_text()), out.read_text()[-3000:]
 
 
-def test_zoo_launcher_returns_75_after_every_rank_stopped_on_sigterm(corpus_prefix, tmp_path):  # noqa: F811
+def test_zoo_launcher_returns_75_after_every_rank_stopped_on_sigterm(corpus_prefix, tmp_path):
     import psutil
 
     config = _config(tmp_path)
     run = tmp_path / "run"
-    cmd = [sys.executable, "launch/run.py", *_launcher(str(tmp_path / "slow_pretrain.py"), config, corpus_prefix,
+    cmd = [sys.executable, "launch/run.py", *launcher_command(str(tmp_path / "slow_pretrain.py"), config, corpus_prefix,
                                                        run)[1:]]
     proc, out, err = _start(cmd, tmp_path)
     try:
@@ -257,7 +257,7 @@ def test_zoo_launcher_returns_75_after_every_rank_stopped_on_sigterm(corpus_pref
         _kill_group(proc)
     assert code == STOPPED_AND_CHECKPOINTED, (code, err.read_text()[-3000:])
     assert not alive_after, [p.cmdline() for p in alive_after]
-    reached = max(_logged_iterations(run))
+    reached = max(logged_iterations(run))
     assert (run / "checkpoints" / "latest").read_text() == f"iter_{reached:07d}"
     assert _complete_tags(run / "checkpoints") == {f"iter_{reached:07d}": True}
     assert f"stopped by signal SIGTERM after iteration {reached}" in err.read_text(), err.read_text()[-3000:]

@@ -24,8 +24,8 @@ import torch
 import torch.distributed as dist
 
 import zoo.training.resume as resume
+from tests.helpers.pretraining import run_config
 from tests.spawn import spawn
-from tests.test_pretrain import corpus_prefix, run_config  # noqa: F401 - the module-scoped corpus fixture
 from zoo.distributed import (
     WAIT_MARGIN,
     directory_bytes,
@@ -107,7 +107,7 @@ def _sync_worker(rank, world_size, data_path, save):
     return per_iteration[1:], result
 
 
-def test_no_host_sync_between_log_events(corpus_prefix, tmp_path):  # noqa: F811
+def test_no_host_sync_between_log_events(corpus_prefix, tmp_path):
     """Four iterations of 2 micro-steps each, one log event at the end: zoo copies nothing from the
     device to the host in any of them (the metrics are summed on the device, the fp32 grad norm stays
     a device tensor, batches go to the device without blocking)."""
@@ -181,7 +181,7 @@ def _late_rank_worker(rank, world_size, data_path, save):
         TrainingLoop.check_stop = real_check
 
 
-def test_a_rank_that_never_arrives_ends_the_job_with_a_sentence_naming_it(corpus_prefix, tmp_path):  # noqa: F811
+def test_a_rank_that_never_arrives_ends_the_job_with_a_sentence_naming_it(corpus_prefix, tmp_path):
     """Rank 1 stalls before the stop agreement of iteration 2; rank 0 gives up after
     --distributed-timeout-minutes (3 s), calls the roll and names rank 1, instead of waiting forever."""
     with pytest.raises(AssertionError, match=r"(?s)rank 0 failed:.*RuntimeError: rank 1 did not reach the end of "

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.pretraining import ds_config
 from tests.test_zero import (
     ITERS,
     MODEL,
@@ -30,9 +31,7 @@ from tests.test_zero import (
 
 
 def two_node_config(path: Path) -> None:
-    """tests/test_pretrain.py's ds_config (what the one-node reference ran) plus ZeRO-1, as a CLI config."""
-    from tests.test_pretrain import ds_config
-
+    """tests/helpers/pretraining.py's ds_config (what the one-node reference ran) plus ZeRO-1, as a CLI config."""
     config = ds_config(1, 4, zero_optimization={"stage": 1})
     config["zoo"] = {"tensor_parallel_size": 2, "model": "gpt2-tiny", "seq_length": 32, "split": "80,20,0",
                      "log_interval": 1, "eval_interval": 0, "eval_iters": 1, "save_interval": 0, "data_workers": 0,

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_pretrain import _single_process_env
+from tests.helpers.launch_env import one_rank_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -169,7 +169,7 @@ def test_overwrite_through_a_symlinked_checkpoints_exits_2_from_the_script(tmp_p
     (run / "checkpoints").symlink_to(elsewhere)
     proc = subprocess.run([sys.executable, "launch/pretrain.py", "--deepspeed_config", "ds_configs/cpu_demo.json",
                            "--save", str(run), "--overwrite", "--tensor-parallel-size", "1"],
-                          env=_single_process_env(free_port()), cwd=REPO, capture_output=True, text=True, timeout=120)
+                          env=one_rank_env(free_port()), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
     errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_pretrain import REPO
+from tests.helpers.repo import REPO
 
 SENTENCE = "n_head=3 is not divisible by tensor-parallel size 2; use a tp degree that divides 3."
 

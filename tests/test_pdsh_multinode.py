@@ -33,8 +33,8 @@ from pathlib import Path
 import pytest
 
 from tests.fake_nodes import NODES, PDSH, Nodes, start_nodes
+from tests.helpers.pretraining import NO_DROPOUT, ds_config
 from tests.spawn import free_port
-from tests.test_pretrain import NO_DROPOUT, corpus_prefix, ds_config  # noqa: F401
 
 pytestmark = pytest.mark.skipif(PDSH is None, reason="pdsh is not installed (Debian/Ubuntu: apt-get install pdsh)")
 
@@ -294,21 +294,21 @@ def _assert_stopped_with_checkpoint(outcome: Outcome) -> None:
     assert outcome.complete == {tag: True}, outcome.complete
 
 
-def test_sigterm_to_the_deepspeed_runner_stops_every_rank_with_a_checkpoint(corpus_prefix, tmp_path):  # noqa: F811
+def test_sigterm_to_the_deepspeed_runner_stops_every_rank_with_a_checkpoint(corpus_prefix, tmp_path):
     outcome = run_case("runner-term", tmp_path, corpus_prefix)
     assert not outcome.alive, outcome.alive
     assert outcome.codes == [1], outcome.codes          # DeepSpeed's runner exits 1 after its kill command
     _assert_stopped_with_checkpoint(outcome)
 
 
-def test_kill_9_of_the_deepspeed_runner_leaves_no_rank_on_any_node(corpus_prefix, tmp_path):  # noqa: F811
+def test_kill_9_of_the_deepspeed_runner_leaves_no_rank_on_any_node(corpus_prefix, tmp_path):
     outcome = run_case("runner-kill", tmp_path, corpus_prefix)
     assert not outcome.alive, outcome.alive
     assert outcome.codes == [-signal.SIGKILL]
     _assert_stopped_with_checkpoint(outcome)
 
 
-def test_sigterm_to_zoo_launcher_returns_75_and_kills_no_other_job(corpus_prefix, tmp_path):  # noqa: F811
+def test_sigterm_to_zoo_launcher_returns_75_and_kills_no_other_job(corpus_prefix, tmp_path):
     outcome = run_case("zoo-term", tmp_path, corpus_prefix)
     assert outcome.alive == ["bystander alive: True"], outcome.alive
     assert outcome.codes == [STOPPED_AND_CHECKPOINTED], (outcome.codes, outcome.output)
@@ -316,7 +316,7 @@ def test_sigterm_to_zoo_launcher_returns_75_and_kills_no_other_job(corpus_prefix
     assert "pkill" not in outcome.output
 
 
-def test_slurm_preemption_ends_each_task_after_its_ranks_clean_stop(corpus_prefix, tmp_path):  # noqa: F811
+def test_slurm_preemption_ends_each_task_after_its_ranks_clean_stop(corpus_prefix, tmp_path):
     outcome = run_case("slurm-term", tmp_path, corpus_prefix)
     assert not outcome.alive, outcome.alive              # nothing left for SLURM to kill
     assert outcome.codes == [0, 0], (outcome.codes, outcome.output)

@@ -25,8 +25,9 @@ import pytest
 import torch
 
 from tests.checks import rel_err
+from tests.helpers.pretraining import ds_config, run_config, train_events
+from tests.helpers.repo import REPO
 from tests.spawn import spawn
-from tests.test_pretrain import REPO, corpus_prefix, ds_config, run_config, train_events  # noqa: F401 - fixture
 
 MODEL = dict(n_layer=4, n_embd=64, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 MICRO, GLOBAL, ITERS = 2, 8, 5          # m = 4 micro-batches per iteration at dp = 1
@@ -84,7 +85,7 @@ def assert_same_run(reference: Path, other: Path, rtol: float) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(corpus_prefix, tmp_path_factory):  # noqa: F811 - the imported fixture
+def runs(corpus_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("pipeline")
     spawn(_runs, 1, corpus_prefix, str(root), 1)
     spawn(_runs, 2, corpus_prefix, str(root), 2)
@@ -162,7 +163,7 @@ def checkpoint_of_iteration(run_dir: Path, iteration: int, root: Path) -> Path:
 
 
 @pytest.mark.parametrize("source,pp", [("tp2-pp2", 1), ("tp2-pp2", 4), ("pp1", 2)])
-def test_a_checkpoint_resumes_at_another_pipeline_layout(runs, corpus_prefix, tmp_path, source, pp):  # noqa: F811
+def test_a_checkpoint_resumes_at_another_pipeline_layout(runs, corpus_prefix, tmp_path, source, pp):
     """P -> 1 and P -> P' (with a tp change) from the tp2 x pp2 run, 1 -> P from the one-stage run."""
     checkpoint = checkpoint_of_iteration(runs / source, 3, tmp_path)
     opened = spawn(_resume_elsewhere, pp, corpus_prefix, str(checkpoint), str(tmp_path / "resumed"), pp)

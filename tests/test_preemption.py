@@ -16,39 +16,15 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-from tests.spawn import free_port, spawn
-from tests.test_pretrain import NO_DROPOUT, corpus_prefix, ds_config, run_config, train_events  # noqa: F401
+from tests.helpers.launcher_runs import SLOW_DRIVER, launcher_command, logged_iterations
+from tests.helpers.pretraining import NO_DROPOUT, ds_config, run_config, train_events
+from tests.spawn import spawn
 
 REPO = Path(__file__).resolve().parent.parent
 ITERS = 10
-SLOW_DRIVER = """
-import sys, time
-from zoo.training.loop import TrainingLoop
-real_step = TrainingLoop.train_step
-def slow_step(self, state):
-    time.sleep(0.5)           # room for the test to signal mid-run
-    return real_step(self, state)
-TrainingLoop.train_step = slow_step
-from zoo.cli.pretrain import main
-main([arg for arg in sys.argv[1:] if not arg.startswith("--local_rank")])
-"""
-
-
-def _launcher(script: str, config: Path, data: str, run: Path, *flags: str) -> list[str]:
-    return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port()),
-            script, "--deepspeed_config", str(config), "--data-path", data, "--save", str(run), "--load", str(run),
-            *flags]
-
-
-def _logged_iterations(run: Path) -> list[int]:
-    path = run / "metrics.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line)["iteration"] for line in path.read_text().splitlines() if line.strip()]
 
 
 def _finish_worker(rank, world_size, data_path, root):
@@ -78,7 +54,7 @@ def _finish_worker(rank, world_size, data_path, root):
     return results
 
 
-def test_exit_interval_sigterm_and_resume_through_the_launcher(corpus_prefix, tmp_path):  # noqa: F811
+def test_exit_interval_sigterm_and_resume_through_the_launcher(corpus_prefix, tmp_path):
     import psutil
 
     config = dict(ds_config(2, 4), zoo={"tensor_parallel_size": 2, "model": "gpt2-tiny", "seq_length": 32,
@@ -91,20 +67,20 @@ def test_exit_interval_sigterm_and_resume_through_the_launcher(corpus_prefix, tm
     env = dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo")
 
     # 1. auto-resume on an empty run, --exit-interval 2
-    first = subprocess.run(_launcher("launch/pretrain.py", config_path, corpus_prefix, run, "--exit-interval", "2"),
+    first = subprocess.run(launcher_command("launch/pretrain.py", config_path, corpus_prefix, run, "--exit-interval", "2"),
                            env=env, cwd=REPO, capture_output=True, text=True, timeout=400)
     assert first.returncode == 0, (first.stdout[-3000:], first.stderr[-3000:])
     assert f"--load {run}: no checkpoint yet, starting from iteration 0" in first.stdout
     assert f"stopped by --exit-interval 2 after iteration 2: checkpoint {run}/checkpoints/iter_0000002" in first.stdout
     assert (run / "checkpoints" / "latest").read_text() == "iter_0000002"
-    assert _logged_iterations(run) == [1, 2]
+    assert logged_iterations(run) == [1, 2]
 
     # 2. resumed; SIGTERM to the launcher's whole process group mid-run
-    second = subprocess.Popen(_launcher(str(tmp_path / "slow_pretrain.py"), config_path, corpus_prefix, run),
+    second = subprocess.Popen(launcher_command(str(tmp_path / "slow_pretrain.py"), config_path, corpus_prefix, run),
                               env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                               start_new_session=True)
     deadline = time.monotonic() + 300
-    while max(_logged_iterations(run), default=0) < 4:
+    while max(logged_iterations(run), default=0) < 4:
         assert second.poll() is None and time.monotonic() < deadline, second.communicate()
         time.sleep(0.05)
     processes = [psutil.Process(second.pid), *psutil.Process(second.pid).children(recursive=True)]
@@ -114,7 +90,7 @@ def test_exit_interval_sigterm_and_resume_through_the_launcher(corpus_prefix, tm
     exit_seconds = time.monotonic() - sent
     out, err = second.communicate(timeout=60)
     assert not alive, (alive, out[-3000:], err[-3000:])
-    reached = max(_logged_iterations(run))
+    reached = max(logged_iterations(run))
     assert 4 <= reached < ITERS, (reached, out[-3000:])
     assert (run / "checkpoints" / "latest").read_text() == f"iter_{reached:07d}", err[-3000:]
     assert f"stopped by signal SIGTERM after iteration {reached}: checkpoint" in out, (out[-3000:], err[-3000:])

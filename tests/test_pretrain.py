@@ -17,59 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.launch_env import one_rank_env
+from tests.helpers.pretraining import NO_DROPOUT, TINY_MODEL, ds_config, run_config, train_events
+from tests.helpers.repo import REPO
 from tests.spawn import spawn
-
-REPO = Path(__file__).resolve().parent.parent
-TINY_MODEL = dict(n_layer=2, n_embd=64, n_head=4)
-
-
-@pytest.fixture(scope="module")
-def corpus_prefix(tmp_path_factory):
-    """A small real corpus: the first 12 articles of the bundled Wikipedia sample."""
-    import gzip
-
-    from zoo.data import preprocess
-
-    root = tmp_path_factory.mktemp("corpus")
-    bundled = REPO / "zoo" / "assets" / "corpora" / "wiki-sample.jsonl.gz"
-    with gzip.open(bundled, "rt") as src:
-        lines = [next(src) for _ in range(12)]
-    (root / "small.jsonl").write_text("".join(lines))
-    prefix = str(root / "small")
-    preprocess([str(root / "small.jsonl")], prefix, workers=1, progress=False)
-    return prefix
-
-
-def ds_config(micro: int, global_batch: int, **extra) -> dict:
-    config = {
-        "train_batch_size": global_batch,
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_clipping": 1.0,
-        "steps_per_print": 10 ** 9,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
-        "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": 10, "warmup_num_steps": 2, "cos_min_ratio": 0.1,
-                                                           "warmup_type": "linear"}},
-    }
-    config.update(extra)
-    return config
-
-
-def run_config(data_path, save, tp, micro, global_batch, train_iters, **changes):
-    from zoo.training.run_config import RunConfig, validate_static
-
-    config = RunConfig(tensor_parallel_size=tp, model="gpt2-tiny", seq_length=32, train_iters=train_iters,
-                       data_path=data_path, split="80,20,0", save=save, log_interval=1, eval_interval=0, eval_iters=1,
-                       model_overrides=dict(TINY_MODEL), ds_config=ds_config(micro, global_batch),
-                       ds_config_path="<test>")
-    for key, value in changes.items():
-        setattr(config, key, value)
-    return validate_static(config)
-
-
-def train_events(run_dir) -> list[dict]:
-    from zoo.training.metrics import read_metrics
-
-    return [e for e in read_metrics(run_dir) if "split" not in e]
 
 
 # ----------------------------------------------------------------------------- exact resume
@@ -95,9 +46,6 @@ def test_resume_is_exact(corpus_prefix, tmp_path):
 
 
 # ----------------------------------------------------------------------------- DP equivalence
-NO_DROPOUT = dict(TINY_MODEL, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-
-
 def _dp_worker(rank, world_size, data_path, save, micro, global_batch):
     from zoo.training.pretrain import pretrain
 
@@ -196,11 +144,6 @@ main(sys.argv[1:])
 """
 
 
-def _single_process_env(port: int) -> dict:
-    return dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), GLOO_SOCKET_IFNAME="lo", OMP_NUM_THREADS="1")
-
-
 def test_sigkill_during_save_keeps_previous_checkpoint(corpus_prefix, tmp_path):
     from tests.spawn import free_port
 
@@ -212,14 +155,14 @@ def test_sigkill_during_save_keeps_previous_checkpoint(corpus_prefix, tmp_path):
     run_dir = tmp_path / "run"
     args = ["--deepspeed_config", str(config_path), "--data-path", corpus_prefix, "--save", str(run_dir),
             "--train-iters", "6"]
-    proc = subprocess.run([sys.executable, "-c", KILL_DRIVER, *args], env=_single_process_env(free_port()),
+    proc = subprocess.run([sys.executable, "-c", KILL_DRIVER, *args], env=one_rank_env(free_port()),
                           cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     checkpoints = run_dir / "checkpoints"
     assert (checkpoints / "latest").read_text() == "iter_0000002"
     # The previous checkpoint loads and training continues from it.
     resume = subprocess.run([sys.executable, "launch/pretrain.py", *args[:-1], "3", "--load", str(run_dir)],
-                            env=_single_process_env(free_port()), cwd=REPO, capture_output=True, text=True,
+                            env=one_rank_env(free_port()), cwd=REPO, capture_output=True, text=True,
                             timeout=300)
     assert resume.returncode == 0, resume.stderr[-3000:]
     assert [e["iteration"] for e in train_events(run_dir)] == [1, 2, 3]
@@ -251,7 +194,7 @@ def test_cli_layout_error_exits_2_from_the_script(tmp_path):
 
     args = ["launch/pretrain.py", "--deepspeed_config", "ds_configs/cpu_demo.json", "--save", str(tmp_path / "r")]
     proc = subprocess.run([sys.executable, *args, "--tensor-parallel-size", "3"],
-                          env=_single_process_env(free_port()), cwd=REPO, capture_output=True, text=True, timeout=120)
+                          env=one_rank_env(free_port()), cwd=REPO, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert "tensor-parallel size 3 does not divide the world size 1" in proc.stderr
     assert not (tmp_path / "r").exists()

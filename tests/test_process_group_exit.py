@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch.distributed as dist
 
+from tests.helpers.pretraining import ds_config
 from tests.spawn import free_port
 from zoo.distributed import process_group_left_on_success
 
@@ -88,7 +89,6 @@ def _launch_until_exit(tmp_path, name: str, data_path: str, zoo: dict, timeout_s
     from pathlib import Path
 
     from tests.spawn import free_port
-    from tests.test_pretrain import ds_config
 
     repo = Path(__file__).resolve().parent.parent
     config = tmp_path / f"{name}.json"

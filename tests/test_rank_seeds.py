@@ -10,7 +10,7 @@ import deepspeed
 import pytest
 import torch
 
-from tests.test_trainer_objects import _checkpointer
+from tests.helpers.checkpointers import single_rank_checkpointer
 from zoo.parallel import ParallelState
 from zoo.parallel.random import TP_RNG_STATE_NAME
 
@@ -42,7 +42,7 @@ def restored_at_new_layout(tmp_path, ps: ParallelState, tracker) -> tuple[torch.
     """The streams after the Checkpointer at ``ps`` restored a checkpoint moved from another layout."""
     from zoo.training.loop import LoopState
 
-    checkpointer = _checkpointer(tmp_path, seed=SEED)
+    checkpointer = single_rank_checkpointer(tmp_path, seed=SEED)
     payload = checkpointer.payload(LoopState(iteration=ITERATION, consumed_samples=8))
     checkpointer.ps = ps
     checkpointer.restore({**payload, "resharded_from": {"tensor_parallel_size": 1,

@@ -28,8 +28,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.launch_env import one_rank_env
+from tests.helpers.pretraining import TINY_MODEL, ds_config, run_config, train_events
 from tests.spawn import free_port, spawn
-from tests.test_pretrain import TINY_MODEL, _single_process_env, corpus_prefix, ds_config, run_config, train_events  # noqa: F401
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -91,7 +92,7 @@ def test_a_second_run_on_a_held_directory_is_refused_and_touches_nothing(corpus_
     holder = subprocess.Popen(
         [sys.executable, "-c", HOLDING_DRIVER, str(ready), str(go), "--deepspeed_config", str(tmp_path / "ds.json"),
          "--data-path", corpus_prefix, "--save", str(run), "--train-iters", "3"],
-        env=_single_process_env(free_port()), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        env=one_rank_env(free_port()), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 240
         while not ready.exists() and holder.poll() is None and time.monotonic() < deadline:

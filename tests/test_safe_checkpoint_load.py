@@ -21,6 +21,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.launch_env import one_rank_env
+from tests.helpers.pretraining import ds_config, run_config
+from tests.helpers.random_corpus import MODEL, make_corpus
 from tests.spawn import free_port, spawn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -37,8 +40,6 @@ class OpensMarker:
 
 
 def _train_one_iteration(rank, world_size, data_path, save):
-    from tests.test_pretrain import run_config
-    from tests.test_zero import MODEL
     from zoo.training.pretrain import pretrain
 
     pretrain(run_config(data_path, save, 1, 1, 1, train_iters=1, model_overrides=dict(MODEL), data_workers=0))
@@ -46,8 +47,6 @@ def _train_one_iteration(rank, world_size, data_path, save):
 
 @pytest.fixture(scope="module")
 def real_run(tmp_path_factory) -> tuple[Path, str]:
-    from tests.test_zero import make_corpus
-
     root = tmp_path_factory.mktemp("safe_load")
     corpus = make_corpus(root / "random")
     spawn(_train_one_iteration, 1, corpus, str(root / "run"))
@@ -150,9 +149,6 @@ def safe_copy(real_run, tag: str) -> Path:
 
 
 def test_pretrain_load_refuses_a_planted_pickle(real_run, tmp_path):
-    from tests.test_pretrain import _single_process_env, ds_config
-    from tests.test_zero import MODEL
-
     run, planted, marker = planted_copy(real_run, tmp_path)
     config = ds_config(1, 1)
     config["zoo"] = {"tensor_parallel_size": 1, "model": "gpt2-tiny", "seq_length": 32, "eval_interval": 0,
@@ -160,7 +156,7 @@ def test_pretrain_load_refuses_a_planted_pickle(real_run, tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps(config))
     proc = subprocess.run([sys.executable, "launch/pretrain.py", "--deepspeed_config", str(tmp_path / "ds.json"),
                            "--data-path", real_run[1], "--save", str(tmp_path / "next"), "--load", str(run),
-                           "--train-iters", "2"], env=_single_process_env(free_port()), cwd=REPO,
+                           "--train-iters", "2"], env=one_rank_env(free_port()), cwd=REPO,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr[-3000:]
     line = proc.stderr.strip().splitlines()[-1]
@@ -173,8 +169,6 @@ def _deepspeed_loads(rank, world_size, clean_run, planted_run, marker):
     optimizer, scheduler, client state); the planted one is refused without running it."""
     import deepspeed
 
-    from tests.test_pretrain import ds_config
-    from tests.test_zero import MODEL
     from zoo.checkpoint.safe_load import weights_only_loads
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.models.families import param_groups

@@ -20,8 +20,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.helpers.blend_corpora import blend_items, write_corpus
 from tests.spawn import spawn
-from tests.test_data_blend import blend_items, write_corpus
 from zoo.distributed import build_once
 from zoo.distributed.build_once import lock_path
 

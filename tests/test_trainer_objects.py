@@ -5,24 +5,12 @@ iterations save and evaluate."""
 from __future__ import annotations
 
 import random
-from types import SimpleNamespace
 
 import numpy as np
 import torch
 
-from tests.test_pretrain import run_config
-
-
-def _checkpointer(tmp_path, is_writer=False, **changes):
-    from zoo.parallel import ParallelState
-    from zoo.training.checkpointer import Checkpointer
-    from zoo.training.run_config import deepspeed_dict
-
-    config = run_config(str(tmp_path / "data"), str(tmp_path / "run"), 1, 1, 1, train_iters=10, **changes)
-    single = ParallelState(tp_size=1, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
-                           world_size=1, rank=0)
-    engine = SimpleNamespace(module=torch.nn.Linear(2, 2))   # the payload names the optimizer's parameters
-    return Checkpointer(engine, config, deepspeed_dict(config, 1), single, {"n_layer": 2}, is_writer)
+from tests.helpers.checkpointers import single_rank_checkpointer
+from tests.helpers.pretraining import run_config
 
 
 def _draws() -> tuple:
@@ -42,7 +30,7 @@ def test_loop_state_round_trips_through_its_state_dict():
 def test_the_checkpointer_restores_the_state_and_every_generator_it_saved(tmp_path):
     from zoo.training.loop import LoopState
 
-    checkpointer = _checkpointer(tmp_path)
+    checkpointer = single_rank_checkpointer(tmp_path)
     payload = checkpointer.payload(LoopState(iteration=3, consumed_samples=12))
     assert {key: payload[key] for key in ("iteration", "consumed_samples", "zoo_model", "model_config",
                                           "tensor_parallel_size", "seq_length")} == {
@@ -64,7 +52,7 @@ def test_a_resharded_checkpoint_reseeds_the_tp_stream_and_a_new_schedule_is_warn
 
     tracker = deepspeed.checkpointing.get_cuda_rng_tracker()
     kept = tracker.get_states()
-    checkpointer = _checkpointer(tmp_path, is_writer=True)
+    checkpointer = single_rank_checkpointer(tmp_path, is_writer=True)
     payload = checkpointer.payload(LoopState(iteration=4, consumed_samples=16))
     try:
         checkpointer.restore({**payload, "resharded_from": 2,
@@ -80,7 +68,7 @@ def test_saves_and_evaluations_happen_on_their_intervals_and_at_the_last_iterati
     from zoo.training.validator import Validator
 
     def saves(**changes):
-        return [it for it in range(1, 11) if _checkpointer(tmp_path, **changes).is_save_step(it)]
+        return [it for it in range(1, 11) if single_rank_checkpointer(tmp_path, **changes).is_save_step(it)]
 
     def evaluations(**changes):
         config = run_config(str(tmp_path / "data"), str(tmp_path / "run"), 1, 1, 1, train_iters=10, **changes)
@@ -92,6 +80,6 @@ def test_saves_and_evaluations_happen_on_their_intervals_and_at_the_last_iterati
 
 def test_a_resume_from_a_run_without_a_checkpoint_starts_at_iteration_0(tmp_path, capsys):
     (tmp_path / "run" / "checkpoints").mkdir(parents=True)
-    state = _checkpointer(tmp_path, is_writer=True, load=str(tmp_path / "run")).resume()
+    state = single_rank_checkpointer(tmp_path, is_writer=True, load=str(tmp_path / "run")).resume()
     assert (state.iteration, state.consumed_samples) == (0, 0)
     assert f"--load {tmp_path / 'run'}: no checkpoint yet, starting from iteration 0" in capsys.readouterr().out

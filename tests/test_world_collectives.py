@@ -13,8 +13,8 @@ import math
 import os
 import time
 
+from tests.helpers.pretraining import run_config
 from tests.spawn import spawn
-from tests.test_pretrain import corpus_prefix, run_config  # noqa: F401 - fixture
 
 ITERS, LOG_INTERVAL = 8, 4
 COLLECTIVES = ("all_reduce", "all_gather", "all_gather_object", "broadcast", "broadcast_object_list", "barrier",
@@ -62,7 +62,7 @@ def _world_collectives_per_iteration(rank, world_size, data_path, save):
     return per_iteration, float(events[marks[-1]].split()[1])
 
 
-def test_world_collectives_per_iteration(corpus_prefix, tmp_path):  # noqa: F811 - the imported fixture
+def test_world_collectives_per_iteration(corpus_prefix, tmp_path):
     """Iterations 1 .. ITERS-1 (the last one also saves): one data agreement each, one log agreement every
     LOG_INTERVAL, and the stop agreement at most once per STOP_AGREEMENT_PERIOD_S of training (and at
     the first iteration) instead of once per iteration."""
