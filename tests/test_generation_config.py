@@ -13,7 +13,7 @@ import json
 
 import torch
 
-from tests.test_export import write_tp_checkpoint
+from tests.helpers.tp_checkpoint import write_tp_checkpoint
 
 GPT2_TOKEN = 50256
 

@@ -14,27 +14,12 @@ import pytest
 import torch
 
 from tests.checks import float64_grad_errors, layer_scaled_grad_errors, record_collectives, rel_err, tolerance_failures
+from tests.helpers.gpt2_parity import VOCAB, causal_lm_loss, tiny_hf_config, tiny_zoo_config
 from tests.spawn import spawn
 
 REL_TOL = 1e-5
-VOCAB = 1000            # not a multiple of 128: exercises vocab padding at every tp
 SEQ = 12
 BATCH = 3
-
-
-def tiny_hf_config(n_layer: int = 2):
-    import transformers
-
-    return transformers.GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=n_layer, n_head=4,
-                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-                                   bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1)
-
-
-def tiny_zoo_config(n_layer: int = 2):
-    from zoo.models import GPT2Config
-
-    return GPT2Config(vocab_size=VOCAB, n_positions=32, n_embd=64, n_layer=n_layer, n_head=4,
-                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 
 
 def batch(seed: int = 0, padded: bool = False):
@@ -64,13 +49,6 @@ def hf_gpt2_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("hf_gpt2")
     model.save_pretrained(path)
     return str(path)
-
-
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """GPT2LMHeadModel's loss (labels shifted inside, -100 ignored), in the logits' dtype."""
-    import torch.nn.functional as F
-
-    return F.cross_entropy(logits[:, :-1].reshape(-1, VOCAB), labels[:, 1:].reshape(-1), ignore_index=-100)
 
 
 def _parity_worker(rank, world_size, directory, padded):

@@ -23,11 +23,11 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from tests import test_bert
 from tests.checks import float64_grad_errors, layer_scaled_grad_errors, record_collectives, rel_err, tolerance_failures
+from tests.helpers import bert_parity
+from tests.helpers.bert_parity import bert_parity_errors, hf_grads, make_hf_bert, zoo_grads
+from tests.helpers.gpt2_parity import causal_lm_loss, tiny_hf_config, tiny_zoo_config
 from tests.spawn import spawn
-from tests.test_bert import bert_parity_errors, hf_grads, make_hf_bert, zoo_grads
-from tests.test_gpt2 import causal_lm_loss, tiny_hf_config, tiny_zoo_config
 
 REL_TOL = 1e-5
 VOCAB = 1000
@@ -73,7 +73,7 @@ def gpt2_batch():
 
 
 def bert_batch():
-    return test_bert.bert_batch(SEQ, label_near_end=True)
+    return bert_parity.bert_batch(SEQ, label_near_end=True)
 
 
 # ---------------------------------------------------------------- parity with transformers
