@@ -2,9 +2,9 @@
 each other within the noise of two dropout seeds, and SP-region dropout draws a different mask on every
 TP rank.
 
-One spawn (tp = 2) runs ``benchmarks/bench_sp_dropout.py``'s four runs at a test-sized shape: gpt2-tiny
-with dropout 0.1, 20 AdamW steps (lr 1e-3) on batches of 4 x 32 tokens of the bundled corpus, SP off/on x
-dropout seeds 1/2, same initial weights. The check: mean over the 40 step pairs of |loss_SP - loss_noSP|
+One spawn (tp = 2) runs the four runs of ``benchmarks/bench_sp_dropout.py`` (``tests/helpers/sp_dropout.py``)
+at a test-sized shape: gpt2-tiny with dropout 0.1, 20 AdamW steps (lr 1e-3) on batches of 4 x 32 tokens of the
+bundled corpus, SP off/on x dropout seeds 1/2, same initial weights. The check: mean over the 40 step pairs of |loss_SP - loss_noSP|
 (same seed) <= 3 x the mean of |loss_seed1 - loss_seed2| (same SP setting).
 
 Measured on the 2-core CPU machine (losses are deterministic on one machine; figures as
@@ -30,6 +30,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tests.helpers.sp_dropout import corpus_batches, gaps, injected_fault, summary, worker
 from tests.spawn import spawn
 
 STEPS, BATCH, SEQ = 20, 4, 32
@@ -63,7 +64,6 @@ def dropout_masks(parallel, sequence_parallel: bool) -> dict[str, torch.Tensor]:
 
 
 def _worker(rank, world_size, batches, fault):
-    from benchmarks.bench_sp_dropout import injected_fault, worker
     from zoo.parallel import ParallelState
 
     runs = worker(rank, world_size, batches, fault)
@@ -74,8 +74,6 @@ def _worker(rank, world_size, batches, fault):
 
 
 def spawn_runs(fault: str = "none"):
-    from benchmarks.bench_sp_dropout import corpus_batches
-
     return spawn(_worker, 2, corpus_batches(STEPS, BATCH, SEQ), fault)
 
 
@@ -85,8 +83,6 @@ def ranks():
 
 
 def check_losses_within_seed_noise(ranks) -> None:
-    from benchmarks.bench_sp_dropout import gaps, summary
-
     runs = ranks[0]["runs"]
     assert ranks[1]["runs"] == runs, "the TP ranks disagree on the loss"
     assert runs[(False, 1)] != runs[(False, 2)], "the dropout seed changed nothing"
