@@ -21,6 +21,7 @@ import pytest
 from tests.helpers.pretraining import TINY_MODEL, run_config
 from tests.helpers.pretraining import ds_config as _ds_config
 from tests.spawn import spawn
+from zoo.errors import UserError
 
 
 def _one_sentence(message: str) -> str:
@@ -234,7 +235,7 @@ def _hostile_worker(rank, world_size, data_path, bad_data_path, root):
     run = f"{root}/run"
     results = {
         "agree_ok": _outcome(lambda: raise_on_any_rank(lambda: dist.get_rank() * 10)),
-        "agree_user": _outcome(lambda: raise_on_any_rank(fail_on_rank_1(ValueError("rank 1 is unhappy.")))),
+        "agree_user": _outcome(lambda: raise_on_any_rank(fail_on_rank_1(UserError("rank 1 is unhappy.")))),
         "agree_bug": _outcome(lambda: raise_on_any_rank(fail_on_rank_1(KeyError("k")))),
         "first": _outcome(lambda: pretrain(_run_config(data_path, run, 2, 2, 2, train_iters=2))),
         # Resumed under a longer schedule: one warning naming both, the step count continues.
@@ -278,7 +279,7 @@ def test_hostile_runs_end_in_one_sentence_on_every_rank(tmp_path):
             assert results[name][0] == "ok", (rank, name, results[name])
     # The agreement itself: the same user error on every rank; a bug stays itself where it happened.
     assert [r["agree_ok"][:2] for r in ranks] == [("ok", 0), ("ok", 10)]
-    assert [r["agree_user"][:2] for r in ranks] == [("ValueError", "rank 1 is unhappy.")] * 2
+    assert [r["agree_user"][:2] for r in ranks] == [("UserError", "rank 1 is unhappy.")] * 2
     assert ranks[0]["agree_bug"][:2] == ("RuntimeError", "rank 1 failed with KeyError: 'k'")
     assert ranks[1]["agree_bug"][0] == "KeyError"
 
@@ -292,11 +293,11 @@ def test_hostile_runs_end_in_one_sentence_on_every_rank(tmp_path):
     assert [e["iteration"] for e in events] == [1, 2, 3, 4]
 
     expected = {
-        "shape": ("ValueError", r"--load .*run holds a checkpoint of another model \(n_layer 2 in the checkpoint, 3 "
+        "shape": ("UserError", r"--load .*run holds a checkpoint of another model \(n_layer 2 in the checkpoint, 3 "
                                 r"in this run\); pass the --model preset and model_overrides it was trained with"),
-        "save": ("ValueError", r"--save .*a-file/run lies under a file, not a directory"),
-        "truncated": ("ValueError", r"iter_0000004/mp_rank_01_model_states\.pt cannot be read as a torch checkpoint"),
-        "vocab": ("ValueError", r"bad\.bin holds token id 60000 in sample 1 of the train split, outside the model's "
+        "save": ("UserError", r"--save .*a-file/run lies under a file, not a directory"),
+        "truncated": ("UserError", r"iter_0000004/mp_rank_01_model_states\.pt cannot be read as a torch checkpoint"),
+        "vocab": ("UserError", r"bad\.bin holds token id 60000 in sample 1 of the train split, outside the model's "
                                 r"vocabulary of 50257 ids"),
     }
     for name, (kind, pattern) in expected.items():

@@ -1,4 +1,4 @@
-"""User errors raise ValueError or FileNotFoundError with one sentence that names the offending value
+"""User errors raise zoo.errors.UserError (a ValueError) or MissingInput (a FileNotFoundError) with one sentence that names the offending value
 and the fix (DESIGN.md, "Errors"): bad configs, unknown presets, impossible tp layouts, and broken
 checkpoint directories. Everything runs in the pytest process; the checkpoints are tiny transformers
 GPT-2s written with ``save_pretrained`` and then damaged.

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from tests.spawn import spawn
+from zoo.errors import UserError
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self (Linux)")
 
@@ -322,7 +323,7 @@ def _save_with_failing_writer(rank, world_size, out: Path, kind: str):
                 calls.append(entry.key)
                 if len(calls) > 1:
                     raise (OSError(28, "No space left on device") if kind == "disk full" else
-                           ValueError("the writer refused this tensor; fix it."))
+                           UserError("the writer refused this tensor; fix it."))
                 original(handle, entry, rows)
 
             safetensors_io.write_rows = failing
@@ -342,7 +343,7 @@ def test_writer_failure_reaches_every_rank_as_one_sentence(tmp_path, kind):
         assert seen[0] == ("OSError", "[Errno 28] No space left on device")
         assert seen[1] == ("RuntimeError", "rank 0 failed with OSError: [Errno 28] No space left on device")
     else:
-        assert seen[0] == seen[1] and seen[0][0] == "ValueError", seen
+        assert seen[0] == seen[1] and seen[0][0] == "UserError", seen
     assert not out.exists()                                 # nothing half-written
     leftovers = sorted(p.name for p in out.parent.iterdir()) if out.parent.exists() else []
     assert leftovers == (["file"] if kind == "under a file" else [])

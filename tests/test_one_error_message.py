@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from tests.helpers.repo import REPO
+from zoo.errors import UserError
 
 SENTENCE = "n_head=3 is not divisible by tensor-parallel size 2; use a tp degree that divides 3."
 
@@ -38,7 +39,7 @@ def _agreed(message: str) -> ValueError:
     from zoo.errors import raise_failure_of_rank
 
     with pytest.raises(ValueError) as caught:
-        raise_failure_of_rank(1, "ValueError", message, None, this_rank=0)
+        raise_failure_of_rank(1, "UserError", message, None, this_rank=0)
     return caught.value
 
 
@@ -55,5 +56,5 @@ def test_report_error_prints_on_the_writer_and_only_differing_sentences_elsewher
     monkeypatch.delenv("RANK", raising=False)
     if rank is not None:
         monkeypatch.setenv("RANK", rank)
-    report_error(_agreed("bad value; fix it.") if agreed else ValueError("bad value; fix it."))
+    report_error(_agreed("bad value; fix it.") if agreed else UserError("bad value; fix it."))
     assert capsys.readouterr().err == expected

@@ -105,7 +105,7 @@ def test_a_second_run_on_a_held_directory_is_refused_and_touches_nothing(corpus_
         assert snapshot(run) == before, "the refused run changed the directory"
         for name in ("resume", "overwrite"):
             outcomes = [r[name][:2] for r in ranks]
-            assert outcomes[0] == outcomes[1] and outcomes[0][0] == "ValueError", (name, ranks)
+            assert outcomes[0] == outcomes[1] and outcomes[0][0] == "UserError", (name, ranks)
             message = outcomes[0][1]
             assert message.startswith(f"--save {run} is in use by another run (process {holder.pid} on host "), message
             assert ", since 20" in message and "or pass another --save" in message, message
@@ -191,7 +191,7 @@ def test_fresh_runs_torn_and_corrupt_metrics_and_a_full_disk(corpus_prefix, tmp_
 
     # a fresh run over the checkpoints: one sentence on both ranks, nothing changed
     assert zero["fresh"][:2] == one["fresh"][:2], (zero["fresh"], one["fresh"])
-    assert zero["fresh"][:2] == ("ValueError", f"--save {run} already holds the checkpoints of an earlier run (latest "
+    assert zero["fresh"][:2] == ("UserError", f"--save {run} already holds the checkpoints of an earlier run (latest "
                                  "iter_0000002), which this run's saves would overwrite; use --load "
                                  f"{run} to resume, or another --save, or --overwrite to replace them.")
     assert zero["fresh_unchanged"]
@@ -203,14 +203,14 @@ def test_fresh_runs_torn_and_corrupt_metrics_and_a_full_disk(corpus_prefix, tmp_
 
     # a corrupt line before the last: its number, on both ranks, before anything is written
     assert zero["corrupt"][:2] == one["corrupt"][:2], (zero["corrupt"], one["corrupt"])
-    assert zero["corrupt"][0] == "ValueError"
+    assert zero["corrupt"][0] == "UserError"
     assert zero["corrupt"][1].startswith(f"{run / 'metrics.jsonl'} line 2 is not a JSON object ('{{not json'); "
                                          "delete or repair that line"), zero["corrupt"][1]
     assert zero["corrupt_unchanged"]
 
     # a full disk during the append of iteration 4: one sentence on both ranks, the half line cut off again
     assert zero["full"][:2] == one["full"][:2], (zero["full"], one["full"])
-    assert zero["full"][:2] == ("ValueError", f"appending to {run / 'metrics.jsonl'} failed (No space left on device); "
+    assert zero["full"][:2] == ("UserError", f"appending to {run / 'metrics.jsonl'} failed (No space left on device); "
                                 f"free space in {run} or pass another --save, then run again (a pretraining run "
                                 f"resumes from its last checkpoint with --load {run}).")
     assert "Traceback" not in zero["full"][2] + one["full"][2]

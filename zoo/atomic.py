@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+from zoo.errors import UserError
+
 
 def process_umask() -> int:
     """The process umask (read without changing it where /proc allows)."""
@@ -76,7 +78,7 @@ def staged_directory(target: str | os.PathLike, may_replace: Callable[[Path], bo
 
     An existing ``target`` is replaced only when ``may_replace(target)`` says it is the kind of
     directory this command writes; anything else (a file, a directory of other things) is refused
-    with a ``ValueError`` *before* anything is written, so a command never deletes what it did not
+    with a ``UserError`` *before* anything is written, so a command never deletes what it did not
     create. ``what`` names the kind in that sentence ("Hugging Face export", ...).
     """
     target = Path(target)
@@ -119,24 +121,24 @@ def check_output_directory(target: str | os.PathLike, may_replace: Callable[[Pat
     while not ancestor.exists() and ancestor != ancestor.parent:
         ancestor = ancestor.parent
     if not ancestor.is_dir():
-        raise ValueError(f"{target} lies under the file {ancestor}, not a directory; choose another output path "
+        raise UserError(f"{target} lies under the file {ancestor}, not a directory; choose another output path "
                          f"for the {what}.")
     if not os.access(ancestor, os.W_OK | os.X_OK):
-        raise ValueError(f"{target} cannot be created ({ancestor} is not writable); choose an output path for the "
+        raise UserError(f"{target} cannot be created ({ancestor} is not writable); choose an output path for the "
                          f"{what} in a directory you can write to.")
     check_replaceable(target, may_replace, what)
 
 
 def check_replaceable(target: Path, may_replace: Callable[[Path], bool] | None, what: str) -> None:
-    """Raise ``ValueError`` unless ``target`` is absent or a directory ``may_replace`` accepts."""
+    """Raise ``UserError`` unless ``target`` is absent or a directory ``may_replace`` accepts."""
     if not target.exists() and not target.is_symlink():
         return
     if not target.is_dir():
-        raise ValueError(f"{target} exists and is not a directory; choose another output path for the {what}.")
+        raise UserError(f"{target} exists and is not a directory; choose another output path for the {what}.")
     if not any(target.iterdir()):
         return
     if may_replace is not None and not may_replace(target):
-        raise ValueError(f"{target} exists and is not a {what} this command wrote (it would be deleted); "
+        raise UserError(f"{target} exists and is not a {what} this command wrote (it would be deleted); "
                          f"move it away or choose a new or empty output path.")
 
 
@@ -160,20 +162,20 @@ def check_writable_directory(directory: str | os.PathLike, flag: str) -> Path:
     path = Path(directory)
     probe_parent = path
     if path.exists() and not path.is_dir():
-        raise ValueError(f"{flag} {path} is a file, not a directory; pass a directory path.")
+        raise UserError(f"{flag} {path} is a file, not a directory; pass a directory path.")
     try:
         path.mkdir(parents=True, exist_ok=True)
         handle, name = tempfile.mkstemp(prefix=".zoo-write-check-", dir=str(probe_parent))
         os.close(handle)
         os.unlink(name)
     except (NotADirectoryError, FileExistsError):
-        raise ValueError(f"{flag} {path} lies under a file, not a directory; pass a directory path.") from None
+        raise UserError(f"{flag} {path} lies under a file, not a directory; pass a directory path.") from None
     except OSError as err:
         raise unwritable_directory(flag, path, err) from None
     return path
 
 
-def unwritable_directory(flag: str, path: str | os.PathLike, err: OSError) -> ValueError:
+def unwritable_directory(flag: str, path: str | os.PathLike, err: OSError) -> UserError:
     """The one sentence for a directory chosen by ``flag`` that cannot be written (``err`` says why)."""
     why = "permission denied" if isinstance(err, PermissionError) else err.strerror
-    return ValueError(f"{flag} {path} cannot be written ({why}); pass a directory you can write to.")
+    return UserError(f"{flag} {path} cannot be written ({why}); pass a directory you can write to.")

@@ -2,11 +2,10 @@
 CLI reports the error that ends it (``error: <sentence>`` on one line of stderr, exit code 2, printed once
 for the whole job).
 
-zoo raises ValueError / FileNotFoundError with one sentence naming the value and the fix
-(:data:`USER_ERRORS`). A library can raise the same types for reasons that are not the user's (DeepSpeed's
-op builder failing on ``TORCH_CUDA_ARCH_LIST=9.0a`` raises ``invalid literal for int() with base 10: '0a'``,
-which names neither the variable nor the fix). Such a line names where it was raised, and
-``ZOO_TRACEBACK=1`` prints the traceback.
+zoo raises :class:`UserError` (a ValueError) or :class:`MissingInput` (a UserError and a FileNotFoundError)
+with one sentence naming the value and the fix. Only those are reported as one line and exit 2: a
+ValueError or FileNotFoundError raised by a library (or by a bug of zoo's) is not the user's to fix from its
+sentence, so it ends the command with its traceback, as any other exception does.
 
 This module imports no torch, so a CLI reports an error of its argument parsing without paying for it.
 """
@@ -16,22 +15,37 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
-import sysconfig
 import traceback
 from collections.abc import Iterator
 from typing import NoReturn
 
-_OWN_DIRECTORIES = tuple(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), name) + os.sep
-                         for name in ("zoo", "launch", "finetune", "benchmarks"))
-_STANDARD_LIBRARY = os.path.abspath(sysconfig.get_paths()["stdlib"]) + os.sep
 TRACEBACK_VARIABLE = "ZOO_TRACEBACK"
 
+
+class UserError(ValueError):
+    """A value the user gave (a flag, a config, a file's content, a layout) that zoo cannot run with; its
+    message is one sentence naming the value and the fix."""
+
+
+class MissingInput(UserError, FileNotFoundError):
+    """A file or directory the user named that does not exist or lacks a part zoo needs (one sentence)."""
+
+
 # The exception types of a user error, by name: the name is what crosses between ranks.
-USER_ERRORS: dict[str, type[Exception]] = {"ValueError": ValueError, "FileNotFoundError": FileNotFoundError}
+USER_ERRORS: dict[str, type[Exception]] = {"UserError": UserError, "MissingInput": MissingInput}
 # Set on a user error the ranks agreed on: every rank holds the same sentence (zoo's agreements span the world).
 AGREED_ATTRIBUTE = "zoo_agreed_by_every_rank"
 # The variables launchers set to a process's global rank: torchrun/DeepSpeed, mpirun, srun.
 RANK_VARIABLES = ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+
+
+def error_kind(err: BaseException) -> str:
+    """The name ``err`` crosses between ranks under: its user-error kind (a subclass of UserError travels as
+    the kind it is), else its own type's name."""
+    for name, kind in reversed(USER_ERRORS.items()):
+        if isinstance(err, kind):
+            return name
+    return type(err).__name__
 
 
 def raise_failure_of_rank(rank: int, kind: str, message: str, own_error: BaseException | None,
@@ -62,40 +76,9 @@ def alike_on_every_rank() -> Iterator[None]:
         raise
 
 
-def _in_standard_library(path: str) -> bool:
-    return os.path.abspath(path).startswith(_STANDARD_LIBRARY) and "-packages" + os.sep not in path
-
-
-def raised_at(err: BaseException) -> tuple[str, int] | None:
-    """(file, line) of the innermost frame that raised ``err`` outside Python's standard library (a missing
-    file raised by pathlib for zoo's call counts as zoo's), or None without such a frame."""
-    frames = traceback.extract_tb(err.__traceback__) if err.__traceback__ is not None else []
-    for frame in reversed(frames):
-        if not _in_standard_library(frame.filename):
-            return frame.filename, frame.lineno
-    return None
-
-
-def raised_outside_zoo(err: BaseException) -> tuple[str, int] | None:
-    """Where ``err`` was raised, shortened to the package's path, when that was not zoo's own code."""
-    where = raised_at(err)
-    if where is None or os.path.abspath(where[0]).startswith(_OWN_DIRECTORIES):
-        return None
-    path = where[0]
-    for marker in ("site-packages" + os.sep, "dist-packages" + os.sep):
-        if marker in path:
-            path = path.split(marker, 1)[1]
-    return path, where[1]
-
-
 def error_line(err: BaseException, rank: int = 0) -> str:
     """``error: <sentence>`` (``error (rank N): ...`` on a rank other than the writer)."""
-    line = f"error: {err}" if rank == 0 else f"error (rank {rank}): {err}"
-    origin = raised_outside_zoo(err)
-    if origin is not None:
-        line += (f" (raised in {origin[0]}:{origin[1]}, not by zoo's checks; {TRACEBACK_VARIABLE}=1 prints the "
-                 f"traceback)")
-    return line
+    return f"error: {err}" if rank == 0 else f"error (rank {rank}): {err}"
 
 
 def global_rank() -> int:

@@ -70,6 +70,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from zoo.errors import UserError
 from zoo.launcher_watch import LAUNCHER_PID_VARIABLE, command_line, parent_of, runs_module
 from zoo.stop_report import STORE_VARIABLE, read_stop_report, request_stop, serve
 
@@ -316,7 +317,7 @@ def stopped_cleanly(runner_code: int) -> bool:
 def runner_arguments(argv: Sequence[str], environ: dict[str, str] | None = None) -> list[str]:
     """``argv`` (``deepspeed``'s arguments) as this launcher hands them to DeepSpeed's runner: the counts
     checked (:func:`check_counts`) and, for a one-node launch, the rendezvous port named
-    (:func:`with_rendezvous_port`). A ValueError (one sentence) for a value the user must change; what
+    (:func:`with_rendezvous_port`). A UserError (one sentence) for a value the user must change; what
     DeepSpeed's own parser refuses is its usage message and exit code 2, as under ``deepspeed``."""
     from deepspeed.launcher.runner import parse_args  # local: DeepSpeed's import cost, paid by the CLI only
 
@@ -332,13 +333,13 @@ def given(own: Sequence[str], *flags: str) -> bool:
 
 
 def check_counts(parsed, own: Sequence[str]) -> None:
-    """A ValueError (one sentence) for a ``--num_gpus`` or ``--num_nodes`` given below 1: DeepSpeed would
+    """A UserError (one sentence) for a ``--num_gpus`` or ``--num_nodes`` given below 1: DeepSpeed would
     read it as its default (one rank per accelerator, every node) without a word, so ``--num_gpus 0``
     would start a rank."""
     for attribute, flags, meaning, default in COUNTS:
         value = getattr(parsed, attribute)
         if value < 1 and (value != -1 or given(own, *flags)):
-            raise ValueError(f"{flags[0]} {value} is not a count: give {meaning} as a number from 1 up, or leave "
+            raise UserError(f"{flags[0]} {value} is not a count: give {meaning} as a number from 1 up, or leave "
                              f"{flags[0]} out for DeepSpeed's default ({default})")
 
 
@@ -354,7 +355,7 @@ def with_rendezvous_port(argv: Sequence[str], parsed, own: Sequence[str],
         return list(argv)
     port = environ.get(PORT_VARIABLE) or str(free_port())
     if not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"{PORT_VARIABLE}={port} is not a TCP port: set it to a number from 1 to 65535, or unset "
+        raise UserError(f"{PORT_VARIABLE}={port} is not a TCP port: set it to a number from 1 to 65535, or unset "
                          f"it to let zoo's launcher pick a free port")
     return ["--master_port", port, *argv]
 

@@ -25,6 +25,8 @@ import typing
 from collections.abc import Iterable
 from typing import Any
 
+from zoo.errors import UserError
+
 # The --help groups, in Megatron's order, each with its one-line description.
 GROUPS: dict[str, str] = {
     "model": "which model, its size and shape",
@@ -55,7 +57,7 @@ def option(default: Any = dataclasses.MISSING, *, help: str, group: str, flag: s
     type error where the field's type alone says it badly; the remaining keywords go to ``add_argument``
     (choices, metavar)."""
     if group not in GROUPS:
-        raise ValueError(f"option group {group!r} is not one of {sorted(GROUPS)}; use one of them.")
+        raise UserError(f"option group {group!r} is not one of {sorted(GROUPS)}; use one of them.")
     metadata = {"help": help, "group": group, "flag": flag, "in_block": in_block, "negatable": negatable,
                 "expects": expects, "argparse": argparse_kwargs}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=metadata)
@@ -175,12 +177,12 @@ def check_block_keys(block: Any, cls: type, source: str | None, unknown_fix: str
     does not read (``unknown_fix`` replaces the default hint listing the valid keys)."""
     known = block_keys(cls)
     if not isinstance(block, dict):
-        raise ValueError(f"the zoo block of {source} is {block!r}, not a JSON object; write it as "
+        raise UserError(f"the zoo block of {source} is {block!r}, not a JSON object; write it as "
                          "\"zoo\": {\"tensor_parallel_size\": 1, \"model\": \"gpt2-tiny\", ...}.")
     unknown = sorted(set(block) - known)
     if unknown:
         fix = unknown_fix or f"valid keys are {sorted(known)}"
-        raise ValueError(f"unknown key {unknown[0]!r} in the zoo block of {source}; {fix}.")
+        raise UserError(f"unknown key {unknown[0]!r} in the zoo block of {source}; {fix}.")
     return dict(block)
 
 
@@ -207,7 +209,7 @@ def check_types(config: Any, source: str | None) -> None:
         kind = allowed[0]
         nullable = " or null" if type(None) in allowed else ""
         expected, example = f.metadata["expects"] or (TYPE_NAMES[kind], TYPE_EXAMPLES[kind])
-        raise ValueError(f"zoo setting {f.name!r} in {source} is {shown(value)} ({json_kind(value)}) but must be "
+        raise UserError(f"zoo setting {f.name!r} in {source} is {shown(value)} ({json_kind(value)}) but must be "
                          f"{expected}{nullable}; write it as e.g. \"{f.name}\": {example}.")
 
 

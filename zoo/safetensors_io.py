@@ -22,6 +22,7 @@ from typing import Protocol
 import torch
 
 from zoo.atomic import staged_directory
+from zoo.errors import UserError
 
 # safetensors' dtype names, in the order of its Rust ``Dtype`` enum: a file stores its tensors' data in
 # descending dtype order, then by name, and the header lists them in that order.
@@ -47,7 +48,7 @@ def safetensors_order(entries: Iterable[Entry]) -> list:
     entries = list(entries)
     for entry in entries:
         if entry.dtype not in ranks:
-            raise ValueError(f"tensor {entry.key!r} has dtype {entry.dtype}, which zoo does not write to "
+            raise UserError(f"tensor {entry.key!r} has dtype {entry.dtype}, which zoo does not write to "
                              f"safetensors; cast the model to one of {sorted(map(str, ranks))}.")
     return sorted(entries, key=lambda entry: (-ranks[entry.dtype], entry.key))
 

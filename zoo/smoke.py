@@ -43,6 +43,7 @@ from zoo.assets import GPT2_TOKENIZER_DIR
 from zoo.data import preprocess_bert
 from zoo.data.preprocess import BUNDLED_CORPUS
 from zoo.distributed import join_process_group
+from zoo.errors import UserError
 from zoo.inference import GenerationConfig, generate
 from zoo.models import GPT2LMHeadModel
 from zoo.models import gpt2_config as preset_config
@@ -89,25 +90,25 @@ class Smoke:
 
 
 def validate(args: argparse.Namespace) -> None:
-    """The same ValueError on every rank, before any collective."""
+    """The same UserError on every rank, before any collective."""
     if args.model not in GPT2_PRESETS:
-        raise ValueError(f"--model {args.model!r} is not a GPT-2 preset; choose one of {sorted(GPT2_PRESETS)}.")
+        raise UserError(f"--model {args.model!r} is not a GPT-2 preset; choose one of {sorted(GPT2_PRESETS)}.")
     if args.bert_model not in BERT_PRESETS:
-        raise ValueError(f"--bert-model {args.bert_model!r} is not a BERT preset; choose one of "
+        raise UserError(f"--bert-model {args.bert_model!r} is not a BERT preset; choose one of "
                          f"{sorted(BERT_PRESETS)}.")
     if args.steps < 2:
-        raise ValueError(f"--steps {args.steps} leaves no loss to compare; pass --steps 2 or more.")
+        raise UserError(f"--steps {args.steps} leaves no loss to compare; pass --steps 2 or more.")
     n_positions = GPT2_PRESETS[args.model].get("n_positions", 1024)
     if not 1 <= args.seq_length <= n_positions:
-        raise ValueError(f"--seq-length {args.seq_length} does not fit {args.model}'s {n_positions} positions; pass "
+        raise UserError(f"--seq-length {args.seq_length} does not fit {args.model}'s {n_positions} positions; pass "
                          f"a length from 1 to {n_positions}.")
     if args.micro_batch_size < 1:
-        raise ValueError(f"--micro-batch-size {args.micro_batch_size} must be a positive integer.")
+        raise UserError(f"--micro-batch-size {args.micro_batch_size} must be a positive integer.")
     bert_positions = bert_config(args.bert_model).max_position_embeddings
     if args.bert_seq_length is None:
         args.bert_seq_length = min(args.seq_length, bert_positions)
     if not 1 <= args.bert_seq_length <= bert_positions:
-        raise ValueError(f"--bert-seq-length {args.bert_seq_length} does not fit {args.bert_model}'s {bert_positions} "
+        raise UserError(f"--bert-seq-length {args.bert_seq_length} does not fit {args.bert_model}'s {bert_positions} "
                          f"positions; pass a length from 1 to {bert_positions}.")
 
 

@@ -47,6 +47,7 @@ from zoo.checkpoint.layout import (
     recover_config,
 )
 from zoo.checkpoint.mapped_pages import mapped_ranges, release_pages
+from zoo.errors import MissingInput, UserError
 from zoo.models.families import shape_of
 from zoo.models.hf_io import (
     DEFAULT_MAX_SHARD_SIZE,
@@ -141,7 +142,7 @@ def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None,
     tag_dir = tag_directory(load, tag)
     first_path = model_states_path(tag_dir, 0)
     if not first_path.is_file():
-        raise FileNotFoundError(f"{first_path} is missing; a checkpoint tag holds mp_rank_00_model_states.pt and "
+        raise MissingInput(f"{first_path} is missing; a checkpoint tag holds mp_rank_00_model_states.pt and "
                                 "one more file per TP rank, copy them all.")
     first = read_model_states(first_path)
     tp_size = tp_size_of_states(first, first_path)
@@ -156,7 +157,7 @@ def export_checkpoint(load: str | Path, out: str | Path, tag: str | None = None,
         path = model_states_path(tag_dir, rank)
         states = first if rank == 0 else read_model_states(path)
         if (recorded := tp_size_of_states(states, path)) != tp_size:
-            raise ValueError(f"{path} records tensor_parallel_size={recorded} but rank 0 records {tp_size}; the "
+            raise UserError(f"{path} records tensor_parallel_size={recorded} but rank 0 records {tp_size}; the "
                              "tag mixes files of two checkpoints, re-save it.")
         check_layout(layout, states["module"], path)
         modules.append(states["module"])   # keep only the weights; the rest of the file is dropped

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
+from zoo.errors import MissingInput, UserError
 
 CHECKPOINT_SUBDIR = "checkpoints"
 LATEST_FILE = "latest"
@@ -34,13 +35,13 @@ def checkpoints_root(load: str | Path) -> Path:
     """The DeepSpeed save directory: ``load/checkpoints`` of a run directory, or ``load`` itself."""
     load = Path(load)
     if not load.exists():
-        raise FileNotFoundError(f"checkpoint path {load} does not exist; pass the run directory written with "
+        raise MissingInput(f"checkpoint path {load} does not exist; pass the run directory written with "
                                 "--save or its checkpoints/ directory.")
     if (load / CHECKPOINT_SUBDIR).is_dir():
         return load / CHECKPOINT_SUBDIR
     if (load / LATEST_FILE).is_file() or tags_with_model_states(load):
         return load
-    raise FileNotFoundError(f"no DeepSpeed checkpoint under {load}; pass a run directory written with --save "
+    raise MissingInput(f"no DeepSpeed checkpoint under {load}; pass a run directory written with --save "
                             "(it holds checkpoints/latest) or its checkpoints/ directory.")
 
 
@@ -140,15 +141,15 @@ def tag_directory(load: str | Path, tag: str | None = None, fix: str = TAG_FLAG_
     latest = root / LATEST_FILE
     if tag is None:
         if not latest.is_file():
-            raise FileNotFoundError(f"{root} has no '{LATEST_FILE}' file naming the checkpoint to read; "
+            raise MissingInput(f"{root} has no '{LATEST_FILE}' file naming the checkpoint to read; "
                                     f"{fix.format(tags=selectable_tags(root), latest=latest)}.")
         tag = latest.read_text().strip()
     directory = root / tag
     if not tag or not directory.is_dir():
-        raise FileNotFoundError(f"checkpoint tag {tag!r} is not a directory under {root}; "
+        raise MissingInput(f"checkpoint tag {tag!r} is not a directory under {root}; "
                                 f"{fix.format(tags=selectable_tags(root), latest=latest)}.")
     if tag not in selectable_tags(root) and any(directory.glob("mp_rank_*_model_states.pt")):
-        raise ValueError(f"checkpoint tag {tag!r} under {root} is incomplete ({incomplete_reason(root, tag)}); "
+        raise UserError(f"checkpoint tag {tag!r} under {root} is incomplete ({incomplete_reason(root, tag)}); "
                          f"{fix.format(tags=tags_in(root), latest=latest)}.")
     return directory
 
@@ -188,11 +189,11 @@ def rank_files_tp(tag_dir: Path) -> int:
     be ranks 0..tp-1 (a gap means a file is missing)."""
     ranks = sorted(int(m.group(1)) for p in tag_dir.iterdir() if (m := MODEL_STATES_RE.fullmatch(p.name)))
     if not ranks:
-        raise FileNotFoundError(f"{tag_dir} holds no mp_rank_XX_model_states.pt; copy the complete checkpoint "
+        raise MissingInput(f"{tag_dir} holds no mp_rank_XX_model_states.pt; copy the complete checkpoint "
                                 "tag directory.")
     for rank in range(max(ranks) + 1):
         if rank not in ranks:
-            raise FileNotFoundError(f"{model_states_path(tag_dir, rank)} is missing from a checkpoint with ranks up "
+            raise MissingInput(f"{model_states_path(tag_dir, rank)} is missing from a checkpoint with ranks up "
                                     f"to {max(ranks)}; copy every mp_rank_XX_model_states.pt of the tag.")
     return len(ranks)
 
@@ -201,32 +202,32 @@ def check_rank_files(tag_dir: Path, tp_size: int) -> None:
     """Every TP rank's model-states file is present, and no file of another tp degree."""
     for rank in range(tp_size):
         if not model_states_path(tag_dir, rank).is_file():
-            raise FileNotFoundError(f"{model_states_path(tag_dir, rank)} is missing from a tp={tp_size} "
+            raise MissingInput(f"{model_states_path(tag_dir, rank)} is missing from a tp={tp_size} "
                                     "checkpoint; copy every mp_rank_XX_model_states.pt of the tag.")
     ranks = sorted(int(m.group(1)) for p in tag_dir.iterdir() if (m := MODEL_STATES_RE.fullmatch(p.name)))
     if ranks != list(range(tp_size)):
-        raise ValueError(f"{tag_dir} holds model states of ranks {ranks} but its client state says "
+        raise UserError(f"{tag_dir} holds model states of ranks {ranks} but its client state says "
                          f"tensor_parallel_size={tp_size}; remove the stray files or re-save the checkpoint.")
 
 
 def read_model_states(path: Path) -> dict[str, Any]:
     """One rank's model-states file, memory-mapped so that unused entries stay on disk until touched."""
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist; copy every mp_rank_XX_model_states.pt of the tag.")
+        raise MissingInput(f"{path} does not exist; copy every mp_rank_XX_model_states.pt of the tag.")
     try:
         states = safe_torch_load(path)   # weights-only: a file that names other globals is refused, not run
     except UnsafeCheckpointError as err:
-        raise ValueError(str(err)) from None   # a plain ValueError: ranks agree on it by its type name
+        raise UserError(str(err)) from None   # a user error: ranks agree on it by its kind
     except (RuntimeError, pickle.UnpicklingError, EOFError, OSError, ValueError, AttributeError,
             ModuleNotFoundError) as err:
-        raise ValueError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated or "
+        raise UserError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated or "
                          "not a DeepSpeed model-states file, re-save it.") from None
     pipelined = isinstance(states, dict) and states.get("pipeline_model_parallel_size", 1) > 1
     if not isinstance(states, dict) or not (isinstance(states.get("module"), dict) or pipelined):
-        raise ValueError(f"{path} has no 'module' state dict; it is not a DeepSpeed model-states file, pass the "
+        raise UserError(f"{path} has no 'module' state dict; it is not a DeepSpeed model-states file, pass the "
                          "checkpoint that zoo's pretrain wrote.")
     if "zoo_model" not in states:
-        raise ValueError(f"{path} is not a zoo checkpoint (its client state has no 'zoo_model'); use only "
+        raise UserError(f"{path} is not a zoo checkpoint (its client state has no 'zoo_model'); use only "
                          "checkpoints written by zoo's pretrain.")
     return states
 
@@ -246,7 +247,7 @@ def layout_of_tag(tag_dir: Path) -> tuple[int, int]:
     tp = tp_size_of_states(states, path)
     pp = states.get("pipeline_model_parallel_size", 1)
     if not isinstance(pp, int) or pp < 1 or tp * pp != count:
-        raise ValueError(f"{tag_dir} holds {count} mp_rank_XX_model_states.pt files but its client state says "
+        raise UserError(f"{tag_dir} holds {count} mp_rank_XX_model_states.pt files but its client state says "
                          f"tensor_parallel_size={tp} x pipeline_model_parallel_size={pp!r}; copy the complete tag "
                          "directory or re-save the checkpoint.")
     return tp, pp
@@ -255,6 +256,6 @@ def layout_of_tag(tag_dir: Path) -> tuple[int, int]:
 def tp_size_of_states(states: dict[str, Any], path: Path) -> int:
     tp = states.get("tensor_parallel_size", states.get("mp_world_size"))
     if not isinstance(tp, int) or tp < 1:
-        raise ValueError(f"{path} records no valid tensor_parallel_size ({tp!r}); it is not a checkpoint written "
+        raise UserError(f"{path} records no valid tensor_parallel_size ({tp!r}); it is not a checkpoint written "
                          "by zoo's pretrain.")
     return tp

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from zoo.errors import UserError
 from zoo.models.families import (
     ModelConfig,
     build_model,
@@ -59,7 +60,7 @@ def checked_layout_model(config: ModelConfig, tp_size: int, path: Path | str) ->
     try:
         return layout_model(config, tp_size)
     except ValueError as err:
-        raise ValueError(f"the {family_name(config)} model recorded in {path} cannot be laid out at "
+        raise UserError(f"the {family_name(config)} model recorded in {path} cannot be laid out at "
                          f"tp={tp_size} ({str(err).rstrip('.')}).") from None
 
 
@@ -68,7 +69,7 @@ def recover_config(states: dict[str, Any], tp_size: int, path: Path) -> tuple[Mo
     ``model_type``, which zoo's pretraining stores) and where it came from."""
     recorded = states.get("model_config")
     if not isinstance(recorded, dict):
-        raise ValueError(f"{path} records no model_config, so its model cannot be rebuilt; it was not written by "
+        raise UserError(f"{path} records no model_config, so its model cannot be rebuilt; it was not written by "
                          "zoo's pretraining (launch/pretrain.py), which records it in every checkpoint.")
     config = config_from_dict(recorded, path)
     return _match_vocab_padding(config, states["module"], tp_size, path), "client_state['model_config']"
@@ -78,7 +79,7 @@ def config_from_dict(values: dict[str, Any], path: Path) -> ModelConfig:
     """A recorded transformers-style config dict: its ``model_type`` picks the family."""
     family = family_of_model_type(values.get("model_type"))
     if family is None:
-        raise ValueError(f"{path} records model_type {values.get('model_type')!r}, which is {model_types_sentence()}; "
+        raise UserError(f"{path} records model_type {values.get('model_type')!r}, which is {model_types_sentence()}; "
                          "it is not a checkpoint of a zoo model.")
     return family.config_from_hf(values)
 
@@ -94,7 +95,7 @@ def _match_vocab_padding(config: ModelConfig, module: dict[str, torch.Tensor], t
     key = embedding_key(config)
     embedding = module.get(key)
     if embedding is None:
-        raise ValueError(f"{path} has no {key}; it is not a zoo {family_name(config)} checkpoint.")
+        raise UserError(f"{path} has no {key}; it is not a zoo {family_name(config)} checkpoint.")
     rows = embedding.shape[0]
     if rows * tp_size == config.padded_vocab_size(tp_size) or rows * tp_size < config.vocab_size:
         return config   # the default padding matches, or nothing does (the shape check reports it)
@@ -109,10 +110,10 @@ def check_layout(layout: torch.nn.Module, module: dict[str, torch.Tensor], path:
     missing = sorted(set(expected) - set(module))
     if unknown or missing:
         example = f"unexpected {unknown[0]!r}" if unknown else f"missing {missing[0]!r}"
-        raise ValueError(f"{path} does not have the parameters of a zoo {family} ({example}); it is not a zoo "
+        raise UserError(f"{path} does not have the parameters of a zoo {family} ({example}); it is not a zoo "
                          f"{family} checkpoint of the recorded model config.")
     for name, shape in expected.items():
         if tuple(module[name].shape) != shape:
-            raise ValueError(f"{path} holds {name} of shape {tuple(module[name].shape)} but the recorded model "
+            raise UserError(f"{path} holds {name} of shape {tuple(module[name].shape)} but the recorded model "
                              f"config at tp={layout.parallel.tp_size} gives {shape}; the "
                              "checkpoint's client state does not match its weights.")

@@ -46,6 +46,7 @@ import torch
 
 from zoo.atomic import check_output_directory
 from zoo.checkpoint.safe_load import is_refused_global, refused_global
+from zoo.errors import MissingInput, UserError
 from zoo.models.config import GPT2Config
 from zoo.models.gpt2 import GPT2LMHeadModel
 from zoo.models.hf_io import DEFAULT_MAX_SHARD_SIZE, OutputTensor, stream_pretrained
@@ -140,20 +141,20 @@ def _weights_only_load(path: Path, mmap: bool) -> dict:
     except pickle.UnpicklingError as err:
         if not is_refused_global(err):
             raise unreadable(path, err) from None
-        raise ValueError(f"{path} holds the pickled global {refused_global(err, path)}, which zoo refuses to load "
+        raise UserError(f"{path} holds the pickled global {refused_global(err, path)}, which zoo refuses to load "
                          "because unpickling it could run code; import only Megatron-LM checkpoints from a source "
                          "you trust, saved without objects beyond args, tensors and RNG states.") from None
     except (EOFError, OSError, ValueError) as err:
         raise unreadable(path, err) from None
     if not isinstance(state, dict) or "model" not in state:
-        raise ValueError(f"{path} holds no 'model' state dict, so it is not a Megatron-LM model checkpoint; pass "
+        raise UserError(f"{path} holds no 'model' state dict, so it is not a Megatron-LM model checkpoint; pass "
                          "the --save directory of a Megatron-LM GPT run.")
     return state
 
 
-def unreadable(path: Path, err: BaseException) -> ValueError:
+def unreadable(path: Path, err: BaseException) -> UserError:
     lines = str(err).strip().splitlines()
-    return ValueError(f"{path} cannot be read as a torch checkpoint ({lines[0] if lines else type(err).__name__}); it "
+    return UserError(f"{path} cannot be read as a torch checkpoint ({lines[0] if lines else type(err).__name__}); it "
                       "is truncated or not a Megatron-LM checkpoint file, copy the complete file.")
 
 
@@ -163,7 +164,7 @@ def iteration_directory(load: Path, iteration: int | None) -> Path:
     the one the tracker file names (an iteration or ``release``), else ``release/``; ``load`` itself when it
     already holds the rank directories."""
     if not load.is_dir():
-        raise FileNotFoundError(f"Megatron-LM checkpoint directory {load} does not exist; pass the --save directory "
+        raise MissingInput(f"Megatron-LM checkpoint directory {load} does not exist; pass the --save directory "
                                 "of the Megatron-LM run.")
     if any(load.glob("mp_rank_*")):
         return load
@@ -175,24 +176,24 @@ def iteration_directory(load: Path, iteration: int | None) -> Path:
         if text == "release":
             return existing_iteration(load, "release", f"{tracker} ('release')")
         if not text.isdigit():
-            raise ValueError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'; fix it or pass "
+            raise UserError(f"{tracker} holds {text[:40]!r}, not an iteration number or 'release'; fix it or pass "
                              "--iteration N.")
         return existing_iteration(load, f"iter_{int(text):07d}", f"{tracker} ({text})")
     if (load / "release").is_dir():
         return load / "release"
     found = sorted(path.name for path in load.glob("iter_*"))
     hint = f"pass --iteration N (found {', '.join(found[-3:])})" if found else "pass the --save directory of a Megatron-LM run"
-    raise FileNotFoundError(f"{load} has no {TRACKER_FILE}, release/ or mp_rank_* directories; {hint}.")
+    raise MissingInput(f"{load} has no {TRACKER_FILE}, release/ or mp_rank_* directories; {hint}.")
 
 
 def existing_iteration(load: Path, name: str, named_by: str) -> Path:
     directory = load / name
     if not directory.is_dir():
         found = sorted(path.name for path in load.glob("iter_*"))
-        raise FileNotFoundError(f"{directory} (named by {named_by}) does not exist; pass --iteration with one of "
+        raise MissingInput(f"{directory} (named by {named_by}) does not exist; pass --iteration with one of "
                                 f"{found[-5:] or 'the saved iterations'}.")
     if (directory / "metadata.json").is_file() or any(directory.glob("*.distcp")):
-        raise ValueError(f"{directory} is a torch_dist (distributed) checkpoint; convert it to Megatron's per-rank "
+        raise UserError(f"{directory} is a torch_dist (distributed) checkpoint; convert it to Megatron's per-rank "
                          "files first (Megatron-LM's --ckpt-convert-format torch), then import that.")
     return directory
 
@@ -204,7 +205,7 @@ def rank_file(iteration_dir: Path, tp_rank: int, pp_rank: int, tp_size: int, pp_
     for file_name in RANK_FILE_NAMES:
         if (iteration_dir / name / file_name).is_file():
             return iteration_dir / name / file_name
-    raise FileNotFoundError(f"{iteration_dir / name / RANK_FILE_NAMES[0]} is missing; a Megatron-LM checkpoint of "
+    raise MissingInput(f"{iteration_dir / name / RANK_FILE_NAMES[0]} is missing; a Megatron-LM checkpoint of "
                             f"tp={tp_size} x pp={pp_size} holds one file per (tp, pp) rank, copy them all.")
 
 
@@ -214,7 +215,7 @@ def first_rank_file(iteration_dir: Path) -> Path:
         for file_name in RANK_FILE_NAMES:
             if (iteration_dir / name / file_name).is_file():
                 return iteration_dir / name / file_name
-    raise FileNotFoundError(f"{iteration_dir / 'mp_rank_00' / RANK_FILE_NAMES[0]} (or mp_rank_00_000/ with pipeline "
+    raise MissingInput(f"{iteration_dir / 'mp_rank_00' / RANK_FILE_NAMES[0]} (or mp_rank_00_000/ with pipeline "
                             "stages) is missing; copy every mp_rank_* directory of the checkpoint.")
 
 
@@ -308,7 +309,7 @@ def gpt2_target(name: str, layer_offset: int, path: Path) -> Target | None:
         target = LAYER_TARGETS[match.group(2)]
         return Target(f"transformer.h.{layer_offset + int(match.group(1))}.{target.key}", target.merge,
                       target.transposed)
-    raise ValueError(f"{path} holds {name!r}, which a GPT-2 model does not have; zoo imports Megatron-LM GPT "
+    raise UserError(f"{path} holds {name!r}, which a GPT-2 model does not have; zoo imports Megatron-LM GPT "
                      "checkpoints of GPT-2's architecture (learned positions, LayerNorm, GeLU, biases) only.")
 
 
@@ -341,7 +342,7 @@ def qkv_order(version: float, path: Path) -> str:
         return QKV_ORDER_V1
     if version >= 2.0:
         return QKV_ORDER_V2
-    raise ValueError(f"{path} has checkpoint_version {version}, which Megatron-LM never wrote (0, 1.0, 2.0 and "
+    raise UserError(f"{path} has checkpoint_version {version}, which Megatron-LM never wrote (0, 1.0, 2.0 and "
                      "later are known); check that the file is a Megatron-LM checkpoint.")
 
 
@@ -389,7 +390,7 @@ def arg(args: argparse.Namespace, *names: str, default=None):
 def required_arg(args: argparse.Namespace, name: str, path: Path) -> int:
     value = getattr(args, name, None)
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-        raise ValueError(f"{path}'s args has {name}={value!r}, not a positive integer; the checkpoint's args are "
+        raise UserError(f"{path}'s args has {name}={value!r}, not a positive integer; the checkpoint's args are "
                          "incomplete, import a checkpoint saved by Megatron-LM's training.")
     return value
 
@@ -415,7 +416,7 @@ def check_gpt2_architecture(args: argparse.Namespace, path: Path) -> None:
     for name, allowed, meaning in UNSUPPORTED_ARGS:
         value = getattr(args, name, None)
         if not allowed(value):
-            raise ValueError(f"{path}'s args has {name}={value!r}, but GPT-2 has {meaning}; zoo imports only "
+            raise UserError(f"{path}'s args has {name}={value!r}, but GPT-2 has {meaning}; zoo imports only "
                              "Megatron-LM GPT checkpoints of GPT-2's architecture.")
 
 
@@ -427,12 +428,12 @@ def gpt2_config_from_args(args: argparse.Namespace, vocab_size: int, path: Path)
     heads = required_arg(args, "num_attention_heads", path)
     kv_channels = arg(args, "kv_channels", default=hidden // heads)
     if kv_channels * heads != hidden:
-        raise ValueError(f"{path}'s args has kv_channels={kv_channels} with {heads} heads of a {hidden}-wide "
+        raise UserError(f"{path}'s args has kv_channels={kv_channels} with {heads} heads of a {hidden}-wide "
                          "model, but GPT-2's heads split the width exactly; import a model with kv_channels = "
                          "hidden_size / num_attention_heads.")
     positions = arg(args, "max_position_embeddings", "seq_length")
     if positions is None:
-        raise ValueError(f"{path}'s args sets neither max_position_embeddings nor seq_length; the checkpoint's "
+        raise UserError(f"{path}'s args sets neither max_position_embeddings nor seq_length; the checkpoint's "
                          "args are incomplete, import a checkpoint saved by Megatron-LM's training.")
     ffn = arg(args, "ffn_hidden_size", default=4 * hidden)
     dropout = arg(args, "hidden_dropout", default=0.1)
@@ -451,11 +452,11 @@ def real_vocab_size(args: argparse.Namespace, padded_rows: int, requested: int |
     tokenizer = getattr(args, "tokenizer_type", None)
     size = requested or arg(args, "vocab_size")
     if size is None and tokenizer not in GPT2_TOKENIZERS:
-        raise ValueError(f"{path} was trained with tokenizer_type {tokenizer!r}, whose vocabulary size its args do "
+        raise UserError(f"{path} was trained with tokenizer_type {tokenizer!r}, whose vocabulary size its args do "
                          "not record; pass --vocab-size N (the tokenizer's size).")
     size = size or GPT2_BPE_VOCAB_SIZE
     if not 1 <= size <= padded_rows:
-        raise ValueError(f"vocabulary size {size} does not fit the checkpoint's {padded_rows} word-embedding rows; "
+        raise UserError(f"vocabulary size {size} does not fit the checkpoint's {padded_rows} word-embedding rows; "
                          f"pass --vocab-size between 1 and {padded_rows}.")
     return size
 
@@ -491,7 +492,7 @@ def read_checkpoint(iteration_dir: Path) -> MegatronCheckpoint:
     first = load_rank_file(first_path)
     args = first.get("args")
     if not isinstance(args, argparse.Namespace):
-        raise ValueError(f"{first_path} holds no args Namespace, which gives the model's shape and layout; import a "
+        raise UserError(f"{first_path} holds no args Namespace, which gives the model's shape and layout; import a "
                          "checkpoint saved by Megatron-LM's training (it saves args in every file).")
     check_gpt2_architecture(args, first_path)   # first: it also says the output layer is a tied copy
     tp_size = arg(args, "tensor_model_parallel_size", default=1)
@@ -507,7 +508,7 @@ def read_checkpoint(iteration_dir: Path) -> MegatronCheckpoint:
         check_same_names(stage, paths)
         numbers = layer_numbers(list(stage[0]))
         if numbers != list(range(len(numbers))):
-            raise ValueError(f"{paths[0]} numbers its layers {numbers[:4]}..., not 0, 1, ... as Megatron-LM numbers "
+            raise UserError(f"{paths[0]} numbers its layers {numbers[:4]}..., not 0, 1, ... as Megatron-LM numbers "
                              "each pipeline stage's layers; the file was not written by Megatron-LM.")
         for name in stage[0]:
             target = gpt2_target(name, layer_offset, paths[0])
@@ -515,7 +516,7 @@ def read_checkpoint(iteration_dir: Path) -> MegatronCheckpoint:
                 add_source(sources, Source(target, [tensors[name] for tensors in stage], name, paths[0]))
         layer_offset += len(numbers)
     if layer_offset != required_arg(args, "num_layers", first_path):
-        raise ValueError(f"the {pp_size} pipeline stage(s) of {iteration_dir} hold {layer_offset} layers but the args "
+        raise UserError(f"the {pp_size} pipeline stage(s) of {iteration_dir} hold {layer_offset} layers but the args "
                          f"say num_layers={args.num_layers}; the checkpoint mixes files of two runs, copy one run's.")
     return MegatronCheckpoint(iteration_dir, args, version, tp_size, pp_size, sources, first_path, order)
 
@@ -523,7 +524,7 @@ def read_checkpoint(iteration_dir: Path) -> MegatronCheckpoint:
 def model_state(state: dict, path: Path) -> dict:
     model = state["model"]
     if not isinstance(model, dict):
-        raise ValueError(f"{path}'s 'model' is a {type(model).__name__}, not a state dict; the file is not a "
+        raise UserError(f"{path}'s 'model' is a {type(model).__name__}, not a state dict; the file is not a "
                          "Megatron-LM checkpoint.")
     return model
 
@@ -533,14 +534,14 @@ def check_same_names(stage: list[dict[str, torch.Tensor]], paths: list[Path]) ->
     for tensors, path in zip(stage[1:], paths[1:]):
         if set(tensors) != set(stage[0]):
             name = sorted(set(tensors) ^ set(stage[0]))[0]
-            raise ValueError(f"{path} and {paths[0]} differ in tensor {name!r}; the ranks' files come from two "
+            raise UserError(f"{path} and {paths[0]} differ in tensor {name!r}; the ranks' files come from two "
                              "checkpoints, copy one iteration's files.")
 
 
 def add_source(sources: dict[str, Source], source: Source) -> None:
     key = source.target.key
     if key in sources:
-        raise ValueError(f"{source.path} holds {source.megatron_name!r}, which is GPT-2's {key} again (also in "
+        raise UserError(f"{source.path} holds {source.megatron_name!r}, which is GPT-2's {key} again (also in "
                          f"{sources[key].path}); the pipeline stages overlap, copy one run's files.")
     sources[key] = source
 
@@ -580,16 +581,16 @@ def check_tensors(checkpoint: MegatronCheckpoint, config: GPT2Config) -> None:
     for key, shape in expected.items():
         source = checkpoint.sources.get(key)
         if source is None:
-            raise ValueError(f"{checkpoint.iteration_dir} has no tensor for GPT-2's {key}; the checkpoint is "
+            raise UserError(f"{checkpoint.iteration_dir} has no tensor for GPT-2's {key}; the checkpoint is "
                              "incomplete or not a GPT model, copy every rank file of one iteration.")
         if (found := merged_shape(source, config.vocab_size)) != shape:
-            raise ValueError(f"{source.path}'s {source.megatron_name!r} merges over tp={checkpoint.tp_size} to shape "
+            raise UserError(f"{source.path}'s {source.megatron_name!r} merges over tp={checkpoint.tp_size} to shape "
                              f"{list(found)} in GPT-2's layout, but the args give {list(shape)}; the args do not "
                              "describe these weights.")
     padded = getattr(checkpoint.args, "padded_vocab_size", None)
     rows = sum(shard.shape[0] for shard in checkpoint.sources["transformer.wte.weight"].shards)
     if padded is not None and padded != rows:
-        raise ValueError(f"{checkpoint.first_path}'s args has padded_vocab_size={padded} but the word embeddings have "
+        raise UserError(f"{checkpoint.first_path}'s args has padded_vocab_size={padded} but the word embeddings have "
                          f"{rows} rows; the args do not describe these weights.")
 
 
@@ -624,7 +625,7 @@ def import_megatron(load: str | Path, out: str | Path, iteration: int | None = N
     checkpoint = read_checkpoint(iteration_dir)
     embedding = checkpoint.sources.get("transformer.wte.weight")
     if embedding is None:
-        raise ValueError(f"{iteration_dir} has no word embeddings (language_model.embedding.word_embeddings.weight) "
+        raise UserError(f"{iteration_dir} has no word embeddings (language_model.embedding.word_embeddings.weight) "
                          "in its first pipeline stage; copy every rank file of one iteration.")
     rows = sum(shard.shape[0] for shard in embedding.shards)
     config = gpt2_config_from_args(checkpoint.args,

@@ -18,6 +18,7 @@ import torch
 
 from zoo.checkpoint.files import first_line
 from zoo.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
+from zoo.errors import MissingInput, UserError
 from zoo.models.gpt2_pipeline import one_stage_name
 
 __all__ = ["LAYER_FILE", "layer_path", "pipeline_module_states"]
@@ -38,16 +39,16 @@ def pipeline_module_states(tag_dir: Path, tp_rank: int, n_layer: int,
     for index in range(n_layer + 3) if entries is None else entries:
         path = layer_path(tag_dir, index, tp_rank)
         if not path.is_file():
-            raise FileNotFoundError(f"{path} is missing from a pipeline checkpoint of {n_layer} layers; copy every "
+            raise MissingInput(f"{path} is missing from a pipeline checkpoint of {n_layer} layers; copy every "
                                     "layer_XX-model_YY-model_states.pt of the tag.")
         try:
             layer = safe_torch_load(path)
         except UnsafeCheckpointError as err:
-            raise ValueError(str(err)) from None
+            raise UserError(str(err)) from None
         except (RuntimeError, EOFError, OSError, ValueError) as err:
-            raise ValueError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated, "
+            raise UserError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated, "
                              "re-save the checkpoint.") from None
         if not isinstance(layer, dict):
-            raise ValueError(f"{path} holds no state dict; it is not a DeepSpeed layer file, re-save the checkpoint.")
+            raise UserError(f"{path} holds no state dict; it is not a DeepSpeed layer file, re-save the checkpoint.")
         states.update({one_stage_name(index, key, n_layer): tensor for key, tensor in layer.items()})
     return states

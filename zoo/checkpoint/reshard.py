@@ -26,6 +26,8 @@ from typing import Any
 
 import torch
 
+from zoo.errors import UserError
+
 RESHARDED_SUBDIR = "resharded"
 SOURCE_RECORD = "resharded_from.json"
 
@@ -55,7 +57,7 @@ def torch_state_by_name(state_dict: dict[str, Any], groups: list[list[str]], pat
             for name in group:
                 by_name.setdefault(name, {})
         return by_name
-    raise ValueError(f"the optimizer state in {path} has groups of {[len(g) for g in indices]} parameters but zoo's "
+    raise UserError(f"the optimizer state in {path} has groups of {[len(g) for g in indices]} parameters but zoo's "
                      f"model has {[len(g) for g in groups]}; the checkpoint was not written by this version of "
                      "zoo's pretrain and cannot be resharded.")
 
@@ -95,7 +97,7 @@ def optimizer_state_by_name(optimizer: dict[str, Any], groups: list[list[str]], 
     try:
         state = torch_state_by_name(inner, groups, path, shapes)
     except (KeyError, TypeError, AttributeError):
-        raise ValueError(f"the optimizer state in {path} is not a torch or DeepSpeed fp16 optimizer state dict; "
+        raise UserError(f"the optimizer state in {path} is not a torch or DeepSpeed fp16 optimizer state dict; "
                          "it cannot be resharded.") from None
     masters = None
     if kind == "fp16_unfused":

@@ -52,6 +52,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from zoo.errors import UserError
+
 try:
     from numpy._core.multiarray import _reconstruct
 except ImportError:   # numpy 1.x
@@ -64,7 +66,7 @@ __all__ = ["UnsafeCheckpointError", "checkpoint_globals", "safe_torch_load", "ch
 _REFUSED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|but got) <?(?:class )?'?([\w.]+)")
 
 
-class UnsafeCheckpointError(ValueError):
+class UnsafeCheckpointError(UserError):
     """A checkpoint file names a global outside :func:`checkpoint_globals` (it could run code when loaded)."""
 
 
@@ -108,7 +110,7 @@ def is_refused_global(err: BaseException) -> bool:
 def safe_torch_load(path: str | Path, mmap: bool = True, map_location: Any = "cpu") -> Any:
     """``torch.load(path)`` (on the CPU by default) with the weights-only unpickler and :func:`checkpoint_globals`.
 
-    Raises :class:`UnsafeCheckpointError` (a ValueError) naming the file and the refused global when the
+    Raises :class:`UnsafeCheckpointError` (a UserError) naming the file and the refused global when the
     file names anything else; other read errors (truncated file, not a torch file) propagate as torch
     raises them, for the caller's own sentence."""
     path = Path(path)
@@ -134,10 +136,10 @@ def check_tag_files(tag_dir: str | Path, rank: int = 0, world_size: int = 1) -> 
         try:
             safe_torch_load(path)
         except UnsafeCheckpointError as err:
-            raise ValueError(str(err)) from None   # a plain ValueError: ranks agree on it by its type name
+            raise UserError(str(err)) from None   # a user error: ranks agree on it by its kind
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
             text = str(err).strip().splitlines()
-            raise ValueError(f"{path} cannot be read as a torch checkpoint ({text[0] if text else type(err).__name__});"
+            raise UserError(f"{path} cannot be read as a torch checkpoint ({text[0] if text else type(err).__name__});"
                              " it is truncated or not a DeepSpeed states file, copy the complete checkpoint tag or "
                              "re-save it.") from None
 
@@ -156,7 +158,7 @@ class WeightsOnlyLoads:
         try:
             return safe_torch_load(path, mmap=False, map_location=map_location)
         except UnsafeCheckpointError as err:
-            raise ValueError(str(err)) from None   # a plain ValueError: ranks agree on it by its type name
+            raise UserError(str(err)) from None   # a user error: ranks agree on it by its kind
 
 
 @contextmanager

@@ -36,6 +36,7 @@ from zoo.atomic import write_text_atomic
 from zoo.checkpoint.deepspeed_tools import guard_deepspeed_tools, refuse_universal_conversion
 from zoo.checkpoint.files import COMPLETE_MARKER, LATEST_FILE, completion_record, read_latest
 from zoo.distributed import collective_device, raise_on_any_rank
+from zoo.errors import UserError
 
 __all__ = ["save_checkpoint"]
 
@@ -47,7 +48,7 @@ def save_checkpoint(engine, directory: Path, tag: str, client_state: dict[str, A
     """DeepSpeed checkpoint under ``directory/tag``, collective. The completion marker and then ``latest``
     are written atomically by rank 0 only after every rank has finished writing, so a crash mid-save
     leaves the previous checkpoint as ``latest`` and this tag without a marker. A failed write on any rank
-    raises the same ValueError on every rank, with what this save created removed."""
+    raises the same UserError on every rank, with what this save created removed."""
     directory = Path(directory)
     tag_dir = directory / tag
     is_first = dist.get_rank() == 0
@@ -91,7 +92,7 @@ def prepare_tag(tag_dir: Path) -> set[str] | None:
         tag_dir.mkdir(parents=True)
         return None
     except OSError as err:
-        raise ValueError(write_failure_sentence(tag_dir.parent, tag_dir.name, WriteFailure(str(tag_dir), err))) \
+        raise UserError(write_failure_sentence(tag_dir.parent, tag_dir.name, WriteFailure(str(tag_dir), err))) \
             from None
 
 
@@ -104,7 +105,7 @@ def mark_complete(tag_dir: Path, directory: Path) -> None:
     except OSError as err:
         with contextlib.suppress(OSError):
             (tag_dir / COMPLETE_MARKER).unlink(missing_ok=True)
-        raise ValueError(write_failure_sentence(directory, tag_dir.name,
+        raise UserError(write_failure_sentence(directory, tag_dir.name,
                                                 WriteFailure(str(tag_dir / COMPLETE_MARKER), err))) from None
 
 
@@ -164,7 +165,7 @@ class FailedWrites:
     def raise_failure(self, directory: Path, tag: str) -> None:
         if self.failure is not None:
             self.failure.resaved = self.resaved
-            raise ValueError(write_failure_sentence(directory, tag, self.failure))
+            raise UserError(write_failure_sentence(directory, tag, self.failure))
 
 
 def free_bytes(directory: Path) -> int | None:

@@ -36,6 +36,7 @@ import torch
 from zoo.checkpoint.files import model_states_path, read_model_states
 from zoo.checkpoint.reshard import optimizer_state_by_name
 from zoo.checkpoint.zero_reshard import PartitionedState, partition_files
+from zoo.errors import UserError
 
 __all__ = ["CheckpointTrainingState", "LOSS_SCALER_KEYS", "MOMENTS", "ReadAccount", "one_stage_names",
            "param_names_by_group", "precision_of", "entry_of", "stage_of_entry", "recorded_parts"]
@@ -126,7 +127,7 @@ def entry_of(name: str, n_layer: int) -> int:
     fixed = {"wte": 0, "wpe": 1, "ln_f": n_layer + 2}
     if parts[0] == "transformer" and parts[1] in fixed:
         return fixed[parts[1]]
-    raise ValueError(f"{name} is not a parameter of zoo's GPT-2 pipeline stages; only GPT-2 checkpoints move to "
+    raise UserError(f"{name} is not a parameter of zoo's GPT-2 pipeline stages; only GPT-2 checkpoints move to "
                      "another pipeline layout.")
 
 
@@ -170,7 +171,7 @@ class ModelStatesOptimizer:
                  weights):
         optimizer = states.get("optimizer")
         if not isinstance(optimizer, dict):
-            raise ValueError(f"{path} holds no optimizer state; resume it at the tp and pp it was written with, or "
+            raise UserError(f"{path} holds no optimizer state; resume it at the tp and pp it was written with, or "
                              "export it (launch/export.py) and start the new layout with --pretrained.")
         self.state, self.masters = optimizer_state_by_name(optimizer, groups, shapes, path)
         self.weights, self.path = weights, path
@@ -212,7 +213,7 @@ class CheckpointTrainingState:
         self.precision = precision_of(ds_config)
         self.zero_stage = zero_stage_of(ds_config)
         if self.zero_stage >= 3:
-            raise ValueError(f"{first_path} was written with ZeRO stage 3, whose partitioned parameters zoo does "
+            raise UserError(f"{first_path} was written with ZeRO stage 3, whose partitioned parameters zoo does "
                              "not move to another layout; resume it at its own layout, or export it "
                              "(launch/export.py) and start the new layout with --pretrained.")
         model_config = self.first["model_config"]
@@ -233,7 +234,7 @@ class CheckpointTrainingState:
                 if groups is None and pp == 1:
                     groups = one_stage_param_names(model_config, tp)
                 if not isinstance(groups, list):
-                    raise ValueError(f"{path} does not record its optimizer's parameter names (param_names); it was "
+                    raise UserError(f"{path} does not record its optimizer's parameter names (param_names); it was "
                                      "written by an older zoo: resume it at its own layout, or export it "
                                      "(launch/export.py) and start the new layout with --pretrained.")
                 source = self.rank_source(states, groups, shapes, path, tp_rank, n_layer, entries)
@@ -329,7 +330,7 @@ class CheckpointTrainingState:
         real rows keep their index at every tp and rows past them are padding (zeros in ``out``)."""
         dim, stride = spec.dim, spec.stride
         if spec.vocab_rows is not None and stride != 1:
-            raise ValueError(f"a vocabulary dimension split with stride {stride} is not a layout zoo writes.")
+            raise UserError(f"a vocabulary dimension split with stride {stride} is not a layout zoo writes.")
         piece = shard.shape[dim] // stride                  # rows of one block on one source rank
         new_piece = out.shape[dim] // stride                # rows of one block on one new rank
         real = spec.vocab_rows

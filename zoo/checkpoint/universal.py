@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR, LATEST_FILE
+from zoo.errors import UserError
 
 __all__ = ["check_conversion_not_universal", "check_no_load_universal", "check_not_universal", "universal_folder"]
 
@@ -73,20 +74,20 @@ def universal_folder(load: str | os.PathLike) -> Path | None:
 
 
 def check_not_universal(load: str | os.PathLike | None) -> None:
-    """Raise ValueError when ``--load`` leads to a DeepSpeed universal checkpoint (see :func:`universal_folder`)."""
+    """Raise UserError when ``--load`` leads to a DeepSpeed universal checkpoint (see :func:`universal_folder`)."""
     if load is None:
         return
     folder = universal_folder(load)
     if folder is not None:
-        raise ValueError(f"--load {load} is a DeepSpeed universal checkpoint ({folder}, written by ds_to_universal), "
+        raise UserError(f"--load {load} is a DeepSpeed universal checkpoint ({folder}, written by ds_to_universal), "
                          f"which zoo does not read; {FIX}.")
 
 
 def check_no_load_universal(ds_config: dict[str, Any], path: str | os.PathLike | None) -> None:
-    """Raise ValueError when ``ds_config`` sets DeepSpeed's ``checkpoint.load_universal``."""
+    """Raise UserError when ``ds_config`` sets DeepSpeed's ``checkpoint.load_universal``."""
     block = ds_config.get("checkpoint")
     if isinstance(block, dict) and block.get("load_universal"):
-        raise ValueError(f"DeepSpeed config {path} sets \"checkpoint\": {{\"load_universal\": "
+        raise UserError(f"DeepSpeed config {path} sets \"checkpoint\": {{\"load_universal\": "
                          f"{str(block['load_universal']).lower()}}}, which zoo does not use; remove it: {FIX}.")
 
 

@@ -33,6 +33,7 @@ import torch
 
 from zoo.checkpoint.files import first_line
 from zoo.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
+from zoo.errors import MissingInput, UserError
 
 OPTIM_STATES_RE = re.compile(r"(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt")
 OPTIM_STATES = "{prefix}zero_pp_rank_{dp}_mp_rank_{tp:02d}_optim_states.pt"
@@ -64,7 +65,7 @@ def partition_files(tag_dir: Path) -> PartitionFiles | None:
         return None
     prefixes = {m.group(1) or "" for m in found}
     if len(prefixes) > 1:
-        raise ValueError(f"{tag_dir} mixes bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files; keep the files of "
+        raise UserError(f"{tag_dir} mixes bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files; keep the files of "
                          "one checkpoint only.")
     dp = max(int(m.group(2)) for m in found) + 1
     tp = max(int(m.group(3)) for m in found) + 1
@@ -72,7 +73,7 @@ def partition_files(tag_dir: Path) -> PartitionFiles | None:
     for d in range(dp):
         for t in range(tp):
             if not files.path(tag_dir, d, t).is_file():
-                raise FileNotFoundError(f"{files.path(tag_dir, d, t)} is missing from a checkpoint partitioned over "
+                raise MissingInput(f"{files.path(tag_dir, d, t)} is missing from a checkpoint partitioned over "
                                         f"dp={dp} x tp={tp}; copy every *_optim_states.pt of the tag.")
     return files
 
@@ -82,17 +83,17 @@ def read_partition(path: Path) -> dict[str, Any]:
     try:
         states = safe_torch_load(path)   # weights-only, with DeepSpeed's loss scaler and enum types allowed
     except UnsafeCheckpointError as err:
-        raise ValueError(str(err)) from None   # a plain ValueError: ranks agree on it by its type name
+        raise UserError(str(err)) from None   # a user error: ranks agree on it by its kind
     except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
-        raise ValueError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated, "
+        raise UserError(f"{path} cannot be read as a torch checkpoint ({first_line(err)}); it is truncated, "
                          "re-save it.") from None
     optimizer = states.get(OPTIMIZER) if isinstance(states, dict) else None
     if not isinstance(optimizer, dict) or not {FP32, BASE, PADDINGS} <= optimizer.keys():
-        raise ValueError(f"{path} is not a DeepSpeed ZeRO stage 1/2 or BF16 optimizer partition (ZeRO stage 3 "
+        raise UserError(f"{path} is not a DeepSpeed ZeRO stage 1/2 or BF16 optimizer partition (ZeRO stage 3 "
                          "checkpoints cannot be resharded); resume it at its own layout.")
     check_reshardable_zero_config(states, path)
     if any(any(group) for group in optimizer.get(ALIGNMENT_PADDINGS) or []):
-        raise ValueError(f"{path} was written with zero_optimization.parameter_alignment (per-parameter padding), "
+        raise UserError(f"{path} was written with zero_optimization.parameter_alignment (per-parameter padding), "
                          "which zoo cannot reshard; resume it at its own layout.")
     return states
 
@@ -111,7 +112,7 @@ def check_reshardable_zero_config(states: dict[str, Any], path: Path) -> None:
         return
     enabled = [option for option in REFUSED_ZERO_OPTIONS if zero.get(option)]
     if enabled:
-        raise ValueError(f"{path} was written with zero_optimization.{enabled[0]}: true, whose partitions zoo cannot "
+        raise UserError(f"{path} was written with zero_optimization.{enabled[0]}: true, whose partitions zoo cannot "
                          "reshard; resume it at the tp x dp layout it was written with (or export it with "
                          "launch/export.py).")
 
@@ -155,7 +156,7 @@ class PartitionedState:
         total = sum(shape.numel() for _, shape in self.groups[g])
         expected, paddings = partition_bounds(total, len(self.paths))
         if size != expected or self.partition(0)[PADDINGS][g] != paddings[0]:
-            raise ValueError(f"the optimizer partitions {self.paths[0].name}... hold {size * len(self.paths)} "
+            raise UserError(f"the optimizer partitions {self.paths[0].name}... hold {size * len(self.paths)} "
                              f"elements of group {g} but its parameters have {total}; the files are not one "
                              "checkpoint, re-save it.")
         return size

@@ -25,6 +25,7 @@ from zoo.atomic import atomic_file, check_writable_directory
 from zoo.cli.evaluate import TF32_HELP
 from zoo.cli.runner import command_parser, run_command
 from zoo.dtypes import add_dtype_argument, torch_dtype
+from zoo.errors import MissingInput, UserError
 from zoo.options import add_options, group_of, option
 
 
@@ -66,17 +67,17 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if args.prompt_file is not None:
         path = Path(args.prompt_file)
         if not path.is_file():
-            raise FileNotFoundError(f"prompt file '{path}' does not exist; pass a text file with one prompt per line.")
+            raise MissingInput(f"prompt file '{path}' does not exist; pass a text file with one prompt per line.")
         data = path.read_bytes()
         try:
             text = data.decode("utf-8")
         except UnicodeDecodeError as err:
             line = data.count(b"\n", 0, err.start) + 1
-            raise ValueError(f"prompt file '{path}' is not UTF-8 text (byte {data[err.start]:#04x} on line {line}); "
+            raise UserError(f"prompt file '{path}' is not UTF-8 text (byte {data[err.start]:#04x} on line {line}); "
                              "convert it, e.g. iconv -f latin1 -t utf-8.") from None
         prompts += [line for line in text.splitlines() if line.strip()]
     if not prompts:
-        raise ValueError("no prompts given; pass --prompt TEXT (repeatable) or --prompt-file FILE.")
+        raise UserError("no prompts given; pass --prompt TEXT (repeatable) or --prompt-file FILE.")
     return prompts
 
 
@@ -85,7 +86,7 @@ def generation_config(args: argparse.Namespace):
     from zoo.inference import GenerationConfig  # local: torch import cost, after parsing
 
     if args.batch_size < 1:
-        raise ValueError(f"--batch-size {args.batch_size} must be a positive integer.")
+        raise UserError(f"--batch-size {args.batch_size} must be a positive integer.")
     return GenerationConfig(max_new_tokens=args.max_new_tokens, greedy=args.greedy, temperature=args.temperature,
                             top_k=args.top_k, top_p=args.top_p, seed=args.seed, use_cache=args.use_cache).validate()
 
@@ -120,11 +121,11 @@ def check_output(output: str | None) -> None:
         return
     path = Path(output)
     if path.is_dir():
-        raise ValueError(f"--output {path} is a directory; pass a file path such as {path / 'completions.jsonl'}.")
+        raise UserError(f"--output {path} is a directory; pass a file path such as {path / 'completions.jsonl'}.")
     try:
         check_writable_directory(path.parent, "--output")
     except ValueError:
-        raise ValueError(f"--output {path} cannot be written (its directory {path.parent} is not a writable "
+        raise UserError(f"--output {path} cannot be written (its directory {path.parent} is not a writable "
                          "directory); pass a path in a directory you can write to.") from None
 
 

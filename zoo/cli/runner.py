@@ -1,8 +1,9 @@
 """How every command ends: a user error is one ``error: <sentence>`` line and exit code 2, and a process
 group the command created is destroyed after it succeeds.
 
-A user error is a ValueError or FileNotFoundError raised with one sentence naming the value and the fix
-(:func:`zoo.errors.report_error` prints it). After a failure nothing is torn down, since another rank may
+A user error is a :class:`zoo.errors.UserError` (or its :class:`~zoo.errors.MissingInput`) raised with one
+sentence naming the value and the fix (:func:`zoo.errors.report_error` prints it); any other exception ends the
+command with its traceback. After a failure nothing is torn down, since another rank may
 still wait in a collective (:func:`zoo.distributed.process_group_left_on_success`).
 """
 

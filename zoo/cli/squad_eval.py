@@ -18,6 +18,7 @@ import sys
 
 from zoo.atomic import write_text_atomic
 from zoo.cli.runner import USER_ERROR_EXIT_CODE, run_command
+from zoo.errors import UserError
 from zoo.finetune.squad_eval import squad_scores
 
 
@@ -50,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
                                            out_file=args.out_file, out_image_dir=args.out_image_dir)
             if args.out_file:
                 write_text_atomic(args.out_file, json.dumps(scores))
-        except (ValueError, FileNotFoundError):
+        except (UserError, FileNotFoundError):     # reported by run_command; not a failed write
             raise
         except OSError as error:
             print(f"error: cannot write {error.filename or args.out_file} ({error.strerror}); choose a path you "

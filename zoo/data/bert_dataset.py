@@ -46,6 +46,7 @@ import torch
 from zoo.data.gpt_dataset import SPLIT_NAMES, check_token_ids, split_document_ranges
 from zoo.data.indexed_dataset import IndexedDataset
 from zoo.data.tokenizers import load_bert_tokenizer
+from zoo.errors import UserError
 
 IGNORE_INDEX = -100
 _MAPPING_STREAM, _SAMPLE_STREAM = 0, 1  # keep the two RNG seed families apart
@@ -87,7 +88,7 @@ class WordPieceVocab:
         for name in ("pad", "cls", "sep", "mask"):
             ids[name] = getattr(tokenizer, f"{name}_token_id")
             if ids[name] is None:
-                raise ValueError(f"the tokenizer has no [{name.upper()}] token; use a BERT WordPiece tokenizer.")
+                raise UserError(f"the tokenizer has no [{name.upper()}] token; use a BERT WordPiece tokenizer.")
         return cls(
             size=size,
             pad_id=ids["pad"],
@@ -329,12 +330,12 @@ class BertDataset(torch.utils.data.Dataset):
         if tokenizer is None or isinstance(tokenizer, (str, os.PathLike)):
             tokenizer = load_bert_tokenizer(tokenizer)
         if len(tokenizer) != int(vocab_size):
-            raise ValueError(
+            raise UserError(
                 f"the tokenizer has {len(tokenizer)} tokens but vocab_size={vocab_size}; pass the "
                 "tokenizer the data was built with and its unpadded size as vocab_size."
             )
         if len(indexed) == 0 or indexed.num_tokens == 0:
-            raise ValueError(
+            raise UserError(
                 f"indexed dataset '{indexed.prefix}' is empty (no sentences); preprocess a non-empty corpus "
                 "with preprocess_bert."
             )
@@ -353,7 +354,7 @@ class BertDataset(torch.utils.data.Dataset):
         epoch0 = self._epoch_spans(0)
         d0, d1 = self.document_range
         if len(epoch0) == 0 and d1 > d0:
-            raise ValueError(
+            raise UserError(
                 f"none of the {d1 - d0} documents of the {which} split has two or more sentences, so no "
                 "sentence pair can be built; preprocess the corpus with preprocess_bert "
                 "(one sequence per sentence)."
@@ -361,9 +362,9 @@ class BertDataset(torch.utils.data.Dataset):
         self.samples_per_epoch = len(epoch0)
         num_samples = self.samples_per_epoch if num_samples is None else int(num_samples)
         if num_samples < 0:
-            raise ValueError(f"num_samples={num_samples} is invalid; it must be >= 0.")
+            raise UserError(f"num_samples={num_samples} is invalid; it must be >= 0.")
         if num_samples > 0 and self.samples_per_epoch == 0:
-            raise ValueError(
+            raise UserError(
                 f"the {which} split of {indexed.prefix} (documents {d0}..{d1}) holds no sentence pairs but num_samples="
                 f"{num_samples}; give it more data or a larger split weight."
             )
@@ -443,22 +444,22 @@ class BertDataset(torch.utils.data.Dataset):
 
 def _check_arguments(which, max_seq_length, max_position_embeddings, masked_lm_prob, max_ngram, short_seq_prob):
     if which not in SPLIT_NAMES:
-        raise ValueError(f"which={which!r} is invalid; use one of {', '.join(SPLIT_NAMES)}.")
+        raise UserError(f"which={which!r} is invalid; use one of {', '.join(SPLIT_NAMES)}.")
     if int(max_seq_length) < 5:
-        raise ValueError(
+        raise UserError(
             f"max_seq_length={max_seq_length} is too short; [CLS] A [SEP] B [SEP] needs at least 5 positions."
         )
     if max_position_embeddings is not None and int(max_seq_length) > int(max_position_embeddings):
-        raise ValueError(
+        raise UserError(
             f"max_seq_length={max_seq_length} exceeds the model's max_position_embeddings="
             f"{max_position_embeddings}; use a max_seq_length of at most {max_position_embeddings}."
         )
     if not 0.0 < float(masked_lm_prob) < 1.0:
-        raise ValueError(f"masked_lm_prob={masked_lm_prob} is invalid; use a probability in (0, 1) such as 0.15.")
+        raise UserError(f"masked_lm_prob={masked_lm_prob} is invalid; use a probability in (0, 1) such as 0.15.")
     if int(max_ngram) < 1:
-        raise ValueError(f"max_ngram={max_ngram} is invalid; use 1 (whole words only) or more, such as 3.")
+        raise UserError(f"max_ngram={max_ngram} is invalid; use 1 (whole words only) or more, such as 3.")
     if not 0.0 <= float(short_seq_prob) <= 1.0:
-        raise ValueError(f"short_seq_prob={short_seq_prob} is invalid; use a probability in [0, 1] such as 0.1.")
+        raise UserError(f"short_seq_prob={short_seq_prob} is invalid; use a probability in [0, 1] such as 0.1.")
 
 
 def build_bert_datasets(

@@ -24,6 +24,7 @@ from zoo.atomic import atomic_file
 from zoo.data import default_cache_dir
 from zoo.data.blending import blend_index
 from zoo.distributed import build_once, first_rank_timeout, raise_on_any_rank, run_on_every_rank
+from zoo.errors import UserError
 
 CACHE_FORMAT = 1
 BLEND_DTYPE = np.dtype([("corpus", "<u2"), ("sample", "<i8")])
@@ -44,7 +45,7 @@ class BlendIndex:
         except (ValueError, OSError):  # not an .npy file, or one cut short
             table = None
         if table is None or table.dtype != BLEND_DTYPE or table.shape != (self.num_samples,):
-            raise ValueError(f"blend index {self.path} does not hold the {self.num_samples} blend entries its name "
+            raise UserError(f"blend index {self.path} does not hold the {self.num_samples} blend entries its name "
                              "stands for; delete it so that the next run rebuilds it.")
         self.corpus, self.sample = table["corpus"], table["sample"]
 
@@ -82,7 +83,7 @@ def build_blend_cache(blend: Sequence[tuple[float, str]], num_samples: int) -> b
                           blend_wait(num_samples))
     except OSError as err:
         why = "permission denied" if isinstance(err, PermissionError) else err.strerror
-        raise ValueError(f"the blend index of --data-path cannot be written to {path.parent} ({why}); make the "
+        raise UserError(f"the blend index of --data-path cannot be written to {path.parent} ({why}); make the "
                          "first corpus's directory or $ZOO_CACHE writable.") from None
 
 

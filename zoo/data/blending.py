@@ -31,6 +31,7 @@ import torch
 
 from zoo.data.gpt_dataset import parse_split
 from zoo.data.indexed_dataset import IndexedDataset, check_dataset_files
+from zoo.errors import UserError
 
 # How many leading documents of each corpus the vocabulary check reads (their layout and last token):
 # enough to tell an end-of-document id from chance, and O(1) in the corpus's size.
@@ -53,17 +54,17 @@ def data_path_items(data_path: None | str | os.PathLike | Sequence) -> list[str]
 def parse_data_path(data_path: None | str | os.PathLike | Sequence) -> list[tuple[float, str]] | None:
     """``[(weight, prefix), ...]`` with weights normalised to sum to 1 (one prefix: weight 1.0), or None
     for no ``data_path``. Corpora of weight 0 are kept (their files are still checked); they serve no
-    sample. Raises ValueError, naming the value, for an empty list, an odd number of items (other than
+    sample. Raises UserError, naming the value, for an empty list, an odd number of items (other than
     one), a weight that is not a finite number, a negative weight, or weights that are all zero."""
     items = data_path_items(data_path)
     if items is None:
         return None
     if not items:
-        raise ValueError(f"--data-path is empty; give {BLEND_FORMAT}.")
+        raise UserError(f"--data-path is empty; give {BLEND_FORMAT}.")
     if len(items) == 1:
         return [(1.0, items[0])]
     if len(items) % 2:
-        raise ValueError(f"--data-path has {len(items)} items ({' '.join(items)}), an odd number; give {BLEND_FORMAT}.")
+        raise UserError(f"--data-path has {len(items)} items ({' '.join(items)}), an odd number; give {BLEND_FORMAT}.")
     weights, prefixes = items[0::2], items[1::2]
     values = []
     for weight, prefix in zip(weights, prefixes):
@@ -72,15 +73,15 @@ def parse_data_path(data_path: None | str | os.PathLike | Sequence) -> list[tupl
         except ValueError:
             value = math.nan
         if not math.isfinite(value):
-            raise ValueError(f"--data-path weight {weight!r} (before prefix {prefix!r}) is not a number; give "
+            raise UserError(f"--data-path weight {weight!r} (before prefix {prefix!r}) is not a number; give "
                              f"{BLEND_FORMAT}.")
         if value < 0:
-            raise ValueError(f"--data-path weight {weight} of {prefix!r} is negative; give every corpus a weight "
+            raise UserError(f"--data-path weight {weight} of {prefix!r} is negative; give every corpus a weight "
                              ">= 0 (they are normalised to sum to 1).")
         values.append(value)
     total = sum(values)
     if total <= 0:
-        raise ValueError(f"--data-path weights {' '.join(weights)} are all zero; give at least one corpus a "
+        raise UserError(f"--data-path weights {' '.join(weights)} are all zero; give at least one corpus a "
                          "positive weight.")
     return [(value / total, prefix) for value, prefix in zip(values, prefixes)]
 
@@ -135,7 +136,7 @@ def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
     first = corpora[0]
     for other in corpora[1:]:
         if other.dtype != first.dtype:
-            raise ValueError(f"--data-path corpora {first.prefix!r} and {other.prefix!r} hold token ids of different "
+            raise UserError(f"--data-path corpora {first.prefix!r} and {other.prefix!r} hold token ids of different "
                              f"dtypes ({first.dtype} and {other.dtype}), so they come from different vocabularies; "
                              "preprocess every corpus of a blend with the same tokenizer.")
     layouts = [(corpus, sentence_per_sequence(corpus)) for corpus in corpora]
@@ -143,7 +144,7 @@ def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
     for corpus, layout in known[1:]:
         if layout != known[0][1]:
             by_sentence, by_document = (corpus, known[0][0]) if layout else (known[0][0], corpus)
-            raise ValueError(f"--data-path corpus {by_sentence.prefix!r} holds one sequence per sentence (BERT "
+            raise UserError(f"--data-path corpus {by_sentence.prefix!r} holds one sequence per sentence (BERT "
                              f"preprocessing) but {by_document.prefix!r} one per document (GPT preprocessing), so "
                              "they were tokenized for different models; preprocess every corpus of a blend with the "
                              "same tokenizer and script.")
@@ -151,7 +152,7 @@ def open_corpora(blend: Sequence[tuple[float, str]]) -> list[IndexedDataset]:
     marked = [(corpus, end) for corpus, end in ends if end is not None]
     for corpus, end in marked[1:]:
         if end != marked[0][1]:
-            raise ValueError(f"--data-path corpora {marked[0][0].prefix!r} and {corpus.prefix!r} end their documents "
+            raise UserError(f"--data-path corpora {marked[0][0].prefix!r} and {corpus.prefix!r} end their documents "
                              f"with different end-of-document ids ({marked[0][1]} and {end}), so they were tokenized "
                              "with different vocabularies; preprocess every corpus of a blend with the same tokenizer.")
     return corpora
@@ -226,12 +227,12 @@ class BlendedDataset(torch.utils.data.Dataset):
         self.index = index
         self.num_samples = len(index.corpus) if num_samples is None else int(num_samples)
         if not 0 <= self.num_samples <= len(index.corpus):
-            raise ValueError(f"num_samples={self.num_samples} is outside the blend index's {len(index.corpus)} "
+            raise UserError(f"num_samples={self.num_samples} is outside the blend index's {len(index.corpus)} "
                              "samples; build the index for at least as many samples.")
         needed = self.counts(index, len(self.datasets), self.num_samples)
         for k, (dataset, count) in enumerate(zip(self.datasets, needed)):
             if len(dataset) < count:
-                raise ValueError(f"corpus {k} of the blend holds {len(dataset)} samples but the blend takes {count} "
+                raise UserError(f"corpus {k} of the blend holds {len(dataset)} samples but the blend takes {count} "
                                  "of it; build its dataset with num_samples >= the blend's count.")
 
     @staticmethod

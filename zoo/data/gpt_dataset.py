@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from zoo.data.indexed_dataset import IndexedDataset
+from zoo.errors import UserError
 from zoo.parallel.state import as_state
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -40,7 +41,7 @@ def parse_split(split: str | Sequence[float]) -> tuple[float, float, float]:
     while 0 < len(weights) < 3:
         weights.append(0.0)
     if len(weights) != 3 or any(w < 0 or not np.isfinite(w) for w in weights) or sum(weights) <= 0:
-        raise ValueError(
+        raise UserError(
             f"split {split!r} is invalid; give three non-negative train,valid,test weights such as '969,30,1'."
         )
     return tuple(weights)
@@ -79,9 +80,9 @@ class GPTDataset(torch.utils.data.Dataset):
         if not isinstance(indexed, IndexedDataset):
             indexed = IndexedDataset(indexed)
         if which not in SPLIT_NAMES:
-            raise ValueError(f"which={which!r} is invalid; use one of {', '.join(SPLIT_NAMES)}.")
+            raise UserError(f"which={which!r} is invalid; use one of {', '.join(SPLIT_NAMES)}.")
         if int(seq_length) < 1:
-            raise ValueError(f"seq_length={seq_length} is invalid; it must be a positive number of tokens.")
+            raise UserError(f"seq_length={seq_length} is invalid; it must be a positive number of tokens.")
         self.indexed = indexed
         self.vocab_size = None if vocab_size is None else int(vocab_size)
         self.seq_length = int(seq_length)
@@ -106,9 +107,9 @@ class GPTDataset(torch.utils.data.Dataset):
             num_samples = self.num_windows
         num_samples = int(num_samples)
         if num_samples < 0:
-            raise ValueError(f"num_samples={num_samples} is invalid; it must be >= 0.")
+            raise UserError(f"num_samples={num_samples} is invalid; it must be >= 0.")
         if num_samples > 0 and self.num_windows == 0:
-            raise ValueError(
+            raise UserError(
                 f"the {which} split of {indexed.prefix} (documents {d0}..{d1}) holds {self.num_tokens} tokens, less than one "
                 f"window of seq_length={self.seq_length}; give it more data or a larger split weight."
             )
@@ -163,7 +164,7 @@ def check_token_ids(tokens: np.ndarray, vocab_size: int, indexed: IndexedDataset
     if low >= 0 and high < vocab_size:
         return
     bad = high if high >= vocab_size else low
-    raise ValueError(
+    raise UserError(
         f"{indexed.prefix}.bin holds token id {bad} in {where}, outside the model's vocabulary of {vocab_size} "
         "ids; the data was tokenized with another vocabulary (or is not token data), so preprocess it with the "
         "model's tokenizer or pass the --model it was built for."
@@ -207,11 +208,11 @@ class DistributedPretrainingSampler:
         consumed_samples: int = 0,
     ):
         if micro_batch_size < 1:
-            raise ValueError(f"micro_batch_size={micro_batch_size} is invalid; it must be >= 1.")
+            raise UserError(f"micro_batch_size={micro_batch_size} is invalid; it must be >= 1.")
         if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank={dp_rank} with dp_size={dp_size} is invalid; need 0 <= dp_rank < dp_size.")
+            raise UserError(f"dp_rank={dp_rank} with dp_size={dp_size} is invalid; need 0 <= dp_rank < dp_size.")
         if not 0 <= consumed_samples <= total_samples:
-            raise ValueError(
+            raise UserError(
                 f"consumed_samples={consumed_samples} is outside the dataset's {total_samples} samples; "
                 "build the dataset with num_samples >= the samples the run will consume."
             )

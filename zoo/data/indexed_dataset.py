@@ -38,6 +38,7 @@ from types import MappingProxyType
 import numpy as np
 
 from zoo.data.preprocess_data_path import sibling_datasets_hint
+from zoo.errors import MissingInput, UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
@@ -71,13 +72,13 @@ def dataset_exists(prefix: str | os.PathLike) -> bool:
 
 
 def check_dataset_files(prefix: str | os.PathLike) -> None:
-    """A ``FileNotFoundError`` naming what is missing unless ``<prefix>.bin`` and ``<prefix>.idx`` both exist; when
+    """A ``MissingInput`` naming what is missing unless ``<prefix>.bin`` and ``<prefix>.idx`` both exist; when
     datasets beginning with the prefix exist (a directory's per-input outputs), it names them and their blend."""
     missing = [path for path in (data_file_path(prefix), index_file_path(prefix)) if not os.path.isfile(path)]
     if missing:
         found = sibling_datasets_hint(prefix)
         fix = found or "; pass the --output-prefix that launch/preprocess.py wrote, without .bin or .idx"
-        raise FileNotFoundError(f"--data-path {os.fspath(prefix)} names no indexed dataset ({' and '.join(missing)} "
+        raise MissingInput(f"--data-path {os.fspath(prefix)} names no indexed dataset ({' and '.join(missing)} "
                                 f"{'is' if len(missing) == 1 else 'are'} missing){fix}.")
 
 
@@ -93,7 +94,7 @@ def dtype_code(dtype) -> int:
     for code, candidate in DTYPE_CODES.items():
         if candidate == dtype:
             return code
-    raise ValueError(f"dtype {dtype} has no code in the MMIDIDX layout; use uint16 or int32.")
+    raise UserError(f"dtype {dtype} has no code in the MMIDIDX layout; use uint16 or int32.")
 
 
 class IndexedDataset:
@@ -109,7 +110,7 @@ class IndexedDataset:
         idx_path, bin_path = index_file_path(self._prefix), data_file_path(self._prefix)
         missing = [p for p in (idx_path, bin_path) if not os.path.isfile(p)]
         if missing:
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"indexed dataset '{self._prefix}' not found ({' and '.join(missing)} missing); "
                 "build it with launch/preprocess.py --output-prefix PREFIX."
             )
@@ -117,23 +118,23 @@ class IndexedDataset:
         with open(idx_path, "rb") as f:
             head = f.read(_HEADER.size)
         if len(head) < _HEADER.size:
-            raise ValueError(f"index file '{idx_path}' is truncated ({idx_bytes} bytes); rebuild it.")
+            raise UserError(f"index file '{idx_path}' is truncated ({idx_bytes} bytes); rebuild it.")
         magic, version, code, n_seq, n_doc_idx = _HEADER.unpack(head)
         if magic != MAGIC:
-            raise ValueError(
+            raise UserError(
                 f"index file '{idx_path}' is not a Megatron MMIDIDX index (bad magic {magic!r}); "
                 "rebuild it with launch/preprocess.py."
             )
         if version != VERSION:
-            raise ValueError(f"index file '{idx_path}' has version {version}; only version 1 is read.")
+            raise UserError(f"index file '{idx_path}' has version {version}; only version 1 is read.")
         if code not in DTYPE_CODES:
-            raise ValueError(f"index file '{idx_path}' has unknown dtype code {code}; rebuild it.")
+            raise UserError(f"index file '{idx_path}' has unknown dtype code {code}; rebuild it.")
         o_sizes = _HEADER.size
         o_ptrs = o_sizes + 4 * n_seq
         o_docs = o_ptrs + 8 * n_seq
         o_end = o_docs + 8 * n_doc_idx
         if idx_bytes < o_end or n_doc_idx < 1:
-            raise ValueError(
+            raise UserError(
                 f"index file '{idx_path}' is truncated: {idx_bytes} bytes but its header announces "
                 f"{n_seq} sequences and {n_doc_idx} document-index entries ({o_end} bytes); rebuild it."
             )
@@ -240,29 +241,29 @@ def check_index(idx_path: str, bin_path: str, bin_bytes: int, sizes: np.ndarray,
     if n_seq:
         if int(sizes.min()) < 0:
             first = int(np.argmax(sizes < 0))
-            raise ValueError(f"index file '{idx_path}' is corrupt: sequence {first} has a negative size "
+            raise UserError(f"index file '{idx_path}' is corrupt: sequence {first} has a negative size "
                              f"{int(sizes[first])}; {rebuild}.")
         misplaced = (pointers < 0) | (pointers % itemsize != 0)
         if misplaced.any():
             first = int(np.argmax(misplaced))
-            raise ValueError(f"index file '{idx_path}' is corrupt: sequence {first} starts at byte {int(pointers[first])}, "
+            raise UserError(f"index file '{idx_path}' is corrupt: sequence {first} starts at byte {int(pointers[first])}, "
                              f"not a non-negative multiple of the {itemsize}-byte token size; {rebuild}.")
         ends = pointers + sizes.astype(np.int64) * itemsize
         if int(ends.max()) > bin_bytes:
             first = int(np.argmax(ends > bin_bytes))
-            raise ValueError(f"data file '{bin_path}' is truncated: {bin_bytes} bytes but sequence {first} of the "
+            raise UserError(f"data file '{bin_path}' is truncated: {bin_bytes} bytes but sequence {first} of the "
                              f"index ends at byte {int(ends[first])}; rebuild the dataset.")
     if int(doc_idx[0]) != 0:
-        raise ValueError(f"index file '{idx_path}' is corrupt: its document index starts at sequence "
+        raise UserError(f"index file '{idx_path}' is corrupt: its document index starts at sequence "
                          f"{int(doc_idx[0])}, not 0; {rebuild}.")
     if int(doc_idx.max()) > n_seq:
         first = int(np.argmax(doc_idx > n_seq))
-        raise ValueError(f"index file '{idx_path}' is corrupt: its document index names sequence "
+        raise UserError(f"index file '{idx_path}' is corrupt: its document index names sequence "
                          f"{int(doc_idx[first])}, past the {n_seq} sequences it holds; {rebuild}.")
     steps = np.diff(doc_idx)
     if steps.size and int(steps.min()) < 0:
         first = int(np.argmax(steps < 0))
-        raise ValueError(f"index file '{idx_path}' is corrupt: document {first} ends at sequence "
+        raise UserError(f"index file '{idx_path}' is corrupt: document {first} ends at sequence "
                          f"{int(doc_idx[first + 1])}, before it starts at {int(doc_idx[first])}; {rebuild}.")
 
 
@@ -280,7 +281,7 @@ class IndexedDatasetBuilder:
         self._prefix = os.fspath(prefix)
         self._dtype = np.dtype(dtype) if dtype is not None else best_fitting_dtype(vocab_size)
         if self._dtype.kind not in "iu":
-            raise ValueError(f"token dtype must be an integer type, got {self._dtype}.")
+            raise UserError(f"token dtype must be an integer type, got {self._dtype}.")
         dtype_code(self._dtype)
         info = np.iinfo(self._dtype)
         self._lo, self._hi = info.min, info.max
@@ -308,15 +309,15 @@ class IndexedDatasetBuilder:
         """Appends one sequence (1-D ids) to the current document."""
         arr = np.asarray(tokens)
         if arr.ndim != 1:
-            raise ValueError(f"a sequence must be 1-D token ids, got shape {arr.shape}.")
+            raise UserError(f"a sequence must be 1-D token ids, got shape {arr.shape}.")
         if arr.size:
             lo, hi = arr.min(), arr.max()
             if lo < self._lo or hi > self._hi:
-                raise ValueError(
+                raise UserError(
                     f"token ids span [{lo}, {hi}], outside {self._dtype}; build with a larger vocab_size/dtype."
                 )
         if arr.size > _INT32_MAX:
-            raise ValueError(f"a sequence of {arr.size} tokens exceeds the int32 length field; split it.")
+            raise UserError(f"a sequence of {arr.size} tokens exceeds the int32 length field; split it.")
         self._bin.write(arr.astype(self._dtype, copy=False).tobytes())
         self._sizes.append(arr.size)
 
@@ -334,13 +335,13 @@ class IndexedDatasetBuilder:
         flat = np.asarray(flat_tokens)
         lengths = np.asarray(lengths, dtype=np.int64)
         if flat.ndim != 1 or lengths.ndim != 1 or int(lengths.sum()) != flat.size or (lengths < 0).any():
-            raise ValueError("flat_tokens must be 1-D and lengths must be non-negative and sum to its size.")
+            raise UserError("flat_tokens must be 1-D and lengths must be non-negative and sum to its size.")
         if lengths.size and lengths.max() > _INT32_MAX:
-            raise ValueError("a document exceeds the int32 length field; split it.")
+            raise UserError("a document exceeds the int32 length field; split it.")
         if flat.size:
             lo, hi = flat.min(), flat.max()
             if lo < self._lo or hi > self._hi:
-                raise ValueError(
+                raise UserError(
                     f"token ids span [{lo}, {hi}], outside {self._dtype}; build with a larger vocab_size/dtype."
                 )
         self._bin.write(flat.astype(self._dtype, copy=False).tobytes())

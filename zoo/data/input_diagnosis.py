@@ -9,7 +9,7 @@ the inputs stay where they are):
 - ``.parquet``: one row per document; the text is the column ``json_key``.
 
 A file that cannot be read at all (empty, not UTF-8, a line that is not a JSON object, corrupt
-compression, a text field of another type) raises ``ValueError`` with one sentence naming the file and
+compression, a text field of another type) raises ``UserError`` with one sentence naming the file and
 line. Documents without a string text (the field is missing, null, or a number, list or object) become
 null texts, which the tokenizing step drops; they are counted and reported per file in one
 :class:`SkippedDocumentsWarning` naming the line of the first. Every file is checked before anything
@@ -37,6 +37,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from zoo.data.preprocess_pipeline import SkippedDocumentsWarning
+from zoo.errors import UserError
 
 COMPRESSION_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
 _LOADERS = ((".txt", "text"), (".jsonl", "json"), (".json", "json"), (".parquet", "parquet"))
@@ -55,7 +56,7 @@ def loader_for(path: str) -> str:
     for ext, loader in _LOADERS:
         if name.endswith(ext):
             return loader
-    raise ValueError(
+    raise UserError(
         f"input '{path}' has an unsupported extension; use .txt (one document per line), "
         ".jsonl/.json or .parquet, each optionally compressed as .gz, .bz2, .xz or .zst."
     )
@@ -64,14 +65,14 @@ def loader_for(path: str) -> str:
 def load_file_texts(path: str, loader: str, json_key: str, cache: str):
     """``path`` as a ``datasets.Dataset`` (Arrow files under ``cache``) with one string column "text".
 
-    A file that cannot be read raises ``ValueError`` naming it (and the line, where there is one); the
+    A file that cannot be read raises ``UserError`` naming it (and the line, where there is one); the
     file's documents without a string text are reported in one :class:`SkippedDocumentsWarning`
     (their text becomes null, which the tokenizing step drops).
     """
     key = "text" if loader == "text" else json_key
     ds = _load_file(path, loader, key, cache)
     if key not in ds.column_names:
-        raise ValueError(
+        raise UserError(
             f"input '{path}' has no field '{key}' (fields: {', '.join(ds.column_names)}); "
             "pass --json-key with the name of the text field."
         )
@@ -87,7 +88,7 @@ def _load_file(path: str, loader: str, key: str, cache: str):
     still one JSON object) is read again record by record, keeping only ``key`` as JSON values.
     """
     if os.path.getsize(path) == 0:
-        raise ValueError(_empty_file_sentence(path))
+        raise UserError(_empty_file_sentence(path))
     try:
         with _without_datasets_read_errors():
             return datasets.load_dataset(loader, data_files=path, split="train", cache_dir=cache,
@@ -99,7 +100,7 @@ def _load_file(path: str, loader: str, key: str, cache: str):
         problem = problem or _describe_cause(path, loader, err)
         if problem is None:
             raise
-        raise ValueError(problem) from None
+        raise UserError(problem) from None
 
 
 def _json_records(path: str):
@@ -275,7 +276,7 @@ def _string_texts(ds, path: str, key: str, loader: str):
         _warn_skipped(path, loader, Counter({f"without a '{key}' value": len(ds)}), 0)
         return ds.cast(datasets.Features({"text": datasets.Value("string")}))
     if not isinstance(ds.features["text"], datasets.features.Json):
-        raise ValueError(f"input '{path}' field '{key}' holds {column_type} values, not text; "
+        raise UserError(f"input '{path}' field '{key}' holds {column_type} values, not text; "
                          "pass --json-key with the name of the text field.")
     reasons, first = Counter(), []  # filled by the (single-process, in-order) map below
 
@@ -321,7 +322,7 @@ def _check_utf8(column, path: str, loader: str) -> None:
     except pa.ArrowInvalid as err:
         problem = _describe_unreadable(path, loader) or (
             f"input '{path}' holds text that is not UTF-8 ({err}); convert the file to UTF-8.")
-        raise ValueError(problem) from None
+        raise UserError(problem) from None
 
 
 def _first_null(column) -> int:

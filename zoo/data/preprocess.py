@@ -29,6 +29,7 @@ from zoo.data.preprocess_pipeline import (
     usable_workers,
 )
 from zoo.data.tokenizers import load_bert_tokenizer, load_gpt2_tokenizer
+from zoo.errors import UserError
 
 __all__ = ["BUNDLED_CORPUS", "PreprocessSummary", "SkippedDocumentsWarning", "add_preprocess_arguments",
            "cached_corpus_prefix", "data_path_line", "default_cache_dir", "default_corpus_prefix", "encode_documents",
@@ -77,7 +78,7 @@ def preprocess(
         tokenizer = load_gpt2_tokenizer(tokenizer)
     eod = tokenizer.eos_token_id if append_eod else None
     if append_eod and eod is None:
-        raise ValueError(
+        raise UserError(
             "the tokenizer has no end-of-document (eos) token; pass append_eod=False or another tokenizer."
         )
     encode = functools.partial(encode_documents, tokenizer=tokenizer, eod=eod)
@@ -128,7 +129,7 @@ def run_preprocess(args: argparse.Namespace) -> list[PreprocessSummary]:
     from zoo.data.preprocess_sources import expand_inputs, output_prefixes  # local: imports datasets (~1.5 s)
 
     if args.batch_size < 1:
-        raise ValueError(f"--batch-size {args.batch_size} is invalid; use at least 1.")
+        raise UserError(f"--batch-size {args.batch_size} is invalid; use at least 1.")
     sources = expand_inputs(args.input, args.workers)
     workers = usable_workers(args.workers)   # said once, not once per output
     outputs = output_prefixes(sources, args.output_prefix, args.merge)

@@ -31,6 +31,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from zoo.data.indexed_dataset import IndexedDatasetBuilder, dataset_exists
+from zoo.errors import UserError
 
 _END = object()
 _RESULT_POLL_S = 1.0  # how often a wait for results checks that the workers are still alive
@@ -175,10 +176,10 @@ def _output_directory_errors(output_prefix):
     try:
         yield
     except (FileExistsError, NotADirectoryError):
-        raise ValueError(f"output prefix '{os.fspath(output_prefix)}' lies under a file, not a directory; "
+        raise UserError(f"output prefix '{os.fspath(output_prefix)}' lies under a file, not a directory; "
                          "choose a prefix inside a directory.") from None
     except PermissionError:
-        raise ValueError(f"output prefix '{os.fspath(output_prefix)}' is in a directory that cannot be created "
+        raise UserError(f"output prefix '{os.fspath(output_prefix)}' is in a directory that cannot be created "
                          "or written (permission denied); choose a prefix in a directory you can write to.") from None
 
 
@@ -273,7 +274,7 @@ def write_encoded(
     """Writes every encoded batch with ``write(builder, batch) -> (documents, tokens)`` into
     ``<output_prefix>.bin/.idx`` (atomically), showing a tqdm bar in tokens/s.
 
-    Returns (documents, tokens). No document at all raises ``ValueError(no_documents)`` and writes nothing.
+    Returns (documents, tokens). No document at all raises ``UserError(no_documents)`` and writes nothing.
     """
     documents = tokens = 0
     with IndexedDatasetBuilder(output_prefix, vocab_size=vocab_size) as builder, \
@@ -286,7 +287,7 @@ def write_encoded(
             bar.update(batch_tokens)
             bar.set_postfix(docs=documents, refresh=False)
         if documents == 0:
-            raise ValueError(no_documents)
+            raise UserError(no_documents)
     return documents, tokens
 
 

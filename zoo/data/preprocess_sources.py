@@ -29,6 +29,7 @@ from zoo.data.preprocess_pipeline import (
     usable_workers,
     write_encoded,
 )
+from zoo.errors import MissingInput, UserError
 
 HUB_PREFIX = "hub:"
 
@@ -63,7 +64,7 @@ def expand_inputs(inputs, workers: int) -> list[Source]:
         inputs = [inputs]
     names = [os.fspath(p) for p in inputs]
     if not names:
-        raise ValueError("no input files given; pass at least one --input FILE.")
+        raise UserError("no input files given; pass at least one --input FILE.")
     sources = []
     for name in names:
         if name.startswith(HUB_PREFIX):
@@ -74,9 +75,9 @@ def expand_inputs(inputs, workers: int) -> list[Source]:
         elif os.path.isfile(name):
             sources.append(Source(name, loader_for(name)))
         else:
-            raise FileNotFoundError(f"input file '{name}' does not exist; check the --input path.")
+            raise MissingInput(f"input file '{name}' does not exist; check the --input path.")
     if int(workers) < 1:
-        raise ValueError(f"workers={workers} is invalid; use at least 1.")
+        raise UserError(f"workers={workers} is invalid; use at least 1.")
     return sources
 
 
@@ -87,7 +88,7 @@ def _hub_source(name: str) -> Source:
     spec = spec.strip("/")
     parts = spec.split("/")
     if not spec or len(parts) > 3 or not all(parts):
-        raise ValueError(f"input '{name}' is not a hub dataset name; write hub:NAME, hub:OWNER/NAME or "
+        raise UserError(f"input '{name}' is not a hub dataset name; write hub:NAME, hub:OWNER/NAME or "
                          "hub:OWNER/NAME/CONFIG.")
     return Source("/".join(parts[:2]), config=parts[2] if len(parts) == 3 else None)
 
@@ -107,7 +108,7 @@ def _directory_files(directory: str) -> list[str]:
                 continue
             found.append(path)
     if not found:
-        raise ValueError(f"input directory '{directory}' holds no .jsonl, .json, .txt or .parquet files (optionally "
+        raise UserError(f"input directory '{directory}' holds no .jsonl, .json, .txt or .parquet files (optionally "
                          ".gz); pass a directory of such files or the files themselves.")
     return sorted(found)
 
@@ -126,12 +127,12 @@ def _open_hub(source: Source, json_key: str):
         stream = datasets.load_dataset(source.name, source.config, split="train", streaming=True)
     except (ConnectionError, FileNotFoundError, ValueError) as err:
         detail = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(".")
-        raise ValueError(f"hub dataset '{source.label}' cannot be loaded ({detail}); check the name and config and "
+        raise UserError(f"hub dataset '{source.label}' cannot be loaded ({detail}); check the name and config and "
                          "that the hub is reachable (HF_HUB_OFFLINE unset), or pass downloaded files as --input."
                          ) from None
     fields = list(stream.features) if stream.features is not None else None
     if fields is not None and json_key not in fields:
-        raise ValueError(f"hub dataset '{source.label}' has no field '{json_key}' (fields: {', '.join(fields)}); "
+        raise UserError(f"hub dataset '{source.label}' has no field '{json_key}' (fields: {', '.join(fields)}); "
                          "pass --json-key with the name of the text field.")
     return stream
 
@@ -144,7 +145,7 @@ def text_batches(source: Source, documents, json_key: str, batch_size: int) -> I
     skipped, first = 0, None
     for number, batch in enumerate(documents.iter(batch_size=batch_size)):
         if json_key not in batch:
-            raise ValueError(f"hub dataset '{source.label}' has no field '{json_key}' (fields: {', '.join(batch)}); "
+            raise UserError(f"hub dataset '{source.label}' has no field '{json_key}' (fields: {', '.join(batch)}); "
                              "pass --json-key with the name of the text field.")
         texts = [text if isinstance(text, str) else None for text in batch[json_key]]
         missing = [i for i, text in enumerate(texts) if text is None]
@@ -177,7 +178,7 @@ def output_prefixes(sources: Sequence[Source], output_prefix: str, merge: bool) 
     by_stem: dict[str, Source] = {}
     for source in sources:
         if source.stem in by_stem:
-            raise ValueError(f"inputs '{by_stem[source.stem].label}' and '{source.label}' would both write "
+            raise UserError(f"inputs '{by_stem[source.stem].label}' and '{source.label}' would both write "
                              f"'{output_prefix}_{source.stem}'; rename one, or pass --merge for one output.")
         by_stem[source.stem] = source
     return [(f"{output_prefix}_{stem}", [source]) for stem, source in by_stem.items()]

@@ -6,6 +6,7 @@ import os
 from pathlib import Path
 
 from zoo.assets import BERT_TOKENIZER_DIR, GPT2_TOKENIZER_DIR
+from zoo.errors import MissingInput, UserError
 
 GPT2_EOD_TOKEN_ID = 50256  # "<|endoftext|>", appended after every document
 
@@ -20,16 +21,16 @@ def _load_fast_tokenizer(class_name: str, path, default: Path, needs: tuple[str,
     fallback = f"or omit it to use the bundled {default.name} tokenizer"
     if not directory.is_dir():
         state = "is not a directory" if directory.exists() else "does not exist"
-        raise FileNotFoundError(f"tokenizer directory '{directory}' {state}; pass a directory holding {files} "
+        raise MissingInput(f"tokenizer directory '{directory}' {state}; pass a directory holding {files} "
                                 f"(or tokenizer.json), {fallback}.")
     if not (directory / "tokenizer.json").is_file() and not all((directory / name).is_file() for name in needs):
-        raise FileNotFoundError(f"tokenizer directory '{directory}' holds neither {files} nor tokenizer.json; "
+        raise MissingInput(f"tokenizer directory '{directory}' holds neither {files} nor tokenizer.json; "
                                 f"pass a directory that does, {fallback}.")
     try:
         return getattr(transformers, class_name).from_pretrained(str(directory))
     except Exception as err:  # tokenizers raises bare Exceptions for unreadable vocabularies
         detail = (str(err).strip().splitlines() or [type(err).__name__])[0].rstrip(".")
-        raise ValueError(f"tokenizer directory '{directory}' cannot be loaded ({detail}); check that its tokenizer "
+        raise UserError(f"tokenizer directory '{directory}' cannot be loaded ({detail}); check that its tokenizer "
                          f"files are intact UTF-8 text, {fallback}.") from None
 
 

@@ -24,6 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 
 from zoo.distributed.roll_call import describe_duration
+from zoo.errors import UserError
 
 __all__ = ["build_once", "lock_path", "FIRST_POLL_S", "LONGEST_POLL_S"]
 
@@ -39,7 +40,7 @@ def build_once(target: str | os.PathLike, build: Callable[[Path], None], wait: t
     """Make sure ``target`` exists: build it here (``build(target)``, which must write it atomically) when
     this process claims its lock, else wait for the process that holds the lock, at most ``wait``. Returns
     True when this call built it. A build's error reaches the caller after the lock is released; a wait
-    that runs out raises one sentence (ValueError) naming the lock file and its holder."""
+    that runs out raises one sentence (UserError) naming the lock file and its holder."""
     target = Path(target)
     lock = lock_path(target)
     deadline = time.monotonic() + wait.total_seconds()
@@ -58,7 +59,7 @@ def build_once(target: str | os.PathLike, build: Callable[[Path], None], wait: t
             release(lock)   # two waiters may both take over and both build: each write is whole
             continue
         if time.monotonic() >= deadline:
-            raise ValueError(f"{target} was not written within {describe_duration(wait)} by "
+            raise UserError(f"{target} was not written within {describe_duration(wait)} by "
                              f"{describe_holder(holder)}, which holds {lock}; if no run is building it any more, "
                              "delete that lock file and start again.")
         time.sleep(poll)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from zoo.distributed.local_rank import launcher_local_rank
 from zoo.distributed.shared_memory import unlink_shared_memory_buffer
+from zoo.errors import UserError
 from zoo.launcher_watch import watch_launchers
 from zoo.parallel.host_all_reduce import adopt_deepspeed_kernel, deepspeed_backend_exists
 
@@ -48,7 +49,7 @@ def check_accelerator_matches_machine(gpus: int | None = None) -> None:
 
     gpus = visible_nvidia_gpus() if gpus is None else gpus
     if gpus and get_accelerator().device_name() == "cpu" and os.environ.get("DS_ACCELERATOR") != "cpu":
-        raise ValueError(f"this machine has {gpus} NVIDIA GPU(s) but torch {torch.__version__} cannot use them, so "
+        raise UserError(f"this machine has {gpus} NVIDIA GPU(s) but torch {torch.__version__} cannot use them, so "
                          "DeepSpeed chose the CPU; install a CUDA build of torch (`make setup` uses the system's "
                          "torch on a GPU node), or set DS_ACCELERATOR=cpu to run on the CPU on purpose.")
 
@@ -108,7 +109,7 @@ def check_launched(environ: dict[str, str] | None = None, script: str | None = N
     if launched_distributed(environ) or any(name.startswith(("OMPI_COMM_WORLD_", "PMI_")) for name in environ):
         return
     script = script or (sys.argv[0] if sys.argv and sys.argv[0] else "the script")
-    raise ValueError(f"{script} was started without a launcher (RANK and WORLD_SIZE are not set); run it under "
+    raise UserError(f"{script} was started without a launcher (RANK and WORLD_SIZE are not set); run it under "
                      f"deepspeed, e.g. `deepspeed --num_gpus 2 {script} ...` (or torchrun, or zoo's `python "
                      f"launch/run.py --num_gpus 2 {script} ...`); see the README.")
 
@@ -131,7 +132,7 @@ def master_port_named(environ: dict[str, str] | None = None):
             raise
         port = environ.get("MASTER_PORT", "29500")
         other = int(port) + 1 if port.isdigit() else 29501
-        raise ValueError(f"port {port} on {environ.get('MASTER_ADDR', 'this host')} (MASTER_PORT) is already in "
+        raise UserError(f"port {port} on {environ.get('MASTER_ADDR', 'this host')} (MASTER_PORT) is already in "
                          f"use, probably by another job; pass another port to the launcher, e.g. `deepspeed "
                          f"--master_port {other} ...` (torchrun: --master-port).") from None
 

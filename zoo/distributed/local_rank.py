@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from zoo.errors import UserError
+
 __all__ = ["LOCAL_RANK_VARIABLES", "launcher_local_rank", "local_rank_or_none"]
 
 # (variable, the launchers that set it), closest launcher first.
@@ -40,7 +42,7 @@ def local_rank_or_none(environ: Mapping[str, str] | None = None) -> int | None:
         if not value:
             continue
         if not value.isdigit():
-            raise ValueError(f"{name}={environ[name]!r} is not a local rank (a non-negative integer); unset it or "
+            raise UserError(f"{name}={environ[name]!r} is not a local rank (a non-negative integer); unset it or "
                              "let the launcher set it.")
         return int(value)
     return None
@@ -67,7 +69,7 @@ def launcher_local_rank(environ: Mapping[str, str] | None = None, devices_on_nod
         return rank
     if devices_on_node > 1 and world_size_of(environ) > 1:
         names = ", ".join(name for name, _ in LOCAL_RANK_VARIABLES)
-        raise ValueError(f"no launcher variable ({names}) tells this rank which of this node's {devices_on_node} "
+        raise UserError(f"no launcher variable ({names}) tells this rank which of this node's {devices_on_node} "
                          "devices is its own; start it under deepspeed, torchrun, mpirun or srun, or set LOCAL_RANK "
                          "for each rank.")
     return 0

@@ -27,6 +27,7 @@ import torch
 from tqdm import tqdm
 
 from zoo.distributed import dp_block, dp_sum
+from zoo.errors import UserError
 from zoo.eval.wikitext import model_device
 from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.parallel.state import ParallelState
@@ -44,7 +45,7 @@ def split_last_word(text: str) -> tuple[str, str]:
     """(context, last word): the word is the last whitespace-separated one, the context the text before it."""
     parts = text.rsplit(maxsplit=1)
     if len(parts) < 2:
-        raise ValueError(f"the LAMBADA passage {text[:60]!r} has fewer than two words; every passage needs a "
+        raise UserError(f"the LAMBADA passage {text[:60]!r} has fewer than two words; every passage needs a "
                          "context before its last word.")
     return parts[0].strip(), parts[1]
 
@@ -59,7 +60,7 @@ def build_example(text: str, tokenizer, strict: bool = True) -> LambadaExample:
         return LambadaExample(tuple(encode(context)), tuple(encode(" " + word)))
     ids = encode(text.strip())
     if len(ids) < 2:
-        raise ValueError(f"the LAMBADA passage {text[:60]!r} is {len(ids)} BPE token(s); non-strict scoring "
+        raise UserError(f"the LAMBADA passage {text[:60]!r} is {len(ids)} BPE token(s); non-strict scoring "
                          "needs at least 2.")
     return LambadaExample(tuple(ids[:-1]), tuple(ids[-1:]))
 
@@ -70,7 +71,7 @@ def fit_to_context(example: LambadaExample, n_positions: int) -> tuple[LambadaEx
     if overflow <= 0:
         return example, False
     if overflow >= len(example.context):
-        raise ValueError(f"a LAMBADA target of {len(example.target)} BPE tokens leaves no context in the model's "
+        raise UserError(f"a LAMBADA target of {len(example.target)} BPE tokens leaves no context in the model's "
                          f"n_positions {n_positions}; use a model with a longer context.")
     return LambadaExample(example.context[overflow:], example.target), True
 
@@ -141,9 +142,9 @@ def evaluate_lambada(model, texts: Sequence[str], tokenizer, *, strict: bool = T
     all-reduced, so every rank returns the same result.
     """
     if batch_size < 1:
-        raise ValueError(f"batch size {batch_size} is not positive; pass --batch-size 1 or more.")
+        raise UserError(f"batch size {batch_size} is not positive; pass --batch-size 1 or more.")
     if not texts:
-        raise ValueError("no LAMBADA passages were given; pass a jsonl file with one {\"text\": ...} object per line.")
+        raise UserError("no LAMBADA passages were given; pass a jsonl file with one {\"text\": ...} object per line.")
     fitted = [fit_to_context(build_example(text, tokenizer, strict), model.config.n_positions) for text in texts]
     examples = [example for example, _ in fitted]
     mine = [examples[i] for i in dp_block(len(examples), parallel)]

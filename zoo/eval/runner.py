@@ -39,6 +39,7 @@ from zoo.distributed import (
     single_device,
 )
 from zoo.dtypes import torch_dtype
+from zoo.errors import UserError
 from zoo.eval.lambada import evaluate_lambada
 from zoo.eval.sources import read_lambada, read_wikitext
 from zoo.eval.wikitext import evaluate_wikitext
@@ -138,9 +139,9 @@ def make_private_directory(cache: Path) -> None:
             os.chmod(cache, 0o700)
             return
     except OSError as err:
-        raise ValueError(f"the export cache {cache} cannot be created ({err.strerror}); set TMPDIR to a "
+        raise UserError(f"the export cache {cache} cannot be created ({err.strerror}); set TMPDIR to a "
                          "directory you can write to.") from None
-    raise ValueError(f"the export cache {cache} is not a directory owned by this user; remove it or set TMPDIR "
+    raise UserError(f"the export cache {cache} is not a directory owned by this user; remove it or set TMPDIR "
                      "to another directory.")
 
 
@@ -148,7 +149,7 @@ def check_output_file(path: str | os.PathLike) -> Path:
     """Prove, before evaluating, that the results can be written to ``path`` (a file, not a directory)."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"--out {path} is a directory; pass a file path such as {path / 'results.json'}.")
+        raise UserError(f"--out {path} is a directory; pass a file path such as {path / 'results.json'}.")
     check_writable_directory(path.parent, "--out's directory")
     return path
 

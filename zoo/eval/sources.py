@@ -16,6 +16,8 @@ import json
 import os
 from pathlib import Path
 
+from zoo.errors import MissingInput, UserError
+
 TEXT_COLUMN = "text"
 
 
@@ -32,10 +34,10 @@ def read_wikitext(path: str | os.PathLike, split: str = "test") -> str:
     elif path.is_file():
         text = path.read_bytes().decode("utf-8")
     else:
-        raise FileNotFoundError(f"WikiText data {path} does not exist; pass --data the raw wiki.test.tokens "
+        raise MissingInput(f"WikiText data {path} does not exist; pass --data the raw wiki.test.tokens "
                                 "file or a directory written by datasets' save_to_disk.")
     if not text.strip():
-        raise ValueError(f"WikiText data {path} holds no text; pass a non-empty wiki.test.tokens file.")
+        raise UserError(f"WikiText data {path} holds no text; pass a non-empty wiki.test.tokens file.")
     return text
 
 
@@ -46,17 +48,17 @@ def read_lambada(path: str | os.PathLike, split: str = "test") -> list[str]:
         texts = _dataset_texts(path, split, "LAMBADA")
         for index, text in enumerate(texts):
             if not isinstance(text, str):
-                raise ValueError(f"row {index} of the LAMBADA dataset {path} has a non-string 'text' "
+                raise UserError(f"row {index} of the LAMBADA dataset {path} has a non-string 'text' "
                                  f"({text!r}); fix the dataset so every row has a text passage.")
     elif path.is_file():
         texts = [_jsonl_text(line, number, path)
                  for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1)
                  if line.strip()]
     else:
-        raise FileNotFoundError(f"LAMBADA data {path} does not exist; pass --data the lambada_test.jsonl "
+        raise MissingInput(f"LAMBADA data {path} does not exist; pass --data the lambada_test.jsonl "
                                 "file or a directory written by datasets' save_to_disk.")
     if not texts:
-        raise ValueError(f"LAMBADA data {path} holds no passages; pass a jsonl file with one "
+        raise UserError(f"LAMBADA data {path} holds no passages; pass a jsonl file with one "
                          '{"text": ...} object per line.')
     return texts
 
@@ -65,10 +67,10 @@ def _jsonl_text(line: str, number: int, path: Path) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as err:
-        raise ValueError(f"line {number} of {path} is not valid JSON ({err.msg}); write one "
+        raise UserError(f"line {number} of {path} is not valid JSON ({err.msg}); write one "
                          '{"text": ...} object per line.') from None
     if not isinstance(record, dict) or not isinstance(record.get(TEXT_COLUMN), str):
-        raise ValueError(f"line {number} of {path} has no string 'text' field; write one "
+        raise UserError(f"line {number} of {path} has no string 'text' field; write one "
                          '{"text": ...} object per line, as in lambada_test.jsonl.')
     return record[TEXT_COLUMN]
 
@@ -79,14 +81,14 @@ def _dataset_texts(path: Path, split: str, task: str) -> list[str]:
     try:
         loaded = datasets.load_from_disk(str(path))
     except FileNotFoundError:
-        raise FileNotFoundError(f"{task} data {path} is a directory but not a saved dataset; pass a raw file "
+        raise MissingInput(f"{task} data {path} is a directory but not a saved dataset; pass a raw file "
                                 "or a directory written by datasets' save_to_disk.") from None
     if isinstance(loaded, datasets.DatasetDict):
         if split not in loaded:
-            raise ValueError(f"the {task} dataset {path} has no split {split!r} (it has {sorted(loaded)}); "
+            raise UserError(f"the {task} dataset {path} has no split {split!r} (it has {sorted(loaded)}); "
                              "pass --split with one of them.")
         loaded = loaded[split]
     if TEXT_COLUMN not in loaded.column_names:
-        raise ValueError(f"the {task} dataset {path} has no 'text' column (it has {loaded.column_names}); "
+        raise UserError(f"the {task} dataset {path} has no 'text' column (it has {loaded.column_names}); "
                          "save a dataset whose 'text' column holds the passages.")
     return list(loaded[TEXT_COLUMN])

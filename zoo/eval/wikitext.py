@@ -33,6 +33,7 @@ import torch
 from tqdm import tqdm
 
 from zoo.distributed import dp_block, dp_sum
+from zoo.errors import UserError
 from zoo.parallel import vocab_parallel_cross_entropy
 from zoo.parallel.state import ParallelState
 
@@ -101,13 +102,13 @@ class Window:
 def validate_window(seq_length: int, overlap: int, n_positions: int) -> None:
     """One-sentence errors for a window the model cannot run or a stride that skips tokens."""
     if seq_length < 1:
-        raise ValueError(f"sequence length {seq_length} is not positive; pass --seq-length between 1 and the "
+        raise UserError(f"sequence length {seq_length} is not positive; pass --seq-length between 1 and the "
                          f"model's n_positions {n_positions}.")
     if seq_length > n_positions:
-        raise ValueError(f"sequence length {seq_length} exceeds the model's n_positions {n_positions}; pass "
+        raise UserError(f"sequence length {seq_length} exceeds the model's n_positions {n_positions}; pass "
                          f"--seq-length {n_positions} or less.")
     if not 1 <= overlap <= seq_length:
-        raise ValueError(f"overlap {overlap} is outside 1..{seq_length}; pass --overlap between 1 and the "
+        raise UserError(f"overlap {overlap} is outside 1..{seq_length}; pass --overlap between 1 and the "
                          f"sequence length {seq_length} (equal to it means disjoint windows).")
 
 
@@ -119,7 +120,7 @@ def plan_windows(num_tokens: int, seq_length: int, overlap: int) -> list[Window]
     Window k > 0 scores its targets from L - o on: those after window k-1's last one.
     """
     if num_tokens < 2:
-        raise ValueError(f"the text tokenizes to {num_tokens} token(s) and at least 2 are needed to predict "
+        raise UserError(f"the text tokenizes to {num_tokens} token(s) and at least 2 are needed to predict "
                          "one; pass a longer text.")
     num_targets = num_tokens - 1
     count = 1 if num_targets <= seq_length else 1 + math.ceil((num_targets - seq_length) / overlap)
@@ -232,10 +233,10 @@ def evaluate_wikitext(model, raw_text: str, tokenizer, *, seq_length: int | None
     seq_length = n_positions if seq_length is None else seq_length
     validate_window(seq_length, overlap, n_positions)
     if batch_size < 1:
-        raise ValueError(f"batch size {batch_size} is not positive; pass --batch-size 1 or more.")
+        raise UserError(f"batch size {batch_size} is not positive; pass --batch-size 1 or more.")
     num_original = count_original_tokens(raw_text)
     if num_original < 2:
-        raise ValueError(f"the WikiText text has {num_original} original token(s) and the adjusted perplexity "
+        raise UserError(f"the WikiText text has {num_original} original token(s) and the adjusted perplexity "
                          "needs at least 2; pass the full wiki.test.tokens file.")
     ids = tokenizer(wikitext_detokenize(raw_text), add_special_tokens=False, verbose=False)["input_ids"]
     tokens = torch.tensor(ids, dtype=torch.long)

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from zoo.errors import UserError
 from zoo.options import (
     add_deepspeed_config_argument,
     add_options,
@@ -153,7 +154,7 @@ def validate(config: FinetuneConfig) -> FinetuneConfig:
     ]
     for ok, message in checks:
         if not ok:
-            raise ValueError(message)
+            raise UserError(message)
     return config
 
 
@@ -163,7 +164,7 @@ def deepspeed_dict(config: FinetuneConfig, dp_size: int, total_steps: int) -> di
     ds.pop("zoo", None)
     micro = ds.get("train_micro_batch_size_per_gpu")
     if config.batch_size % dp_size:
-        raise ValueError(f"--batch-size {config.batch_size} is not divisible by the data-parallel size {dp_size}; "
+        raise UserError(f"--batch-size {config.batch_size} is not divisible by the data-parallel size {dp_size}; "
                          f"pass a multiple of {dp_size}.")
     per_rank = config.batch_size // dp_size
     micro = math.gcd(per_rank, micro) if micro else per_rank   # never above the ds_config's micro-batch

@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from zoo.atomic import write_text_atomic
+from zoo.errors import MissingInput, UserError
 from zoo.finetune.examples import PairExample
 from zoo.finetune.glue import TsvColumns, read_pair_tsv
 
@@ -83,7 +84,7 @@ def read_corpus(path: str | os.PathLike) -> list[dict]:
             except json.JSONDecodeError:
                 article = None
             if not isinstance(article, dict) or not isinstance(article.get("text"), str) or "id" not in article:
-                raise ValueError(f"line {number} of '{path}' is not a JSON object with \"id\" and \"text\"; pass a "
+                raise UserError(f"line {number} of '{path}' is not a JSON object with \"id\" and \"text\"; pass a "
                                  "corpus in the bundled sample's layout (one {\"id\", \"title\", \"text\"} a line).")
             articles.append(article)
     return articles
@@ -110,7 +111,7 @@ def draw_pairs(sentences: dict[str, list[str]], consecutive: dict[str, list[tupl
     while len(pairs) < num_pairs:
         attempts += 1
         if attempts > 50 * num_pairs:
-            raise ValueError(f"the {split} articles ({len(ids)}) have too few sentences for {num_pairs} distinct "
+            raise UserError(f"the {split} articles ({len(ids)}) have too few sentences for {num_pairs} distinct "
                              "pairs; pass a bigger corpus.")
         label = len(pairs) % 2
         if label == 1:
@@ -134,7 +135,7 @@ def derive_same_article(articles: Sequence[dict], seed: int = DATA_SEED,
     num_pairs = num_pairs or NUM_PAIRS
     consecutive = {str(a["id"]): pairs for a in articles if (pairs := consecutive_pairs(a["text"]))}
     if len(consecutive) < 4:
-        raise ValueError(f"only {len(consecutive)} article(s) have two consecutive sentences of {MIN_WORDS}-{MAX_WORDS} "
+        raise UserError(f"only {len(consecutive)} article(s) have two consecutive sentences of {MIN_WORDS}-{MAX_WORDS} "
                          "words; pass a corpus with at least 4 such articles.")
     sentences = {i: article_sentences(a["text"]) for a in articles if (i := str(a["id"])) in consecutive}
     train_ids, dev_ids = split_articles(list(consecutive), seed)
@@ -148,14 +149,14 @@ def read_same_article(data_dir: str | os.PathLike) -> dict[str, list[PairExample
     if path.is_file() and path.name.endswith((".jsonl", ".jsonl.gz")):
         return derive_same_article(read_corpus(path))
     if not path.exists():
-        raise FileNotFoundError(f"same-article data '{path}' does not exist; pass --data-dir with a .jsonl(.gz) "
+        raise MissingInput(f"same-article data '{path}' does not exist; pass --data-dir with a .jsonl(.gz) "
                                 "corpus (e.g. zoo/assets/corpora/wiki-sample.jsonl.gz) or a directory with "
                                 "train.tsv and dev.tsv.")
     columns = TsvColumns(text_a="sentence1", text_b="sentence2", label="label", guid="id")
     splits = {split: read_pair_tsv(path / name, split, columns, SAME_ARTICLE_LABELS)
               for split, name in SAME_ARTICLE_SPLIT_FILES.items() if path.is_dir() and (path / name).is_file()}
     if not splits:
-        raise ValueError(f"no same-article split found in '{path}'; pass a .jsonl(.gz) corpus file or a directory "
+        raise UserError(f"no same-article split found in '{path}'; pass a .jsonl(.gz) corpus file or a directory "
                          "with train.tsv and dev.tsv (columns id, sentence1, sentence2, label).")
     return splits
 

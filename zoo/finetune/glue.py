@@ -17,7 +17,7 @@ Labels: ``MNLI_LABELS`` gives the ids 0, 1, 2 (GLUE's processor order); QQP's la
 ``is_duplicate`` itself.
 
 Bad input (the policy of :mod:`zoo.finetune.skips`): a missing directory, a missing required
-column or a directory without any split raises ``FileNotFoundError``/``ValueError`` naming it; a
+column or a directory without any split raises ``MissingInput``/``UserError`` naming it; a
 row whose field count differs from the header's, whose label is outside the label set or with a text
 longer than :data:`~zoo.finetune.examples.MAX_TEXT_CHARS` is skipped and counted, and one :class:`~zoo.finetune.skips.MalformedExampleWarning` per file
 reports them.
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zoo.errors import MissingInput, UserError
 from zoo.finetune.examples import PairExample, over_long
 from zoo.finetune.hub_names import TASK_EXAMPLES, is_hub_name
 from zoo.finetune.skips import SkippedExamples
@@ -66,9 +67,9 @@ def _read_tsv(path: Path) -> tuple[list[str], list[list[str]]]:
         with open(path, encoding="utf-8-sig", newline="") as f:
             rows = [line.rstrip("\r\n").split("\t") for line in f if line.rstrip("\r\n")]
     except UnicodeDecodeError:
-        raise ValueError(f"'{path}' is not UTF-8 text; pass the GLUE TSV file as distributed.") from None
+        raise UserError(f"'{path}' is not UTF-8 text; pass the GLUE TSV file as distributed.") from None
     if not rows:
-        raise ValueError(f"'{path}' is empty; it needs a header row and one row per example.")
+        raise UserError(f"'{path}' is empty; it needs a header row and one row per example.")
     return rows[0], rows[1:]
 
 
@@ -84,7 +85,7 @@ def read_pair_tsv(
     position = {name.strip(): i for i, name in enumerate(header)}
     for required in (columns.text_a, columns.text_b, columns.label):
         if required not in position:
-            raise ValueError(
+            raise UserError(
                 f"'{path}' has no '{required}' column in its header; pass the GLUE TSV with its "
                 f"original header row ({', '.join(header)} was found)."
             )
@@ -134,7 +135,7 @@ def _read_task_dir(
         return hub_layouts.read_glue_hub(data_dir, task)
     directory = Path(data_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{task} data directory '{directory}' does not exist; pass --data-dir with the GLUE {task} files "
             f"or the hub dataset's name, {TASK_EXAMPLES[task]}."
         )
@@ -153,7 +154,7 @@ def _read_task_dir(
     if hub_layouts.is_hub_layout(directory):
         return hub_layouts.read_glue_hub(directory, task)
     expected = ", ".join(f for s, f in split_files.items() if s not in unlabelled_ok)
-    raise ValueError(
+    raise UserError(
         f"no {task} split found in '{directory}'; put the GLUE files there ({expected}) or a "
         f"Hugging Face glue/{task} layout (a save_to_disk directory or parquet files)."
     )
@@ -178,7 +179,7 @@ def encode_pairs(examples: Sequence[PairExample], tokenizer, max_seq_length: int
     ``attention_mask`` of shape (N, L), and ``labels`` of shape (N,), all int64.
     """
     if max_seq_length < 5:
-        raise ValueError(
+        raise UserError(
             f"max_seq_length={max_seq_length} leaves no room for two texts; use at least 5 (128 is usual)."
         )
     if not examples:
@@ -217,11 +218,11 @@ def classification_metrics(task: str, predictions, labels) -> dict[str, float]:
     ``predictions`` are class ids (N,) or logits (N, C).
     """
     if task not in CLASSIFICATION_TASKS:
-        raise ValueError(f"unknown classification task '{task}'; use one of {', '.join(CLASSIFICATION_TASKS)}.")
+        raise UserError(f"unknown classification task '{task}'; use one of {', '.join(CLASSIFICATION_TASKS)}.")
     predicted = as_class_ids(predictions)
     gold = as_class_ids(labels)
     if predicted.shape != gold.shape or gold.ndim != 1:
-        raise ValueError(f"{len(predicted)} predictions for {len(gold)} labels; pass one prediction per example.")
+        raise UserError(f"{len(predicted)} predictions for {len(gold)} labels; pass one prediction per example.")
     metrics = {"accuracy": float((predicted == gold).mean()) if len(gold) else float("nan")}
     if task == "qqp":
         true_pos = int(((predicted == 1) & (gold == 1)).sum())

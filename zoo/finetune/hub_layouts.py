@@ -22,7 +22,7 @@ becomes :data:`~zoo.finetune.glue.MNLI_LABELS` ids. The names come from the ``Cl
 when present, else the hub's order is assumed. A split whose labels are all -1 (the hub's
 unlabelled test sets) is left out; other labels outside the set are skipped and counted like every
 malformed example (policy of :mod:`zoo.finetune.skips`: one warning per split), and a missing
-column raises ``ValueError``.
+column raises ``UserError``.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from pathlib import Path
 
 import datasets
 
+from zoo.errors import MissingInput, UserError
 from zoo.finetune.examples import (
     PairExample,
     RaceExample,
@@ -104,7 +105,7 @@ def load_hub_splits(source: str | os.PathLike, task: str) -> dict[str, datasets.
         return dict(datasets.load_from_disk(str(directory)))
     files = _parquet_files(directory)
     if not files:
-        raise ValueError(
+        raise UserError(
             f"'{directory}' holds neither dataset_dict.json nor hub parquet files; "
             "pass a save_to_disk directory or a hub dataset download."
         )
@@ -130,24 +131,24 @@ def load_hub_dataset(data_dir: str, task: str) -> dict[str, datasets.Dataset]:
         loaded = datasets.load_dataset(name, config)
     except datasets.exceptions.DatasetGenerationError as err:
         detail = (str(err.__cause__ or err).strip().splitlines() or [type(err).__name__])[0].rstrip(".:")
-        raise ValueError(
+        raise UserError(
             f"hub dataset {shown} cannot be built by datasets.load_dataset ({detail}: its files do not form one "
             f"table per split); pass a dataset in the hub's layout, e.g. --data-dir {TASK_EXAMPLES[task]}, or the "
             "task's original files as --data-dir DIR without hub:."
         ) from None
     except ConnectionError:
         if datasets.config.HF_HUB_OFFLINE:
-            raise FileNotFoundError(
+            raise MissingInput(
                 f"hub dataset {shown} is not in the local Hugging Face cache and offline mode is on "
                 "(HF_DATASETS_OFFLINE or HF_HUB_OFFLINE); fetch it once where the hub can be reached, with "
                 f"HF_DATASETS_OFFLINE=0 HF_HUB_OFFLINE=0 {_fetch_command(name, config)}, then rerun."
             ) from None
-        raise FileNotFoundError(
+        raise MissingInput(
             f"the Hugging Face hub cannot be reached to fetch dataset {shown}; run where it can be reached "
             f"({_fetch_command(name, config)} fills the cache), then rerun with HF_DATASETS_OFFLINE=1."
         ) from None
     except FileNotFoundError:
-        raise FileNotFoundError(
+        raise MissingInput(
             f"hub dataset {name!r} does not exist or cannot be accessed; pass hub:NAME[/CONFIG] of a dataset "
             f"on the hub or a local dataset repository, e.g. --data-dir {TASK_EXAMPLES[task]}."
         ) from None
@@ -155,12 +156,12 @@ def load_hub_dataset(data_dir: str, task: str) -> dict[str, datasets.Dataset]:
         if "config" not in str(err).lower():
             raise
         problem = f"has no configuration {config!r}" if config else "needs a configuration"
-        raise ValueError(
+        raise UserError(
             f"hub dataset {name} {problem} ({str(err).splitlines()[0]}); pass hub:{name}/CONFIG with one of its "
             f"configurations, e.g. --data-dir {TASK_EXAMPLES[task]}."
         ) from None
     if not isinstance(loaded, datasets.DatasetDict):
-        raise ValueError(f"hub dataset {shown} did not load as a dictionary of splits; pass a dataset with "
+        raise UserError(f"hub dataset {shown} did not load as a dictionary of splits; pass a dataset with "
                          "train/validation splits.")
     return dict(loaded)
 
@@ -179,7 +180,7 @@ def refuse_task_files(data_dir: str, name: str) -> None:
         directory = Path(candidate)
         found = [file for file in _ORIGINAL_FILES if (directory / file).is_file()] if directory.is_dir() else []
         if found:
-            raise ValueError(
+            raise UserError(
                 f"--data-dir {data_dir} is a local directory of the task's original files ({', '.join(found)}), "
                 f"which hub: does not read (it loads Hugging Face datasets); pass --data-dir {directory} without "
                 "hub: to read them."
@@ -194,7 +195,7 @@ def _label(source: str | os.PathLike) -> str | Path:
 def _require_columns(dataset: datasets.Dataset, columns, where: str | Path, split: str) -> None:
     for column in columns:
         if column not in dataset.column_names:
-            raise ValueError(
+            raise UserError(
                 f"split '{split}' of '{where}' has no '{column}' column "
                 f"(it has {', '.join(dataset.column_names)}); "
                 "pass the matching Hugging Face dataset configuration."
@@ -214,7 +215,7 @@ def read_glue_hub(source: str | os.PathLike, task: str) -> dict[str, list[PairEx
         label_feature = dataset.features["label"]
         names = tuple(label_feature.names) if isinstance(label_feature, datasets.ClassLabel) else hub_names
         if any(name not in our_ids for name in names):
-            raise ValueError(
+            raise UserError(
                 f"the label names {', '.join(names)} of '{where}' are not those of glue/{task}; "
                 f"pass the glue/{task} dataset."
             )
@@ -238,7 +239,7 @@ def read_glue_hub(source: str | os.PathLike, task: str) -> dict[str, list[PairEx
         skipped.warn()
         splits[split] = examples
     if not splits:
-        raise ValueError(f"'{where}' has no labelled {', '.join(split_names)} split; pass a glue/{task} dataset.")
+        raise UserError(f"'{where}' has no labelled {', '.join(split_names)} split; pass a glue/{task} dataset.")
     return splits
 
 
@@ -260,7 +261,7 @@ def read_squad_hub(source: str | os.PathLike) -> dict[str, list[SquadExample]]:
         skipped.warn()
         splits[_EVAL_SPLITS[hub_split]] = examples
     if not splits:
-        raise ValueError(f"'{where}' has no train or validation split; pass a squad or squad_v2 dataset.")
+        raise UserError(f"'{where}' has no train or validation split; pass a squad or squad_v2 dataset.")
     return splits
 
 
@@ -292,5 +293,5 @@ def read_race_hub(source: str | os.PathLike) -> dict[str, list[RaceExample]]:
         skipped.warn()
         splits[split] = examples
     if not splits:
-        raise ValueError(f"'{where}' has no train, validation or test split; pass a race dataset.")
+        raise UserError(f"'{where}' has no train, validation or test split; pass a race dataset.")
     return splits

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import os
 
+from zoo.errors import UserError
+
 HUB_PREFIX = "hub:"
 
 # The configurations of each task's hub datasets, by the reader that reads them.
@@ -41,7 +43,7 @@ def split_hub_name(data_dir: str, task: str) -> tuple[str, str | None]:
     one of ``task``'s configurations (the dataset's default configuration is then loaded)."""
     text = data_dir[len(HUB_PREFIX):].strip().rstrip("/")
     if not text:
-        raise ValueError(f"--data-dir {data_dir!r} names no dataset; pass hub:NAME[/CONFIG], e.g. "
+        raise UserError(f"--data-dir {data_dir!r} names no dataset; pass hub:NAME[/CONFIG], e.g. "
                          f"{TASK_EXAMPLES[task]}.")
     name, _, last = text.rpartition("/")
     if name and last in TASK_CONFIGS[task]:

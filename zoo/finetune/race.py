@@ -13,11 +13,11 @@ first (and the end of the question only if it alone does not fit).
 
 Bad input (policy of :mod:`zoo.finetune.skips`): a missing directory, a file that is not a JSON
 object with ``article``, ``questions``, ``options`` and ``answers`` (lists of one length), or a
-directory without any split raises ``FileNotFoundError``/``ValueError`` naming it; a question
+directory without any split raises ``MissingInput``/``UserError`` naming it; a question
 without exactly four options, with an answer letter outside A-D or with a text (article, question,
 option) longer than :data:`~zoo.finetune.examples.MAX_TEXT_CHARS` is skipped and counted, with one
 :class:`~zoo.finetune.skips.MalformedExampleWarning` per split directory; a split directory whose every
-question is skipped is a ``ValueError`` saying why (not a split found empty).
+question is skipped is a ``UserError`` saying why (not a split found empty).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zoo.errors import MissingInput, UserError
 from zoo.finetune.examples import ANSWER_LETTERS, RaceExample, make_race_example
 from zoo.finetune.glue import as_class_ids
 from zoo.finetune.hub_names import is_hub_name
@@ -45,15 +46,15 @@ def read_race_file(path: str | os.PathLike, split: str, level: str, skipped: Ski
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"'{path}' is not a JSON object; each RACE .txt file must hold one JSON object.") from None
+        raise UserError(f"'{path}' is not a JSON object; each RACE .txt file must hold one JSON object.") from None
     expected_types = {"article": str, "questions": list, "options": list, "answers": list}
     if not isinstance(record, dict) or not all(isinstance(record.get(k), t) for k, t in expected_types.items()):
-        raise ValueError(
+        raise UserError(
             f"'{path}' lacks one of {', '.join(expected_types)}; each RACE file needs an article and lists of "
             "questions, options and answers."
         )
     if not len(record["questions"]) == len(record["options"]) == len(record["answers"]):
-        raise ValueError(
+        raise UserError(
             f"'{path}' has questions, options and answers lists of different lengths; "
             "give one entry per question in each."
         )
@@ -77,7 +78,7 @@ def read_race(data_dir: str | os.PathLike) -> dict[str, list[RaceExample]]:
         return hub_layouts.read_race_hub(data_dir)
     directory = Path(data_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"RACE data directory '{directory}' does not exist; pass --data-dir with the RACE train/dev/test tree "
             "or the hub dataset's name, hub:race/all."
         )
@@ -93,7 +94,7 @@ def read_race(data_dir: str | os.PathLike) -> dict[str, list[RaceExample]]:
             for path in sorted(level_dir.glob("*.txt")):
                 examples.extend(read_race_file(path, split, level, skipped))
         if not examples and skipped.count:
-            raise ValueError(every_question_skipped(directory / split, skipped))
+            raise UserError(every_question_skipped(directory / split, skipped))
         skipped.warn()
         splits[split] = examples
     if splits:
@@ -102,7 +103,7 @@ def read_race(data_dir: str | os.PathLike) -> dict[str, list[RaceExample]]:
 
     if hub_layouts.is_hub_layout(directory):
         return hub_layouts.read_race_hub(directory)
-    raise ValueError(
+    raise UserError(
         f"no RACE split found in '{directory}'; it needs train|dev|test/middle|high/*.txt or a "
         "Hugging Face race layout (a save_to_disk directory or parquet files)."
     )
@@ -137,7 +138,7 @@ def _pair_ids(
 def encode_race(examples: Sequence[RaceExample], tokenizer, max_seq_length: int) -> dict[str, torch.Tensor]:
     """``input_ids``, ``token_type_ids``, ``attention_mask`` (N, 4, L) and ``labels`` (N,), int64."""
     if max_seq_length < 5:
-        raise ValueError(
+        raise UserError(
             f"max_seq_length={max_seq_length} leaves no room for a question and an article; "
             "use at least 5 (512 is usual)."
         )
@@ -171,7 +172,7 @@ def race_accuracy(predictions, examples: Sequence[RaceExample]) -> dict[str, flo
     """
     predicted = as_class_ids(predictions)
     if predicted.shape != (len(examples),):
-        raise ValueError(f"{len(predicted)} predictions for {len(examples)} RACE examples; pass one per example.")
+        raise UserError(f"{len(predicted)} predictions for {len(examples)} RACE examples; pass one per example.")
     correct = predicted == np.array([e.label for e in examples], dtype=np.int64)
     levels = np.array([e.level for e in examples])
     accuracy = {}

@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from zoo.data.tokenizers import load_bert_tokenizer
 from zoo.distributed import host_group, raise_on_any_rank
+from zoo.errors import MissingInput, UserError
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict
 from zoo.finetune.dev_curve import DEV_CURVE_FILE, baseline_metric, plot_dev_curve
 from zoo.finetune.task_evaluation import BestTracker, DevValidator, write_file
@@ -50,10 +51,10 @@ def check_inputs_fit(config: FinetuneConfig, model_config, tokenizer, tokenizer_
     """Errors for a tokenizer bigger than the embedding table and for sequences longer than the
     position table: both would index past a table."""
     if len(tokenizer) > model_config.vocab_size:
-        raise ValueError(f"the tokenizer in {tokenizer_source} has {len(tokenizer)} tokens but the checkpoint's "
+        raise UserError(f"the tokenizer in {tokenizer_source} has {len(tokenizer)} tokens but the checkpoint's "
                          f"vocab_size is {model_config.vocab_size}; use the vocab file the model was trained with.")
     if config.max_seq_length > model_config.max_position_embeddings:
-        raise ValueError(f"--max-seq-length {config.max_seq_length} exceeds the model's position table "
+        raise UserError(f"--max-seq-length {config.max_seq_length} exceeds the model's position table "
                          f"(max_position_embeddings={model_config.max_position_embeddings}); pass "
                          f"--max-seq-length {model_config.max_position_embeddings} or less.")
 
@@ -85,11 +86,11 @@ def read_inputs(config: FinetuneConfig, task: Task):
     data = task.load(config.data_dir, tokenizer, config.max_seq_length, doc_stride=config.doc_stride,
                      max_query_length=config.max_query_length, version=config.squad_version)
     if config.epochs > 0 and data.train is None:
-        raise FileNotFoundError(f"no training split found in {config.data_dir} for {config.task}; add it, or pass "
+        raise MissingInput(f"no training split found in {config.data_dir} for {config.task}; add it, or pass "
                                 "--epochs 0 to evaluate only.")
     main_split = task.main_metric.split("/")[0]
     if main_split not in {eval_set.name for eval_set in data.eval_sets}:
-        raise FileNotFoundError(f"no {main_split} split found in {config.data_dir} for {config.task}, and it gives "
+        raise MissingInput(f"no {main_split} split found in {config.data_dir} for {config.task}, and it gives "
                                 f"the metric the best model is chosen by ({task.main_metric}); add it (the layouts "
                                 "are listed in zoo/finetune/tasks.py and the README).")
     return model_config, data
@@ -129,7 +130,7 @@ def build_engine(config: FinetuneConfig, task: Task, data, model_config, ps):
                                              **({"labels": list(task.labels)} if task.labels else {}), **overrides)
     num_train = 0 if data.train is None else next(iter(data.train.values())).shape[0]
     if config.epochs > 0 and num_train < config.batch_size:
-        raise ValueError(f"--batch-size {config.batch_size} exceeds the {num_train} training examples in "
+        raise UserError(f"--batch-size {config.batch_size} exceeds the {num_train} training examples in "
                          f"{config.data_dir}; pass --batch-size {max(ps.dp_size, num_train // ps.dp_size * ps.dp_size)} "
                          "or less.")
     steps_per_epoch = num_train // config.batch_size if config.epochs > 0 else 0

@@ -3,7 +3,7 @@
 The finetune readers share one bad-input policy:
 
 - A source that cannot be read at all (a missing file or directory, a missing TSV column, text
-  that is not JSON, a directory without any split) raises ``FileNotFoundError`` or ``ValueError``
+  that is not JSON, a directory without any split) raises ``MissingInput`` or ``UserError``
   with one sentence that names the file or column and the fix.
 - A malformed individual example (too few fields, a label outside the label set, a SQuAD answer
   whose ``answer_start`` does not point at its text, a RACE question without exactly four options

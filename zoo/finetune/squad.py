@@ -13,7 +13,7 @@ BERT/Megatron meaning of the stride: the step between windows, not their overlap
 character offsets come from the fast tokenizer, so spans map back to the exact context characters.
 
 Bad input (policy of :mod:`zoo.finetune.skips`): a missing file, text that is not JSON or JSON
-without a ``data`` list of articles with paragraphs raises ``FileNotFoundError``/``ValueError``
+without a ``data`` list of articles with paragraphs raises ``MissingInput``/``UserError``
 naming it; a question with a duplicate id, an answer whose ``answer_start`` does not point at its
 text in the context, an empty answer text, an answerable question without answers, an impossible
 one with answers, or a context or question longer than :data:`~zoo.finetune.examples.MAX_TEXT_CHARS`
@@ -33,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from zoo.errors import MissingInput, UserError
 from zoo.finetune.examples import SquadExample, make_squad_example
 from zoo.finetune.hub_names import is_hub_name
 from zoo.finetune.skips import SkippedExamples
@@ -65,8 +66,8 @@ class SquadFeatures:
         return len(self.example_index)
 
 
-def _not_squad(path: Path) -> ValueError:
-    return ValueError(
+def _not_squad(path: Path) -> UserError:
+    return UserError(
         f"'{path}' is not SQuAD JSON (data -> paragraphs -> context, qas); pass the official train/dev file."
     )
 
@@ -75,11 +76,11 @@ def read_squad_json(path: str | os.PathLike) -> list[SquadExample]:
     """The questions of an official SQuAD v1.1 or v2.0 JSON file, malformed ones skipped."""
     path = Path(path)
     if not path.is_file():
-        raise FileNotFoundError(f"SQuAD file '{path}' does not exist; pass the path of the official JSON file.")
+        raise MissingInput(f"SQuAD file '{path}' does not exist; pass the path of the official JSON file.")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"'{path}' is not JSON; pass the official SQuAD train/dev JSON file.") from None
+        raise UserError(f"'{path}' is not JSON; pass the official SQuAD train/dev JSON file.") from None
     if not isinstance(record, dict) or not isinstance(record.get("data"), list):
         raise _not_squad(path)
     skipped, seen_ids, examples = SkippedExamples(str(path)), set(), []
@@ -113,13 +114,13 @@ def read_squad(path: str | os.PathLike, split: str | None = None) -> list[SquadE
     from zoo.finetune import hub_layouts  # imports `datasets`, which is slow: only when needed
 
     if split is None:
-        raise ValueError(
+        raise UserError(
             f"'{path}' is a directory; pass a SQuAD JSON file, or split='train' or 'dev' for a "
             "Hugging Face squad layout."
         )
     splits = hub_layouts.read_squad_hub(path)
     if split not in splits:
-        raise ValueError(f"'{path}' has no '{split}' split (it has {', '.join(splits)}); pass one of those.")
+        raise UserError(f"'{path}' has no '{split}' split (it has {', '.join(splits)}); pass one of those.")
     return splits[split]
 
 
@@ -136,15 +137,15 @@ def read_squad_dir(data_dir: str | os.PathLike, version: str | None = None) -> d
         return hub_layouts.read_squad_hub(data_dir)
     directory = Path(data_dir)
     if not directory.is_dir():
-        raise FileNotFoundError(
+        raise MissingInput(
             f"SQuAD data directory '{directory}' does not exist; pass --data-dir with the SQuAD JSON files "
             "or the hub dataset's name, hub:squad or hub:squad_v2."
         )
     if version is not None and version not in SQUAD_FILES:
-        raise ValueError(f"unknown SQuAD version '{version}'; use '1.1' or '2.0'.")
+        raise UserError(f"unknown SQuAD version '{version}'; use '1.1' or '2.0'.")
     present = {v: names for v, names in SQUAD_FILES.items() if any((directory / n).is_file() for n in names)}
     if version is None and len(present) > 1:
-        raise ValueError(f"'{directory}' holds both SQuAD 1.1 and 2.0 files; pass version '1.1' or '2.0'.")
+        raise UserError(f"'{directory}' holds both SQuAD 1.1 and 2.0 files; pass version '1.1' or '2.0'.")
     chosen = version or next(iter(present), None)
     if chosen in present:
         train_name, dev_name = SQUAD_FILES[chosen]
@@ -155,7 +156,7 @@ def read_squad_dir(data_dir: str | os.PathLike, version: str | None = None) -> d
     if hub_layouts.is_hub_layout(directory):
         return hub_layouts.read_squad_hub(directory)
     names = " or ".join(", ".join(SQUAD_FILES[v]) for v in ([chosen] if chosen else SQUAD_FILES))
-    raise ValueError(f"no SQuAD split found in '{directory}'; put {names} there or a Hugging Face squad layout.")
+    raise UserError(f"no SQuAD split found in '{directory}'; put {names} there or a Hugging Face squad layout.")
 
 
 def _windows(num_tokens: int, window_length: int, doc_stride: int) -> list[tuple[int, int]]:
@@ -188,12 +189,12 @@ def featurize_squad(
 ) -> SquadFeatures:
     """Document-stride windows ``[CLS] question [SEP] context window [SEP]`` of every example."""
     if max_seq_length - max_query_length - 3 < 1:
-        raise ValueError(
+        raise UserError(
             f"max_seq_length={max_seq_length} leaves no room for context after a {max_query_length}-token question; "
             "raise max_seq_length or lower max_query_length."
         )
     if doc_stride < 1:
-        raise ValueError(f"doc_stride={doc_stride} must be a positive number of tokens (128 is usual).")
+        raise UserError(f"doc_stride={doc_stride} must be a positive number of tokens (128 is usual).")
     if examples:
         questions = tokenizer([e.question for e in examples], add_special_tokens=False)["input_ids"]
         contexts = tokenizer([e.context for e in examples], add_special_tokens=False, return_offsets_mapping=True)
@@ -279,7 +280,7 @@ def decode_predictions(
     starts, ends = _as_numpy(start_logits), _as_numpy(end_logits)
     expected = (len(features), features.tensors["input_ids"].shape[1])
     if starts.shape != expected or ends.shape != expected:
-        raise ValueError(
+        raise UserError(
             f"start/end logits of shape {starts.shape}/{ends.shape} do not match the {expected} features; "
             "pass one row per window."
         )

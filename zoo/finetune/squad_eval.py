@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import check_writable_directory
+from zoo.errors import MissingInput, UserError
 from zoo.finetune import squad_metrics as metrics
 
 
@@ -24,13 +25,13 @@ def read_json(path: str, what: str) -> Any:
     try:
         return json.loads(Path(path).read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise FileNotFoundError(
+        raise MissingInput(
             f"{what} file '{path}' does not exist; pass the path of an existing JSON file."
         ) from None
     except IsADirectoryError:
-        raise ValueError(f"{what} file '{path}' is a directory; pass the path of a JSON file.") from None
+        raise UserError(f"{what} file '{path}' is a directory; pass the path of a JSON file.") from None
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(
+        raise UserError(
             f"{what} file '{path}' is not JSON; write it as a JSON object of question id -> value."
         ) from None
 
@@ -39,9 +40,9 @@ def check_out_file(path: str) -> None:
     """``path`` can receive the scores: not a directory, in an existing directory."""
     out = Path(path)
     if out.is_dir():
-        raise ValueError(f"--out-file {out} is a directory; pass a file path.")
+        raise UserError(f"--out-file {out} is a directory; pass a file path.")
     if not out.parent.is_dir():
-        raise ValueError(f"--out-file {out}: {out.parent} is not an existing directory; pass a file in one.")
+        raise UserError(f"--out-file {out}: {out.parent} is not an existing directory; pass a file in one.")
 
 
 def squad_scores(data_file: str, pred_file: str, *, version: str = "auto", na_prob_file: str | None = None,

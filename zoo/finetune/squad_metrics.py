@@ -16,7 +16,7 @@ that normalises to nothing; F1 is 0 whenever no token is shared (so gold "a" vs 
 has exact match 1 and F1 0). Every occurrence of a question in the file counts (a duplicated id
 counts twice); a question without a prediction scores 0 (one :class:`MalformedExampleWarning`
 counts them). A predicted question with no gold answer at all cannot be scored (the official
-script fails on it): ``ValueError``, score it as v2.0.
+script fails on it): ``UserError``, score it as v2.0.
 
 **v2.0** (:func:`squad_v2_scores`): gold texts that normalise to nothing are dropped and a
 question left without any has the single gold answer "" (it is ``NoAns`` exactly when its
@@ -30,7 +30,7 @@ best_f1_thresh`` (the best scores over all thresholds, from the raw scores). Wit
 ``pr_curves=True`` (the official ``--out-image-dir``) also ``pr_exact_ap, pr_f1_ap, pr_oracle_ap``,
 the average precisions of :func:`precision_recall_curves`. Inputs the official script fails on
 (a question without a prediction, a scored question without a no-answer probability) raise
-``ValueError`` naming the first question.
+``UserError`` naming the first question.
 
 **Which version** (:func:`resolve_version`, ``version="auto"``): 2.0 when no-answer probabilities
 are given (only v2.0 takes them); otherwise the dataset file's ``"version"`` field when it names
@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import atomic_file
+from zoo.errors import MissingInput, UserError
 from zoo.finetune.skips import SkippedExamples
 
 _PUNCTUATION = frozenset(string.punctuation)
@@ -113,8 +114,8 @@ def v2_gold_texts(answers: Iterable[str]) -> list[str]:
 
 
 # --------------------------------------------------------------------------- reading
-def _bad_file(path: Path, what: str) -> ValueError:
-    return ValueError(
+def _bad_file(path: Path, what: str) -> UserError:
+    return UserError(
         f"'{path}' is not an official SQuAD file ({what}); pass the dev JSON the predictions were made for."
     )
 
@@ -133,14 +134,14 @@ def read_squad_gold(path: str | os.PathLike) -> SquadGold:
     """The questions of an official SQuAD JSON file as the official scripts read them."""
     path = Path(path)
     if path.is_dir():
-        raise ValueError(f"'{path}' is a directory; pass the SQuAD dev JSON file the predictions were made for.")
+        raise UserError(f"'{path}' is a directory; pass the SQuAD dev JSON file the predictions were made for.")
     try:
         record = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise FileNotFoundError(f"SQuAD file '{path}' does not exist; pass the path of the official JSON file.") \
+        raise MissingInput(f"SQuAD file '{path}' does not exist; pass the path of the official JSON file.") \
             from None
     except (UnicodeDecodeError, json.JSONDecodeError):
-        raise ValueError(f"'{path}' is not JSON; pass the official SQuAD dev JSON file.") from None
+        raise UserError(f"'{path}' is not JSON; pass the official SQuAD dev JSON file.") from None
     if not isinstance(record, dict) or not isinstance(record.get("data"), list):
         raise _bad_file(path, "no 'data' list")
     questions, marked_v2 = [], False
@@ -172,9 +173,9 @@ def _version_named_by(field: str | None) -> str | None:
 def resolve_version(gold: SquadGold, version: str = "auto", has_na_probs: bool = False) -> str:
     """ "1.1" or "2.0": ``version`` itself, or for "auto" the rule of the module docstring."""
     if version not in (*VERSIONS, "auto"):
-        raise ValueError(f"unknown SQuAD version '{version}'; use 1.1, 2.0 or auto.")
+        raise UserError(f"unknown SQuAD version '{version}'; use 1.1, 2.0 or auto.")
     if version == "1.1" and has_na_probs:
-        raise ValueError("no-answer probabilities are a SQuAD v2.0 input; drop them or score with version 2.0.")
+        raise UserError("no-answer probabilities are a SQuAD v2.0 input; drop them or score with version 2.0.")
     if version != "auto":
         return version
     if has_na_probs:
@@ -185,14 +186,14 @@ def resolve_version(gold: SquadGold, version: str = "auto", has_na_probs: bool =
 # --------------------------------------------------------------------------- checks
 def _check_object(mapping: Any, what: str) -> None:
     if not isinstance(mapping, Mapping):
-        raise ValueError(f"the {what} must be a JSON object mapping question id to a value; write them in the "
+        raise UserError(f"the {what} must be a JSON object mapping question id to a value; write them in the "
                          "official format.")
 
 
 def _prediction(predictions: Mapping[str, Any], qid: str) -> str:
     text = predictions[qid]
     if not isinstance(text, str):
-        raise ValueError(f"the prediction of question '{qid}' is {text!r}, not a string; predict its answer text "
+        raise UserError(f"the prediction of question '{qid}' is {text!r}, not a string; predict its answer text "
                          "(\"\" for no answer).")
     return text
 
@@ -200,7 +201,7 @@ def _prediction(predictions: Mapping[str, Any], qid: str) -> str:
 def _check_probabilities(na_probs: Mapping[str, Any]) -> None:
     for qid, prob in na_probs.items():
         if not isinstance(prob, (int, float)):
-            raise ValueError(f"the no-answer probability of question '{qid}' is {prob!r}, not a number; write "
+            raise UserError(f"the no-answer probability of question '{qid}' is {prob!r}, not a number; write "
                              "one number per question.")
 
 
@@ -209,7 +210,7 @@ def squad_v1_scores(questions: Sequence[GoldQuestion], predictions: Mapping[str,
     """``evaluate-v1.1.py``'s ``{"exact_match", "f1"}`` in percent."""
     _check_object(predictions, "predictions")
     if not questions:
-        raise ValueError("the SQuAD dataset has no questions; pass the dev file the predictions were made for.")
+        raise UserError("the SQuAD dataset has no questions; pass the dev file the predictions were made for.")
     missing = SkippedExamples("SQuAD v1.1 scoring", headline="{count} question(s) had no prediction")
     exact = f1 = total = 0
     for question in questions:
@@ -218,7 +219,7 @@ def squad_v1_scores(questions: Sequence[GoldQuestion], predictions: Mapping[str,
             missing.skip(question.qid, "scored 0, as the official v1.1 script does")
             continue
         if not question.answers:
-            raise ValueError(f"question '{question.qid}' has no gold answer, which SQuAD v1.1 scoring cannot "
+            raise UserError(f"question '{question.qid}' has no gold answer, which SQuAD v1.1 scoring cannot "
                              "score; score the file as SQuAD v2.0 (--version 2.0).")
         pred = _prediction(predictions, question.qid)
         exact += max(exact_match_score(pred, gold) for gold in question.answers)
@@ -246,7 +247,7 @@ def _v2_raw_scores(questions: Sequence[GoldQuestion], predictions: Mapping[str, 
         exact[question.qid] = max(exact_match_score(pred, gold) for gold in golds)
         f1[question.qid] = max(f1_score(pred, gold) for gold in golds)
     if missing:
-        raise ValueError(f"{len(set(missing))} question(s) have no prediction, the first is '{missing[0]}'; "
+        raise UserError(f"{len(set(missing))} question(s) have no prediction, the first is '{missing[0]}'; "
                          "SQuAD v2.0 scores every question of the file: predict \"\" for no answer.")
     return _V2Raw(has_answer, exact, f1)
 
@@ -308,7 +309,7 @@ def precision_recall_curves(raw: _V2Raw, na_probs: Mapping[str, float]) -> dict[
     """The official script's exact, f1 and oracle curves (empty when no question has an answer)."""
     strangers = [q for q in na_probs if q not in raw.has_answer]
     if strangers:
-        raise ValueError(f"the no-answer probabilities name question '{strangers[0]}', which the dataset does not "
+        raise UserError(f"the no-answer probabilities name question '{strangers[0]}', which the dataset does not "
                          "have; precision-recall curves need exactly the dataset's questions.")
     if not any(raw.has_answer.values()):
         return {}
@@ -342,12 +343,12 @@ def squad_v2_scores_and_curves(
         _check_object(na_probs, "no-answer probabilities")
         _check_probabilities(na_probs)
     if not questions:
-        raise ValueError("the SQuAD dataset has no questions; pass the dev file the predictions were made for.")
+        raise UserError("the SQuAD dataset has no questions; pass the dev file the predictions were made for.")
     raw = _v2_raw_scores(questions, predictions)
     probs = dict(na_probs) if na_probs is not None else {q: 0.0 for q in predictions}
     unscored = next((q for q in raw.exact if q not in probs), None)
     if unscored is not None:
-        raise ValueError(f"the no-answer probabilities have no entry for question '{unscored}'; write one for "
+        raise UserError(f"the no-answer probabilities have no entry for question '{unscored}'; write one for "
                          "every question of the dataset.")
     exact = _thresholded(raw.exact, probs, raw.has_answer, na_prob_thresh)
     f1 = _thresholded(raw.f1, probs, raw.has_answer, na_prob_thresh)

@@ -38,7 +38,7 @@ import yaml
 from tqdm import tqdm
 
 from zoo.atomic import atomic_file, write_text_atomic
-from zoo.errors import report_error
+from zoo.errors import MissingInput, UserError, report_error
 from zoo.finetune.config import parse_args
 from zoo.finetune.sweep_overrides import SweepOverrides, check_file_values
 from zoo.training.run_directory import FINETUNING_OUTPUTS
@@ -71,26 +71,26 @@ def load_sweep(path: str | os.PathLike) -> SweepSpec:
     """Read and check a W&B sweep YAML; errors name the file and the missing or wrong entry."""
     file = Path(path)
     if not file.is_file():
-        raise FileNotFoundError(f"sweep file {path} does not exist; pass one of finetune/sweeps/*.yaml.")
+        raise MissingInput(f"sweep file {path} does not exist; pass one of finetune/sweeps/*.yaml.")
     try:
         spec = yaml.safe_load(file.read_text())
     except yaml.YAMLError as err:
-        raise ValueError(f"sweep file {path} is not valid YAML ({yaml_problem(err)}); fix it.") from None
+        raise UserError(f"sweep file {path} is not valid YAML ({yaml_problem(err)}); fix it.") from None
     if not isinstance(spec, dict):
-        raise ValueError(f"sweep file {path} is not a mapping; write it in W&B's sweep format.")
+        raise UserError(f"sweep file {path} is not a mapping; write it in W&B's sweep format.")
     for key in ("program", "metric", "parameters"):
         if key not in spec:
-            raise ValueError(f"sweep file {path} has no '{key}' entry; add it (W&B's sweep format).")
+            raise UserError(f"sweep file {path} has no '{key}' entry; add it (W&B's sweep format).")
     if spec.get("method", "grid") != "grid":
-        raise ValueError(f"sweep file {path} uses method {spec.get('method')!r}; the local runner walks grids only, "
+        raise UserError(f"sweep file {path} uses method {spec.get('method')!r}; the local runner walks grids only, "
                          "so set method: grid (wandb agent can still run other methods).")
     fixed, grid = read_parameters(spec["parameters"], path)
     metric = spec["metric"]
     if not isinstance(metric, dict) or "name" not in metric:
-        raise ValueError(f"sweep file {path} needs metric: {{name: ..., goal: maximize}}.")
+        raise UserError(f"sweep file {path} needs metric: {{name: ..., goal: maximize}}.")
     for key in ("project", "entity"):
         if spec.get(key) is not None and not isinstance(spec[key], str):
-            raise ValueError(f"sweep file {path} has {key}: {spec[key]!r}, not a name; write it as a string "
+            raise UserError(f"sweep file {path} has {key}: {spec[key]!r}, not a name; write it as a string "
                              f"(or pass --{key}).")
     return SweepSpec(name=spec.get("name") or file.stem, program=spec["program"], metric=metric["name"],
                      goal=metric.get("goal", "maximize"), fixed=fixed, grid=grid,
@@ -104,7 +104,7 @@ def read_program_args(command: Any, path: str | os.PathLike) -> tuple[str, ...]:
     if command is None:
         return ()
     if not isinstance(command, list) or not all(isinstance(word, (str, int, float)) for word in command):
-        raise ValueError(f"sweep file {path} has command: {command!r}, not a list of words; write it as W&B's "
+        raise UserError(f"sweep file {path} has command: {command!r}, not a list of words; write it as W&B's "
                          "sweep format does, e.g. ['${env}', deepspeed, '${program}', '${args}'].")
     words = [str(word) for word in command]
     if "${program}" not in words:
@@ -123,23 +123,23 @@ def yaml_problem(err: Exception) -> str:
 def read_parameters(parameters: Any, path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, list[Any]]]:
     """The fixed values (``value:``) and the grid (``values:``, each a non-empty list) of a sweep."""
     if not isinstance(parameters, dict) or not parameters:
-        raise ValueError(f"sweep file {path} needs 'parameters' to map each flag to {{value: ...}} or "
+        raise UserError(f"sweep file {path} needs 'parameters' to map each flag to {{value: ...}} or "
                          "{values: [...]}; write it in W&B's sweep format.")
     fixed, grid = {}, {}
     for name, entry in parameters.items():
         if isinstance(entry, dict) and "values" in entry:
             values = entry["values"]
             if not isinstance(values, list):
-                raise ValueError(f"sweep parameter {name!r} in {path} has values: {values!r}, not a list; write "
+                raise UserError(f"sweep parameter {name!r} in {path} has values: {values!r}, not a list; write "
                                  f"values: [{values!r}] (or value: for a fixed one).")
             if not values:
-                raise ValueError(f"sweep parameter {name!r} in {path} has an empty values list, which makes a grid "
+                raise UserError(f"sweep parameter {name!r} in {path} has an empty values list, which makes a grid "
                                  "of 0 runs; give it at least one value (or use value: for a fixed one).")
             grid[name] = list(values)
         elif isinstance(entry, dict) and "value" in entry:
             fixed[name] = entry["value"]
         else:
-            raise ValueError(f"sweep parameter {name!r} in {path} needs 'value' or 'values'; the grid runner "
+            raise UserError(f"sweep parameter {name!r} in {path} needs 'value' or 'values'; the grid runner "
                              "cannot expand distributions.")
     return fixed, grid
 
@@ -172,7 +172,7 @@ def apply_overrides(spec: SweepSpec, overrides: SweepOverrides) -> SweepSpec:
 def _check_wandb_name(value: str, source: str, kind: str, example: str) -> None:
     bad = [char for char in WANDB_NAME_FORBIDDEN if char in value]
     if not value.strip() or len(value) > 128 or bad or (kind == "entity" and any(c.isspace() for c in value)):
-        raise ValueError(f"{source} {value!r} is not a W&B {kind} name (1 to 128 characters, none of "
+        raise UserError(f"{source} {value!r} is not a W&B {kind} name (1 to 128 characters, none of "
                          f"{' '.join(WANDB_NAME_FORBIDDEN)}{' or spaces' if kind == 'entity' else ''}); "
                          f"pass e.g. --{kind} {example}.")
 
@@ -201,10 +201,10 @@ def require_wandb() -> None:
     try:
         import wandb  # noqa: F401 - local: wandb is optional; this only checks that it imports
     except ImportError:
-        raise ValueError("the sweep logs every run to W&B but wandb is not installed; pip install wandb, or pass "
+        raise UserError("the sweep logs every run to W&B but wandb is not installed; pip install wandb, or pass "
                          "--no-wandb to run the grid untracked.") from None
     except Exception as err:  # noqa: BLE001 - a broken install fails in many ways; each is the same sentence
-        raise ValueError(f"the sweep logs every run to W&B but import wandb fails ({type(err).__name__}: {err}); "
+        raise UserError(f"the sweep logs every run to W&B but import wandb fails ({type(err).__name__}: {err}); "
                          "pip install --force-reinstall wandb, or pass --no-wandb to run the grid untracked.") from None
 
 
@@ -221,11 +221,11 @@ def earlier_outputs(out_dir: Path, saves: list[Path]) -> list[str]:
 def check_output_directory(out_dir: Path, saves: list[Path], overwrite: bool) -> None:
     """``out_dir`` is a directory (or can be made) holding nothing this sweep would replace, unless ``overwrite``."""
     if out_dir.exists() and not out_dir.is_dir():
-        raise ValueError(f"--out {out_dir} is a file; pass a directory for the sweep's runs and tables.")
+        raise UserError(f"--out {out_dir} is a file; pass a directory for the sweep's runs and tables.")
     earlier = earlier_outputs(out_dir, saves) if out_dir.is_dir() else []
     if earlier and not overwrite:
         more = f" and {len(earlier) - 1} more file{'s' if len(earlier) > 2 else ''}" if len(earlier) > 1 else ""
-        raise ValueError(f"{out_dir} (the sweep's --out) already holds an earlier sweep's {earlier[0]}{more}; pass "
+        raise UserError(f"{out_dir} (the sweep's --out) already holds an earlier sweep's {earlier[0]}{more}; pass "
                          "another --out, or --overwrite to replace them.")
 
 
@@ -330,7 +330,7 @@ def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> 
             try:
                 single_process_env()
                 finetune(parse_args(task_of_program(command[0]), command[1:]))
-            except (ValueError, FileNotFoundError) as err:
+            except UserError as err:
                 report_error(err)
                 return 2
         return 0
@@ -360,14 +360,14 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     overrides = overrides or SweepOverrides()
     spec = load_sweep(path)
     if count is not None and count < 1:
-        raise ValueError(f"--count {count} must be 1 or more (the number of grid points to run); leave it out to "
+        raise UserError(f"--count {count} must be 1 or more (the number of grid points to run); leave it out to "
                          "run them all.")
     spec = apply_overrides(spec, overrides)
     if track_wandb:
         wandb_env = wandb_environment(spec, project, entity, path)
     elif project is not None or entity is not None:
         flag = "--project" if project is not None else "--entity"
-        raise ValueError(f"{flag} names a W&B {flag[2:]} but --no-wandb runs the grid untracked; drop one of them.")
+        raise UserError(f"{flag} names a W&B {flag[2:]} but --no-wandb runs the grid untracked; drop one of them.")
     else:
         wandb_env = {"WANDB_MODE": "disabled"}
     out_dir = Path(out or Path("runs") / "sweeps" / spec.name)

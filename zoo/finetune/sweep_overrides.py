@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zoo.errors import MissingInput, UserError
 from zoo.training.run_config import check_ds_config, read_ds_config
 
 BERT_DIRECTORY = "a BERT directory in transformers' layout (config.json, model.safetensors, vocab.txt)"
@@ -46,14 +47,14 @@ def check_pretrained(value: Any, named: str) -> None:
     """``named`` introduces the value in the sentence: the flag and value, or the file's parameter."""
     path = Path(str(value))
     if not str(value).strip():
-        raise ValueError(f"{named} is empty; pass --pretrained {BERT_DIRECTORY}.")
+        raise UserError(f"{named} is empty; pass --pretrained {BERT_DIRECTORY}.")
     if not path.exists():
-        raise FileNotFoundError(f"{named} does not exist; pass --pretrained {BERT_DIRECTORY}.")
+        raise MissingInput(f"{named} does not exist; pass --pretrained {BERT_DIRECTORY}.")
     if not path.is_dir():
-        raise ValueError(f"{named} is a file, not a directory; pass --pretrained the directory holding config.json "
+        raise UserError(f"{named} is a file, not a directory; pass --pretrained the directory holding config.json "
                          "and the weights.")
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"{named} has no config.json; pass --pretrained a directory written by "
+        raise MissingInput(f"{named} has no config.json; pass --pretrained a directory written by "
                                 "save_pretrained (zoo or transformers).")
 
 
@@ -63,21 +64,21 @@ def check_data_dir(value: Any, named: str) -> None:
     text = str(value)
     if text.startswith(HUB_PREFIX):
         if not text[len(HUB_PREFIX):].strip("/ "):
-            raise ValueError(f"{named} names no hub dataset; pass --data-dir hub:NAME[/CONFIG] "
+            raise UserError(f"{named} names no hub dataset; pass --data-dir hub:NAME[/CONFIG] "
                              "(e.g. hub:nyu-mll/glue/mnli) or a path.")
         return
     if not text.strip():
-        raise ValueError(f"{named} is empty; pass --data-dir {TASK_DATA}.")
+        raise UserError(f"{named} is empty; pass --data-dir {TASK_DATA}.")
     if not Path(text).exists():
-        raise FileNotFoundError(f"{named} does not exist; pass --data-dir {TASK_DATA}.")
+        raise MissingInput(f"{named} does not exist; pass --data-dir {TASK_DATA}.")
 
 
 def check_deepspeed_config(value: Any, named: str) -> None:
     """The ds_config's own sentences name the file (they are the finetune scripts' checks)."""
     if not str(value).strip():
-        raise ValueError(f"{named} is empty; pass --deepspeed-config ds_configs/<name>.json.")
+        raise UserError(f"{named} is empty; pass --deepspeed-config ds_configs/<name>.json.")
     if not Path(str(value)).is_file():
-        raise FileNotFoundError(f"{named} does not exist; pass --deepspeed-config one of the files in ds_configs/.")
+        raise MissingInput(f"{named} does not exist; pass --deepspeed-config one of the files in ds_configs/.")
     check_ds_config(read_ds_config(str(value)), str(value), needs_optimizer=False)
 
 

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from zoo.errors import UserError
 from zoo.finetune import demo_task, glue, race, squad
 from zoo.finetune.squad_metrics import squad_scores
 from zoo.models import bert_heads
@@ -183,5 +184,5 @@ TASKS = {
 
 def get_task(name: str) -> Task:
     if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; choose one of {sorted(TASKS)}.")
+        raise UserError(f"unknown task {name!r}; choose one of {sorted(TASKS)}.")
     return TASKS[name]

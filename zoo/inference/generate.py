@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 from zoo.data.tokenizers import GPT2_EOD_TOKEN_ID
 from zoo.distributed import dp_block
+from zoo.errors import UserError
 from zoo.inference.sampling import check_sampling_settings, filter_logits, sample
 from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.parallel.state import ParallelState, as_state
@@ -67,13 +68,13 @@ class GenerationConfig:
         """Refuse impossible settings with one sentence naming the value and the fix."""
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, Integral) \
                 or self.max_new_tokens < 1:
-            raise ValueError(f"max new tokens {self.max_new_tokens!r} must be a positive integer.")
+            raise UserError(f"max new tokens {self.max_new_tokens!r} must be a positive integer.")
         check_sampling_settings(self.temperature, self.top_k, self.top_p, allow_zero_temperature=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, Integral):
-            raise ValueError(f"seed {self.seed!r} must be an integer.")
+            raise UserError(f"seed {self.seed!r} must be an integer.")
         if self.eod_token_id is not None and (isinstance(self.eod_token_id, bool)
                                               or not isinstance(self.eod_token_id, Integral)):
-            raise ValueError(f"eod token id {self.eod_token_id!r} must be an integer token id, or None to never "
+            raise UserError(f"eod token id {self.eod_token_id!r} must be an integer token id, or None to never "
                              "stop early.")
         return self
 
@@ -100,13 +101,13 @@ def validate_prompts(prompts: Sequence[Sequence[int]], n_positions: int, vocab_s
     """One sentence naming the first prompt that is empty, too long or outside the vocabulary."""
     for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
-            raise ValueError(f"prompt {index} has no tokens; give at least one (e.g. the EOD token).")
+            raise UserError(f"prompt {index} has no tokens; give at least one (e.g. the EOD token).")
         if len(prompt) >= n_positions:
-            raise ValueError(f"prompt {index} has {len(prompt)} tokens, which leaves no room for a new token in "
+            raise UserError(f"prompt {index} has {len(prompt)} tokens, which leaves no room for a new token in "
                              f"the model's n_positions={n_positions}; shorten it to at most {n_positions - 1} tokens.")
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
-            raise ValueError(f"prompt {index} holds token id {bad[0]}, outside the model's vocabulary of {vocab_size}; "
+            raise UserError(f"prompt {index} holds token id {bad[0]}, outside the model's vocabulary of {vocab_size}; "
                              "encode it with the tokenizer the model was trained with.")
 
 
@@ -203,7 +204,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig,
     mode for the call (dropout would make no sense here) and restored afterwards."""
     config.validate()
     if batch_size < 1:
-        raise ValueError(f"batch size {batch_size} must be a positive integer.")
+        raise UserError(f"batch size {batch_size} must be a positive integer.")
     validate_prompts(prompts, model.config.n_positions, model.config.vocab_size)
     was_training = model.training
     model.eval()

@@ -31,6 +31,8 @@ from numbers import Integral, Real
 import torch
 from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
+from zoo.errors import UserError
+
 
 def check_temperature(temperature, allow_zero: bool = False) -> None:
     """A finite real T > 0 (or T = 0, greedy decoding, where ``allow_zero``); else one sentence."""
@@ -38,19 +40,19 @@ def check_temperature(temperature, allow_zero: bool = False) -> None:
     if isinstance(temperature, bool) or not isinstance(temperature, Real) or not math.isfinite(temperature) \
             or temperature < 0 or (temperature == 0 and not allow_zero):
         greedy = "" if allow_zero else "; use greedy decoding for temperature 0"
-        raise ValueError(f"temperature {temperature!r} must be a finite number, {floor}, such as 0.8{greedy}.")
+        raise UserError(f"temperature {temperature!r} must be a finite number, {floor}, such as 0.8{greedy}.")
 
 
 def check_top_k(k) -> None:
     """An integer k >= 0; else one sentence."""
     if isinstance(k, bool) or not isinstance(k, Integral) or k < 0:
-        raise ValueError(f"top-k {k!r} must be an integer >= 0 (0 disables it), such as 50.")
+        raise UserError(f"top-k {k!r} must be an integer >= 0 (0 disables it), such as 50.")
 
 
 def check_top_p(p) -> None:
     """A real p in (0, 1]; else one sentence."""
     if isinstance(p, bool) or not isinstance(p, Real) or not 0.0 < p <= 1.0:
-        raise ValueError(f"top-p {p!r} must be a number in (0, 1], such as 0.95 (1 disables it).")
+        raise UserError(f"top-p {p!r} must be a number in (0, 1], such as 0.95 (1 disables it).")
 
 
 def check_sampling_settings(temperature, top_k, top_p, allow_zero_temperature: bool = True) -> None:

@@ -10,6 +10,7 @@ from transformers.modeling_outputs import BaseModelOutputWithPooling
 from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
 from zoo.assets import BERT_TOKENIZER_DIR
+from zoo.errors import UserError
 from zoo.models.config import BertConfig, recompute_mode
 from zoo.models.pretrained import HFPretrainedMixin
 from zoo.models.transformer import TransformerLayer, attention_bias, lm_loss, region_dropout, run_layers
@@ -123,7 +124,7 @@ class _BertCheckpoints(HFPretrainedMixin):
         stored = values.get("model_type") == "megatron-bert"
         if bool(overrides["pre_norm"]) != stored:
             layout = "pre-norm (model_type 'megatron-bert')" if stored else "post-norm (model_type 'bert')"
-            raise ValueError(f"checkpoint {directory} holds {layout} BERT weights but pre_norm="
+            raise UserError(f"checkpoint {directory} holds {layout} BERT weights but pre_norm="
                              f"{overrides['pre_norm']} was requested; drop the pre_norm override, since zoo takes "
                              "the layer order from model_type and the two orders compute different functions.")
 
@@ -134,11 +135,11 @@ class _BertCheckpoints(HFPretrainedMixin):
         has_embedding_ln = any(k.endswith("embeddings.LayerNorm.weight") for k in file_keys)
         has_final_ln = any(k.endswith("encoder.ln.weight") for k in file_keys)
         if config.pre_norm and has_embedding_ln and not has_final_ln:
-            raise ValueError(f"checkpoint {directory} holds post-norm BERT weights (embeddings.LayerNorm, no "
+            raise UserError(f"checkpoint {directory} holds post-norm BERT weights (embeddings.LayerNorm, no "
                              "encoder.ln) but its config.json says model_type 'megatron-bert' (pre-norm); set "
                              "model_type to 'bert' in config.json.")
         if not config.pre_norm and has_final_ln and not has_embedding_ln:
-            raise ValueError(f"checkpoint {directory} holds pre-norm BERT weights (encoder.ln, no embeddings."
+            raise UserError(f"checkpoint {directory} holds pre-norm BERT weights (encoder.ln, no embeddings."
                              "LayerNorm) but its config.json says model_type 'bert' (post-norm); set model_type "
                              "to 'megatron-bert' in config.json.")
 
@@ -191,7 +192,7 @@ class BertModel(_BertCheckpoints, nn.Module):
         tokens, when sequence_parallel is True (config asks, tp > 1; s must divide by tp), else (b, s, h)."""
         b, s = input_ids.shape
         if s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {s} exceeds max_position_embeddings="
+            raise UserError(f"sequence length {s} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}; truncate inputs to that length.")
         sp = uses_sequence_parallel(self.parallel, self.config.sequence_parallel, s)
         if token_type_ids is None:
@@ -319,7 +320,7 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
         head_keys = sorted(HEAD_NAMES.values())
         absent = [key for key in head_keys if key not in file_keys]
         if absent and len(absent) < len(head_keys):
-            raise ValueError(f"checkpoint {directory} has some BERT pretraining head tensors but not {absent[0]!r}; "
+            raise UserError(f"checkpoint {directory} has some BERT pretraining head tensors but not {absent[0]!r}; "
                              "re-export it, or remove all cls.* tensors to load it as a bare encoder.")
 
     def init_new_params(self, names: list[str], seed: int) -> None:

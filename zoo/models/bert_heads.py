@@ -26,6 +26,7 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
+from zoo.errors import UserError
 from zoo.models.bert import BertModel, _BertCheckpoints, at_least_fp32, init_head_params
 from zoo.models.config import BertConfig
 from zoo.models.hf_io import read_config_json
@@ -49,7 +50,7 @@ def with_labels(config: BertConfig, num_labels: int | None = None,
         current = config.extra.get("id2label") or {}
         labels = [current.get(str(i), current.get(i, f"LABEL_{i}")) for i in range(num_labels)]
     if num_labels is not None and len(labels) != num_labels:
-        raise ValueError(f"num_labels={num_labels} does not match the {len(labels)} label names {list(labels)}; "
+        raise UserError(f"num_labels={num_labels} does not match the {len(labels)} label names {list(labels)}; "
                          "pass one of them or make them agree.")
     extra = {**config.extra, "id2label": {str(i): name for i, name in enumerate(labels)},
              "label2id": {name: i for i, name in enumerate(labels)}}

@@ -7,6 +7,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from zoo.errors import UserError
 from zoo.parallel.utils import pad_vocab_size
 
 # HF config.json fields of GPT-2 that change the maths; zoo implements only their defaults.
@@ -99,11 +100,11 @@ class GPT2Config:
                            hidden_name="n_embd", heads_name="n_head")
         recompute_mode(self)
         if self.activation_function not in _GELU_APPROXIMATION:
-            raise ValueError(f"activation_function {self.activation_function!r} is not supported; "
+            raise UserError(f"activation_function {self.activation_function!r} is not supported; "
                              f"use one of {sorted(_GELU_APPROXIMATION)}.")
         for key, value in _GPT2_UNSUPPORTED.items():
             if self.extra.get(key, value) != value:
-                raise ValueError(f"GPT-2 config field {key}={self.extra[key]!r} is not supported by zoo; "
+                raise UserError(f"GPT-2 config field {key}={self.extra[key]!r} is not supported by zoo; "
                                  f"only {key}={value} is implemented.")
         return self
 
@@ -180,10 +181,10 @@ class BertConfig:
                            hidden_name="hidden_size", heads_name="num_attention_heads")
         recompute_mode(self)
         if self.hidden_act not in _BERT_ACTIVATIONS:
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; use one of "
+            raise UserError(f"hidden_act {self.hidden_act!r} is not supported; use one of "
                              f"{sorted(_BERT_ACTIVATIONS)}.")
         if self.extra.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"position_embedding_type {self.extra['position_embedding_type']!r} is not "
+            raise UserError(f"position_embedding_type {self.extra['position_embedding_type']!r} is not "
                              "supported; zoo implements 'absolute' only.")
         return self
 
@@ -194,7 +195,7 @@ class BertConfig:
         extra = {k: v for k, v in values.items() if k not in names}
         model_type = values.get("model_type")
         if model_type not in ("bert", "megatron-bert"):
-            raise ValueError(f"model_type {model_type!r} is not a BERT; zoo's BERT reads 'bert' (post-norm) or "
+            raise UserError(f"model_type {model_type!r} is not a BERT; zoo's BERT reads 'bert' (post-norm) or "
                              "'megatron-bert' (pre-norm) checkpoints.")
         return cls(**known, pre_norm=model_type == "megatron-bert", extra=extra)
 
@@ -219,10 +220,10 @@ def recompute_mode(config: GPT2Config | BertConfig) -> str | None:
     on a built model."""
     granularity = config.recompute_granularity
     if granularity not in RECOMPUTE_GRANULARITIES:
-        raise ValueError(f"recompute_granularity {granularity!r} is not one of None, 'full', 'selective'; pick "
+        raise UserError(f"recompute_granularity {granularity!r} is not one of None, 'full', 'selective'; pick "
                          "one of those.")
     if config.activation_checkpointing and granularity == "selective":
-        raise ValueError("activation_checkpointing=True (full recomputation) contradicts recompute_granularity="
+        raise UserError("activation_checkpointing=True (full recomputation) contradicts recompute_granularity="
                          "'selective'; set activation_checkpointing=False to recompute only the attention core.")
     return "full" if config.activation_checkpointing else granularity
 
@@ -231,13 +232,13 @@ def validate_tp_shapes(hidden: int, heads: int, ffn: int, tp_size: int, *, hidde
                        heads_name: str) -> None:
     """The shape rules every tensor-parallel transformer shares, as one-sentence errors."""
     if hidden % heads != 0:
-        raise ValueError(f"hidden size {hidden_name}={hidden} is not divisible by {heads_name}={heads}; "
+        raise UserError(f"hidden size {hidden_name}={hidden} is not divisible by {heads_name}={heads}; "
                          f"choose {heads_name} that divides {hidden}.")
     if heads % tp_size != 0:
-        raise ValueError(f"{heads_name}={heads} is not divisible by tensor-parallel size {tp_size}; "
+        raise UserError(f"{heads_name}={heads} is not divisible by tensor-parallel size {tp_size}; "
                          f"use a tp degree that divides {heads}.")
     if ffn % tp_size != 0:
-        raise ValueError(f"MLP size {ffn} is not divisible by tensor-parallel size {tp_size}; "
+        raise UserError(f"MLP size {ffn} is not divisible by tensor-parallel size {tp_size}; "
                          "use a tp degree that divides it.")
 
 
@@ -270,11 +271,11 @@ def check_field_values(config: GPT2Config | BertConfig, shape_fields: dict[str, 
     for name, (maximum, nullable) in shape_fields.items():
         problem = shape_field_problem(getattr(config, name), maximum, nullable)
         if problem:
-            raise ValueError(f"{what} field {name} {problem}; set it to a positive integer of at most {maximum:,}.")
+            raise UserError(f"{what} field {name} {problem}; set it to a positive integer of at most {maximum:,}.")
     for name in probability_fields:
         problem = probability_problem(getattr(config, name))
         if problem:
-            raise ValueError(f"{what} field {name} {problem}; set it to a dropout probability such as 0.1.")
+            raise UserError(f"{what} field {name} {problem}; set it to a dropout probability such as 0.1.")
 
 
 def check_hf_config_values(values: Any, path: Any) -> None:
@@ -283,7 +284,7 @@ def check_hf_config_values(values: Any, path: Any) -> None:
     bounds above, and its dropouts as probabilities; anything else is one sentence naming the file and the
     field. Other model types are left to the loader that reads them, which names the type it expects."""
     if not isinstance(values, dict):
-        raise ValueError(f"{path} holds {_json_kind(values)}, not a JSON object; pass a model directory whose "
+        raise UserError(f"{path} holds {_json_kind(values)}, not a JSON object; pass a model directory whose "
                          "config.json is the model's configuration as save_pretrained writes it.")
     model_type = values.get("model_type")
     if model_type == "gpt2":
@@ -294,17 +295,17 @@ def check_hf_config_values(values: Any, path: Any) -> None:
         return
     for name in required:
         if name not in values:
-            raise ValueError(f"{path} has no {name} field, and zoo does not guess a model's shape; add "
+            raise UserError(f"{path} has no {name} field, and zoo does not guess a model's shape; add "
                              f"\"{name}\": <the model's value> (transformers' save_pretrained always writes it).")
     for name, (maximum, nullable) in shape_fields.items():
         problem = shape_field_problem(values[name], maximum, nullable) if name in values else None
         if problem:
-            raise ValueError(f"{path} field {name} {problem}; write the model's {name} there as a positive integer "
+            raise UserError(f"{path} field {name} {problem}; write the model's {name} there as a positive integer "
                              f"of at most {maximum:,}.")
     for name in probabilities:
         problem = probability_problem(values[name]) if name in values else None
         if problem:
-            raise ValueError(f"{path} field {name} {problem}; write a dropout probability such as 0.1.")
+            raise UserError(f"{path} field {name} {problem}; write a dropout probability such as 0.1.")
 
 
 def _shown(value: Any) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 import torch
 
+from zoo.errors import UserError
 from zoo.models.bert import BertForPreTraining
 from zoo.models.config import BertConfig, GPT2Config, check_hf_config_values
 from zoo.models.gpt2 import GPT2LMHeadModel
@@ -134,7 +135,7 @@ def family_of_preset(preset: str) -> ModelFamily:
         if preset in family.presets:
             return family
     names = [name for family in FAMILIES for name in sorted(family.presets)]
-    raise ValueError(f"unknown model preset {preset!r}; choose one of {names}.")
+    raise UserError(f"unknown model preset {preset!r}; choose one of {names}.")
 
 
 def model_config(preset: str, **overrides) -> ModelConfig:
@@ -149,7 +150,7 @@ def pretrained_config(directory: str, family: ModelFamily | None = None) -> Mode
     values = read_config_json(directory)
     family = family or family_of_model_type(values.get("model_type"))
     if family is None:
-        raise ValueError(f"{path} has model_type {values.get('model_type')!r}, which zoo does not build; pass a "
+        raise UserError(f"{path} has model_type {values.get('model_type')!r}, which zoo does not build; pass a "
                          f"directory of one of {known_model_types()}.")
     family.check_hf_config(values, path)
     return family.config_from_hf(values)

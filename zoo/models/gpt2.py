@@ -7,6 +7,7 @@ from torch import nn
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from zoo.assets import GPT2_TOKENIZER_DIR
+from zoo.errors import UserError
 from zoo.models.config import GPT2Config, recompute_mode
 from zoo.models.pretrained import HFPretrainedMixin
 from zoo.models.transformer import KVCache, TransformerLayer, attention_bias, lm_loss, region_dropout, run_layers
@@ -51,7 +52,7 @@ class GPT2Model(nn.Module):
 
     def uses_sequence_parallel(self, seq_len: int) -> bool:
         """Whether a full-sequence (uncached) forward of ``seq_len`` tokens is sequence-parallel; raises
-        the one-sentence ValueError when it should be but ``seq_len`` does not divide by tp."""
+        the one-sentence UserError when it should be but ``seq_len`` does not divide by tp."""
         return uses_sequence_parallel(self.parallel, self.config.sequence_parallel, seq_len)
 
     def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
@@ -65,7 +66,7 @@ class GPT2Model(nn.Module):
         b, s = input_ids.shape
         past_length = cache.past_length if cache is not None else 0
         if s > self.config.n_positions or (position_ids is None and past_length + s > self.config.n_positions):
-            raise ValueError(f"sequence length {past_length + s} exceeds n_positions={self.config.n_positions}; "
+            raise UserError(f"sequence length {past_length + s} exceeds n_positions={self.config.n_positions}; "
                              f"truncate inputs to {self.config.n_positions} tokens.")
         sp = cache is None and self.uses_sequence_parallel(s)
         if position_ids is None:
@@ -137,7 +138,7 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
                 gather_output: bool = False, past_key_values=None, use_cache: bool = False,
                 logits_to_keep: int = 0) -> CausalLMOutputWithPast:
         if logits_to_keep and labels is not None:
-            raise ValueError("labels need the logits of every position; pass logits_to_keep=0 with labels.")
+            raise UserError("labels need the logits of every position; pass logits_to_keep=0 with labels.")
         cache = KVCache(past_key_values, self.config.n_layer) if past_key_values is not None or use_cache else None
         hidden, sp = self.transformer.hidden_states(input_ids, attention_mask, position_ids, cache)  # (b, s or s/p, h)
         if logits_to_keep:
@@ -160,7 +161,7 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
     @classmethod
     def config_from_hf(cls, values: dict) -> GPT2Config:
         if values.get("model_type") != "gpt2":
-            raise ValueError(f"checkpoint has model_type {values.get('model_type')!r}, not 'gpt2'; load it with "
+            raise UserError(f"checkpoint has model_type {values.get('model_type')!r}, not 'gpt2'; load it with "
                              "the zoo class for that model type.")
         return GPT2Config.from_dict(values)
 

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.errors import UserError
 from zoo.models.config import GPT2Config, recompute_mode
 from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard
 from zoo.models.transformer import TransformerLayer, lm_loss, recomputed, region_dropout
@@ -219,7 +220,7 @@ def gpt2_pipeline_module(config: GPT2Config, parallel: ParallelState, seed: int,
     from zoo.parallel import model_parallel_seed
 
     if partition_method not in PARTITION_METHODS:
-        raise ValueError(f"pipeline partition method {partition_method!r} is not one of {sorted(PARTITION_METHODS)}; "
+        raise UserError(f"pipeline partition method {partition_method!r} is not one of {sorted(PARTITION_METHODS)}; "
                          "pass --pipeline-partition-method uniform (transformer layers) or parameters.")
     config.validate(parallel.tp_size)
     replay = InitReplay(config, parallel, seed) if replay_init else None
@@ -274,6 +275,6 @@ def load_stage_weights(module, directory, parallel: ParallelState) -> None:
         if key not in available and key.removeprefix("transformer.") in available:
             key = key.removeprefix("transformer.")
         if key not in available:
-            raise ValueError(f"checkpoint {directory} has no tensor {key!r} (needed by pipeline stage "
+            raise UserError(f"checkpoint {directory} has no tensor {key!r} (needed by pipeline stage "
                              f"{parallel.pp_rank}); it was not written for a GPT-2 model.")
         param.copy_(read_local_shard(files, HFParam((key,), specs[name]), param, parallel).to(param.dtype))

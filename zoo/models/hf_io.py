@@ -32,6 +32,7 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import SafetensorError, safe_open
 
 from zoo.atomic import check_output_directory
+from zoo.errors import MissingInput, UserError
 from zoo.models.config import check_hf_config_values
 from zoo.parallel.gather import gather_to_first
 from zoo.parallel.partition import PartitionSpec, partition_specs
@@ -96,13 +97,13 @@ class CheckpointFiles:
             try:
                 weight_map = json.loads(index.read_text())["weight_map"]
             except (json.JSONDecodeError, KeyError) as err:
-                raise ValueError(f"checkpoint index {index} is not a valid safetensors index ({err}); "
+                raise UserError(f"checkpoint index {index} is not a valid safetensors index ({err}); "
                                  "re-save the checkpoint.") from None
             self.key_to_file = {k: self.directory / f for k, f in weight_map.items()}
         elif single.is_file():
             self.key_to_file = {k: single for k in self._keys_of(single)}
         else:
-            raise FileNotFoundError(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.directory}; zoo reads "
+            raise MissingInput(f"no {SINGLE_FILE} or {INDEX_FILE} in {self.directory}; zoo reads "
                                     "safetensors only, re-save the model with safe_serialization=True.")
 
     @staticmethod
@@ -111,7 +112,7 @@ class CheckpointFiles:
             with safe_open(str(path), framework="pt") as handle:
                 return list(handle.keys())
         except (SafetensorError, OSError) as err:
-            raise ValueError(f"safetensors file {path} is truncated or corrupt ({err}); re-save or "
+            raise UserError(f"safetensors file {path} is truncated or corrupt ({err}); re-save or "
                              "re-download it.") from None
 
     def keys(self) -> Iterable[str]:
@@ -123,12 +124,12 @@ class CheckpointFiles:
         when the mapping closes, so reading tensor after tensor never accumulates the whole file."""
         path = self.key_to_file[key]
         if not path.is_file():
-            raise FileNotFoundError(f"checkpoint shard {path} named in the index is missing; "
+            raise MissingInput(f"checkpoint shard {path} named in the index is missing; "
                                     "copy the complete checkpoint directory.")
         try:
             handle = safe_open(str(path), framework="pt")
         except (SafetensorError, OSError) as err:
-            raise ValueError(f"safetensors file {path} is truncated or corrupt ({err}); re-save or "
+            raise UserError(f"safetensors file {path} is truncated or corrupt ({err}); re-save or "
                              "re-download it.") from None
         with handle:
             yield handle.get_slice(key)
@@ -148,7 +149,7 @@ class CheckpointFiles:
                     index = tuple([slice(None)] * dim + [slice(start, end)])
                     pieces.append(tensor_slice[index])
             except (SafetensorError, OSError, RuntimeError) as err:
-                raise ValueError(f"tensor {key!r} in {self.key_to_file[key]} cannot be read ({err}); the file "
+                raise UserError(f"tensor {key!r} in {self.key_to_file[key]} cannot be read ({err}); the file "
                                  "is truncated or corrupt, re-save it.") from None
         return torch.cat(pieces, dim=dim) if len(pieces) > 1 else pieces[0]
 
@@ -169,7 +170,7 @@ def read_local_shard(files: CheckpointFiles, hf: HFParam, param: torch.Tensor,
     file_shape = files.shape(hf.key)
     expected = list(spec.file_shape(param.shape, tp))
     if file_shape != expected:
-        raise ValueError(f"checkpoint tensor {hf.key!r} has shape {file_shape} but the model expects "
+        raise UserError(f"checkpoint tensor {hf.key!r} has shape {file_shape} but the model expects "
                          f"{expected}; the config.json does not match the weights.")
     if not spec.is_sharded:
         tensor = files.read(hf.key)
@@ -214,7 +215,7 @@ def load_hf_weights(model: torch.nn.Module, directory: str | os.PathLike, param_
             missing.append(name)
             continue
         if absent:
-            raise ValueError(f"checkpoint {directory} has no tensor {absent[0]!r} (needed for {name}); "
+            raise UserError(f"checkpoint {directory} has no tensor {absent[0]!r} (needed for {name}); "
                              "it was not written for this model type or config.")
         local = read_local_shard(files, hf, param, parallel)
         param.copy_(local.to(param.dtype))
@@ -223,7 +224,7 @@ def load_hf_weights(model: torch.nn.Module, directory: str | os.PathLike, param_
     unexpected = sorted(k for k in available - wanted
                         if not k.endswith(ignorable) and not (ignorable_prefixes and k.startswith(ignorable_prefixes)))
     if unexpected:
-        raise ValueError(f"checkpoint {directory} has tensors this model does not use, e.g. {unexpected[0]!r} "
+        raise UserError(f"checkpoint {directory} has tensors this model does not use, e.g. {unexpected[0]!r} "
                          f"({len(unexpected)} in all); load it with the matching model class.")
     return missing
 
@@ -351,7 +352,7 @@ def plan_files(outputs: list[OutputTensor], max_shard_size: int | str = DEFAULT_
             {entry.key: entry for entry in outputs}, get_storage_size=lambda entry: entry.split_bytes,
             get_storage_id=lambda entry: entry.group, filename_pattern=SHARD_PATTERN, max_shard_size=max_shard_size)
     except ValueError as err:
-        raise ValueError(f"max_shard_size {max_shard_size!r} is not a size ({err}); pass bytes as an int or a "
+        raise UserError(f"max_shard_size {max_shard_size!r} is not a size ({err}); pass bytes as an int or a "
                          "string such as '5GB'.") from None
 
 
@@ -465,18 +466,18 @@ def read_config_json(directory: str | os.PathLike, check_values: bool = True) ->
     that first checks the ``model_type`` it expects, then calls that check itself."""
     path = Path(directory) / "config.json"
     if not Path(directory).is_dir():
-        raise FileNotFoundError(f"checkpoint directory {directory} does not exist; pass the directory that "
+        raise MissingInput(f"checkpoint directory {directory} does not exist; pass the directory that "
                                 "save_pretrained wrote.")
     if not path.is_file():
-        raise FileNotFoundError(f"checkpoint directory {directory} has no config.json; pass a directory "
+        raise MissingInput(f"checkpoint directory {directory} has no config.json; pass a directory "
                                 "written by save_pretrained (zoo or transformers).")
     try:
         values = json.loads(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
-        raise ValueError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
+        raise UserError(f"{path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset {err.start}); "
                          "fix or re-save the checkpoint.") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"{path} is not valid JSON ({err}); fix or re-save the checkpoint.") from None
+        raise UserError(f"{path} is not valid JSON ({err}); fix or re-save the checkpoint.") from None
     if not isinstance(values, dict) or check_values:
         check_hf_config_values(values, path)
     return values

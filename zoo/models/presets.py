@@ -3,6 +3,7 @@ family's preset is looked up through the registry (:func:`zoo.models.families.mo
 
 from __future__ import annotations
 
+from zoo.errors import UserError
 from zoo.models.config import BertConfig, GPT2Config
 
 GPT2_PRESETS: dict[str, dict] = {
@@ -27,7 +28,7 @@ GPT2_PRESETS: dict[str, dict] = {
 def gpt2_config(preset: str, **overrides) -> GPT2Config:
     """The :class:`GPT2Config` of a preset name, with optional field overrides."""
     if preset not in GPT2_PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(GPT2_PRESETS)}.")
+        raise UserError(f"unknown model preset {preset!r}; choose one of {sorted(GPT2_PRESETS)}.")
     return GPT2Config(**{**GPT2_PRESETS[preset], **overrides})
 
 
@@ -47,6 +48,6 @@ BERT_PRESETS: dict[str, dict] = {
 def bert_config(preset: str, **overrides) -> BertConfig:
     """The :class:`BertConfig` of a preset name, with optional field overrides."""
     if preset not in BERT_PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(BERT_PRESETS)}.")
+        raise UserError(f"unknown model preset {preset!r}; choose one of {sorted(BERT_PRESETS)}.")
     return BertConfig(**{**BERT_PRESETS[preset], **overrides})
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.errors import UserError
 from zoo.parallel import ColumnParallelLinear, RowParallelLinear, tp_rng_fork, vocab_parallel_cross_entropy
 from zoo.parallel.layers import SequenceParallelLayerNorm
 from zoo.parallel.random import region_rng
@@ -68,7 +69,7 @@ class KVCache:
 
     def __init__(self, past_key_values, num_layers: int):
         if past_key_values is not None and len(past_key_values) != num_layers:
-            raise ValueError(f"past_key_values holds {len(past_key_values)} layers but the model has {num_layers}; "
+            raise UserError(f"past_key_values holds {len(past_key_values)} layers but the model has {num_layers}; "
                              "pass the cache this model returned.")
         self.past_length = past_key_values[0][0].shape[2] if past_key_values is not None else 0
         pasts = past_key_values if self.past_length > 0 else [None] * num_layers
@@ -137,7 +138,7 @@ class ParallelSelfAttention(nn.Module):
         # q, k, v: (b, heads_local, s, d)
         has_past = cache is not None and cache.past is not None
         if has_past and causal and attn_bias is None and s > 1:
-            raise ValueError(f"a causal query of {s} tokens after a key/value cache needs the offset causal "
+            raise UserError(f"a causal query of {s} tokens after a key/value cache needs the offset causal "
                              "mask; pass attn_bias from attention_bias(..., past_length=...).")
         if cache is not None:
             k, v = cache.extend(k, v)                                       # (b, heads_local, s_past + s, d)

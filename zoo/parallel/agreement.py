@@ -27,7 +27,7 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
-from zoo.errors import raise_failure_of_rank
+from zoo.errors import error_kind, raise_failure_of_rank
 
 T = TypeVar("T")
 
@@ -55,7 +55,7 @@ def raise_on_any_rank(fn: Callable[[], T], group=None) -> T:
     try:
         result, failure, error = fn(), None, None
     except Exception as err:  # noqa: BLE001 - every rank must reach the agreement, whatever happened
-        result, failure, error = None, (type(err).__name__, str(err)), err
+        result, failure, error = None, (error_kind(err), str(err)), err
     first = agreed_failure(failure, group)
     if first is None:
         return result
@@ -82,7 +82,7 @@ def first_error_everywhere(error: BaseException | None, group=None) -> None:
         if error is not None:
             raise error
         return
-    mine = None if error is None else (dist.get_rank(), type(error).__name__, str(error))
+    mine = None if error is None else (dist.get_rank(), error_kind(error), str(error))
     everyone: list = [None] * dist.get_world_size(group)
     dist.all_gather_object(everyone, mine, group=group)
     failed = [entry for entry in everyone if entry is not None]
@@ -98,7 +98,7 @@ def same_error_everywhere(error: BaseException | None, src: int = 0, group=None)
         if error is not None:
             raise error
         return
-    outcome = [None if error is None else (type(error).__name__, str(error))]
+    outcome = [None if error is None else (error_kind(error), str(error))]
     dist.broadcast_object_list(outcome, src=src, group=group, device=collective_device(group))
     if outcome[0] is not None:
         kind, message = outcome[0]

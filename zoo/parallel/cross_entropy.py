@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zoo.errors import UserError
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import real_vocab_columns
 
@@ -82,6 +83,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     Ignored tokens get loss 0; average with ``loss.sum() / (target != ignore_index).sum()``.
     """
     if logits.shape[:-1] != target.shape:
-        raise ValueError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
+        raise UserError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
                          f"{tuple(target.shape)}; pass logits (..., vocab_shard) and targets (...).")
     return _VocabParallelCrossEntropy.apply(logits, target, as_state(parallel), vocab_size, ignore_index)

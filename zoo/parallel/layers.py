@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.errors import UserError
 from zoo.parallel.host_all_reduce import start_tp_all_reduce_
 from zoo.parallel.mappings import (
     _gather_sequence,
@@ -69,7 +70,7 @@ def is_sequence_parallel(param: torch.Tensor) -> bool:
 def uses_sequence_parallel(parallel: ParallelState | None, requested: bool, seq_len: int | None = None) -> bool:
     """Whether sequence parallelism takes effect: it is ``requested`` and there is more than one TP rank (at
     tp = 1 it is a no-op). Given the ``seq_len`` of a full-sequence forward that will use it, that length must
-    divide by tp, else the one-sentence ValueError of :func:`zoo.parallel.mappings.check_sequence_divisible`."""
+    divide by tp, else the one-sentence UserError of :func:`zoo.parallel.mappings.check_sequence_divisible`."""
     if not requested or as_state(parallel).tp_size == 1:
         return False
     if seq_len is not None:
@@ -228,7 +229,7 @@ class ColumnParallelLinear(nn.Module):
         self.init_std = init_std
         tp = self.parallel.tp_size
         if gather_output and stride > 1 and tp > 1:
-            raise ValueError(f"gather_output=True with stride {stride} would return the fused blocks in rank "
+            raise UserError(f"gather_output=True with stride {stride} would return the fused blocks in rank "
                              "order, not the master order; gather only stride-1 outputs.")
         self.out_features_per_partition = divide(out_features, tp, "output features")
         divide(out_features, stride * tp, "output features")
@@ -290,7 +291,7 @@ class RowParallelLinear(nn.Module):
                  checkpoint_transposed: bool = False, device=None, dtype=None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
-            raise ValueError("a row-parallel layer with sequence_parallel=True needs input_is_parallel=True; its input "
+            raise UserError("a row-parallel layer with sequence_parallel=True needs input_is_parallel=True; its input "
                              "must already be split along the hidden dim.")
         self.parallel = as_state(parallel)
         self.sequence_parallel = sequence_parallel

@@ -48,6 +48,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from zoo.errors import UserError
 from zoo.parallel.host_all_reduce import tp_all_reduce_
 from zoo.parallel.state import ParallelState, as_state
 
@@ -73,7 +74,7 @@ def _all_reduce_copy(tensor: torch.Tensor, parallel: ParallelState) -> torch.Ten
 def _split_last_dim(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
     last = tensor.shape[-1]
     if last % parallel.tp_size != 0:
-        raise ValueError(f"last dimension {last} is not divisible by tensor-parallel size "
+        raise UserError(f"last dimension {last} is not divisible by tensor-parallel size "
                          f"{parallel.tp_size}; pad it to a multiple of {parallel.tp_size}.")
     piece = last // parallel.tp_size
     return tensor[..., parallel.tp_rank * piece:(parallel.tp_rank + 1) * piece].contiguous()
@@ -93,7 +94,7 @@ def check_sequence_divisible(seq_len: int, parallel: ParallelState | None) -> No
     """Sequence parallelism splits the tokens evenly over the TP ranks: refuse a length that does not divide."""
     tp = as_state(parallel).tp_size
     if seq_len % tp != 0:
-        raise ValueError(f"sequence length {seq_len} is not divisible by tensor-parallel size {tp}, which sequence "
+        raise UserError(f"sequence length {seq_len} is not divisible by tensor-parallel size {tp}, which sequence "
                          f"parallelism needs; use a sequence length that is a multiple of {tp} or turn "
                          "sequence_parallel off.")
 

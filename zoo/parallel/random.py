@@ -28,6 +28,7 @@ import contextlib
 
 import torch
 
+from zoo.errors import UserError
 from zoo.parallel.state import ParallelState, as_state
 
 # The tracker state name DeepSpeed's activation checkpointing expects.
@@ -88,7 +89,7 @@ def tp_rng_fork(parallel: ParallelState | None):
     if TP_RNG_STATE_NAME in tracker.get_states():
         return tracker.fork(TP_RNG_STATE_NAME)
     if as_state(parallel).tp_size > 1:
-        raise ValueError("dropout inside a tensor-parallel region needs the model-parallel RNG; call "
+        raise UserError("dropout inside a tensor-parallel region needs the model-parallel RNG; call "
                          "zoo.parallel.model_parallel_seed(seed, parallel) after building the ParallelState.")
     return contextlib.nullcontext()
 

@@ -25,6 +25,8 @@ from typing import Any
 
 import torch.distributed as dist
 
+from zoo.errors import UserError
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -61,13 +63,13 @@ class ParallelState:
         ``new_group`` call.
         """
         if not isinstance(tp_size, int) or tp_size < 1:
-            raise ValueError(f"tensor-parallel size {tp_size!r} is invalid; pass a positive integer.")
+            raise UserError(f"tensor-parallel size {tp_size!r} is invalid; pass a positive integer.")
         if not isinstance(pp_size, int) or pp_size < 1:
-            raise ValueError(f"pipeline-parallel size {pp_size!r} is invalid; pass a positive integer.")
+            raise UserError(f"pipeline-parallel size {pp_size!r} is invalid; pass a positive integer.")
         if not (dist.is_available() and dist.is_initialized()):
             if tp_size == 1 and pp_size == 1:
                 return cls.single()
-            raise ValueError(
+            raise UserError(
                 f"tensor-parallel size {tp_size} needs torch.distributed, which is not initialised; "
                 "start the script with `deepspeed --num_gpus N` (or torchrun) and call "
                 "deepspeed.init_distributed() before ParallelState.initialize."
@@ -160,13 +162,13 @@ class ParallelState:
 def check_grid(tp_size: int, world_size: int, pp_size: int = 1) -> None:
     """The one check of the rank grid: ``tp_size`` x ``pp_size`` must divide ``world_size`` (one sentence if not)."""
     if pp_size > 1 and (tp_size < 1 or world_size % (tp_size * pp_size) != 0):
-        raise ValueError(f"tensor-parallel size {tp_size} x pipeline-parallel size {pp_size} = {tp_size * pp_size} "
+        raise UserError(f"tensor-parallel size {tp_size} x pipeline-parallel size {pp_size} = {tp_size * pp_size} "
                          f"does not divide the world size {world_size}; launch a multiple of {tp_size * pp_size} "
                          "processes or pass --tensor-parallel-size and --pipeline-model-parallel-size whose product "
                          f"divides {world_size}.")
     if tp_size < 1 or world_size % tp_size != 0:
         fits = [t for t in range(1, world_size + 1) if world_size % t == 0]
-        raise ValueError(f"tensor-parallel size {tp_size} does not divide the world size {world_size}; pass "
+        raise UserError(f"tensor-parallel size {tp_size} does not divide the world size {world_size}; pass "
                          f"--tensor-parallel-size one of {fits} or launch a multiple of {tp_size} processes.")
 
 

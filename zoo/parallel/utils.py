@@ -6,11 +6,13 @@ from collections.abc import Sequence
 
 import torch
 
+from zoo.errors import UserError
+
 
 def divide(numerator: int, denominator: int, what: str = "value") -> int:
     """``numerator / denominator``, refusing a remainder with a one-sentence error."""
     if numerator % denominator != 0:
-        raise ValueError(f"{what} {numerator} is not divisible by {denominator}; "
+        raise UserError(f"{what} {numerator} is not divisible by {denominator}; "
                          f"choose a {what} that is a multiple of {denominator}.")
     return numerator // denominator
 
@@ -21,7 +23,7 @@ def pad_vocab_size(vocab_size: int, tp_size: int, multiple: int = 128) -> int:
     Every TP rank then holds an equal, GEMM-friendly slice: 50257 -> 50304 at tp=1, 51200 at tp=8.
     """
     if multiple < 1:
-        raise ValueError(f"vocab padding multiple {multiple} is invalid; pass a positive integer.")
+        raise UserError(f"vocab padding multiple {multiple} is invalid; pass a positive integer.")
     unit = multiple * tp_size
     return ((vocab_size + unit - 1) // unit) * unit
 

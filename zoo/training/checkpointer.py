@@ -27,6 +27,7 @@ from zoo.checkpoint.save import save_checkpoint
 from zoo.checkpoint.training_state import precision_of, zero_stage_of
 from zoo.checkpoint.zero_reshard import partition_files
 from zoo.distributed import first_rank_result, raise_on_any_rank
+from zoo.errors import MissingInput
 from zoo.parallel.random import model_parallel_seed, seed_after_layout_change
 from zoo.training.layout_change import (
     check_precision,
@@ -193,7 +194,7 @@ class Checkpointer:
             with weights_only_loads(engine):   # DeepSpeed's own reads use the weights-only unpickler too
                 _, client = engine.load_checkpoint(str(load_dir), tag=tag)
             if client is None:
-                raise FileNotFoundError(f"the checkpoint under {load} could not be loaded; check its 'latest' tag "
+                raise MissingInput(f"the checkpoint under {load} could not be loaded; check its 'latest' tag "
                                         "file and its mp_rank_XX_model_states.pt files.")
             return client
 

@@ -26,6 +26,8 @@ import copy
 import math
 from typing import Any
 
+from zoo.errors import UserError
+
 __all__ = ["OVERRIDE_FIELDS", "apply_overrides", "overridden_ds_config", "precision_flags_given"]
 
 OVERRIDE_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "micro_batch_size", "global_batch_size", "fp16", "bf16",
@@ -49,7 +51,7 @@ def precision_flags_given(args) -> bool:
 
 def overridden_ds_config(ds_config: dict[str, Any], values: dict[str, Any], path: str | None) -> dict[str, Any]:
     """A copy of ``ds_config`` with the set ``values`` (of :data:`OVERRIDE_FIELDS`; None: unset) written into
-    the DeepSpeed entries they name. Raises ValueError with one sentence for a value out of range, a flag
+    the DeepSpeed entries they name. Raises UserError with one sentence for a value out of range, a flag
     the file's scheduler cannot take, or a floor above the peak."""
     check_values(values)
     ds = copy.deepcopy(ds_config)
@@ -72,15 +74,15 @@ def check_values(values: dict[str, Any]) -> None:
         if value is None:
             continue
         if not math.isfinite(value) or value < 0 or (lowest == "positive" and value == 0):
-            raise ValueError(f"{name} = {value} must be a {lowest} finite number; fix the --{flag(name)} flag or "
+            raise UserError(f"{name} = {value} must be a {lowest} finite number; fix the --{flag(name)} flag or "
                              "the zoo block.")
     for name, least in (("micro_batch_size", 1), ("global_batch_size", 1), ("lr_warmup_iters", 0)):
         value = values.get(name)
         if value is not None and value < least:
-            raise ValueError(f"{name} = {value} must be an integer of at least {least}; fix the --{flag(name)} flag "
+            raise UserError(f"{name} = {value} must be an integer of at least {least}; fix the --{flag(name)} flag "
                              "or the zoo block.")
     if values.get("fp16") and values.get("bf16"):
-        raise ValueError("fp16 and bf16 are both asked for; pass one of --fp16 (loss-scaled, where bf16 is not "
+        raise UserError("fp16 and bf16 are both asked for; pass one of --fp16 (loss-scaled, where bf16 is not "
                          "supported) and --bf16.")
 
 
@@ -132,10 +134,10 @@ def override_schedule(ds: dict[str, Any], values: dict[str, Any], path: str | No
     if kind not in WARMUP_SCHEDULES and (min_lr is not None or warmup is not None):
         asked = "--min-lr" if min_lr is not None else "--lr-warmup-iters"
         has = f"a {kind} scheduler" if scheduler else "no scheduler block"
-        raise ValueError(f"{asked} sets a warm-up/decay schedule, and DeepSpeed config {path} has {has}; add a "
+        raise UserError(f"{asked} sets a warm-up/decay schedule, and DeepSpeed config {path} has {has}; add a "
                          "\"scheduler\": {\"type\": \"WarmupCosineLR\", ...} block, or drop the flag.")
     if kind is not None and kind not in WARMUP_SCHEDULES:
-        raise ValueError(f"--lr cannot be carried into the {kind} scheduler of DeepSpeed config {path}, whose own "
+        raise UserError(f"--lr cannot be carried into the {kind} scheduler of DeepSpeed config {path}, whose own "
                          f"parameters set its learning rates; set them there, or use one of {list(WARMUP_SCHEDULES)}.")
     params = optimizer_params(ds)
     old_peak = params.get("lr")
@@ -154,13 +156,13 @@ def override_schedule(ds: dict[str, Any], values: dict[str, Any], path: str | No
     if lr is not None:
         sched["warmup_max_lr"] = peak
     if min_lr is not None and kind == "WarmupLR":
-        raise ValueError(f"--min-lr sets where the learning rate decays to, and the WarmupLR scheduler of DeepSpeed "
+        raise UserError(f"--min-lr sets where the learning rate decays to, and the WarmupLR scheduler of DeepSpeed "
                          f"config {path} never decays; use WarmupDecayLR or WarmupCosineLR, or drop --min-lr.")
     if min_lr is not None:
         sched["warmup_min_lr"] = float(min_lr)
     top = sched.get("warmup_max_lr", peak)
     if top is not None and sched.get("warmup_min_lr", 0.0) > top:
-        raise ValueError(f"the {kind} schedule of DeepSpeed config {path} would go from warmup_min_lr "
+        raise UserError(f"the {kind} schedule of DeepSpeed config {path} would go from warmup_min_lr "
                          f"{sched['warmup_min_lr']:g} up to a lower peak {top:g}; pass a --min-lr below the peak "
                          "(or a higher --lr).")
 
@@ -171,17 +173,17 @@ def rewrite_cosine_ratios(sched: dict[str, Any], old_peak: float | None, peak: f
     or the file's absolute floor, the warm-up starts at the file's absolute start."""
     if peak is None or (old_peak is None and min_lr is None):
         if min_lr is not None:
-            raise ValueError(f"--min-lr is a fraction of the optimizer's lr under WarmupCosineLR, and DeepSpeed "
+            raise UserError(f"--min-lr is a fraction of the optimizer's lr under WarmupCosineLR, and DeepSpeed "
                              f"config {path} gives no lr; add \"lr\" to the optimizer's params or pass --lr.")
         return
     reference = old_peak if old_peak is not None else peak
     floor = float(min_lr) if min_lr is not None else sched.get("cos_min_ratio", DEEPSPEED_DEFAULT_COS_MIN_RATIO) * reference
     start = sched.get("warmup_min_ratio", 0.0) * reference
     if floor > peak:
-        raise ValueError(f"the WarmupCosineLR schedule of DeepSpeed config {path} would decay from lr {peak:g} up to "
+        raise UserError(f"the WarmupCosineLR schedule of DeepSpeed config {path} would decay from lr {peak:g} up to "
                          f"a floor of {floor:g}; pass a --min-lr below {peak:g} (or a higher --lr).")
     if start > peak:
-        raise ValueError(f"the WarmupCosineLR warm-up of DeepSpeed config {path} starts at {start:g} "
+        raise UserError(f"the WarmupCosineLR warm-up of DeepSpeed config {path} starts at {start:g} "
                          f"(warmup_min_ratio x its lr), above the new lr {peak:g}; pass a higher --lr or lower "
                          "warmup_min_ratio.")
     sched["cos_min_ratio"] = floor / peak

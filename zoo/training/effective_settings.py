@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import check_writable_directory, unwritable_directory, write_text_atomic
+from zoo.errors import UserError
 from zoo.options import settings_of
 from zoo.training.deepspeed_overrides import OVERRIDE_FIELDS
 from zoo.training.planner import count_parameters, model_config_of, zero_stage_of
@@ -57,7 +58,7 @@ def check_replaceable_config_file(path: Path) -> None:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         existing = None
     if not (isinstance(existing, dict) and all(key in existing for key in ZOO_TOP_LEVEL_KEYS)):
-        raise ValueError(f"{path} exists and was not written by a zoo run (it lacks the \"zoo\" and \"effective\" "
+        raise UserError(f"{path} exists and was not written by a zoo run (it lacks the \"zoo\" and \"effective\" "
                          "entries zoo writes there), and the run keeps its settings under that name; move it, or pass "
                          "another --save.")
 

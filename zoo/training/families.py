@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from zoo.data import BertDataset, GPTDataset, default_bert_corpus_prefix, default_corpus_prefix
+from zoo.errors import UserError
 from zoo.models.config import ZOO_RUN_FIELDS
 from zoo.models.families import CAUSAL_LM, MLM_SOP, ModelConfig, family_of, family_of_model_type
 from zoo.models.hf_io import read_config_json
@@ -123,13 +124,13 @@ def pretrained_overrides(directory: str, run_config: ModelConfig, preset: str,
     values = read_config_json(directory)
     stored, family = values.get("model_type"), family_of(run_config)
     if family_of_model_type(stored) is not family:
-        raise ValueError(f"--pretrained {directory} holds a model_type {stored!r} model but the run's preset "
+        raise UserError(f"--pretrained {directory} holds a model_type {stored!r} model but the run's preset "
                          f"{preset!r} builds {run_config.model_type!r}; pass a --model preset of the directory's "
                          "family or another directory.")
     for key, value in overrides.items():
         if kept_on_pretrained(key, family) or key not in values or values[key] == value:
             continue
-        raise ValueError(f"model_overrides {key}={value!r} disagrees with {directory}/config.json ({key}="
+        raise UserError(f"model_overrides {key}={value!r} disagrees with {directory}/config.json ({key}="
                          f"{values[key]!r}); drop the override, since --pretrained takes the model's shape from the "
                          "directory.")
     # The layer order (BERT's "bert" post-norm or "megatron-bert" pre-norm) comes from the directory too; an

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
+from zoo.errors import UserError
 from zoo.training.planner import CPU, GPUS, Plan, gb, plan
 
 __all__ = ["DeviceMemory", "check_fit", "device_memory", "host_available_bytes", "ranks_on_this_node"]
@@ -87,12 +88,12 @@ def planner_device(memory: DeviceMemory) -> str:
 
 def check_fit(config, world_size: int, memory: DeviceMemory) -> Plan:
     """The planner's plan of ``config`` (a RunConfig) on ``world_size`` ranks with ``memory`` per rank; raises
-    ValueError (one sentence: the numbers and what to change) when even its smallest footprint does not fit."""
+    UserError (one sentence: the numbers and what to change) when even its smallest footprint does not fit."""
     p = plan(config, world_size, gpu=planner_device(memory), gpu_memory=memory.bytes_per_rank,
              with_deepspeed_estimate=False)
     needed = p.total - p.activations_attention_scores
     if needed > memory.bytes_per_rank:
-        raise ValueError(does_not_fit(p, needed, memory))
+        raise UserError(does_not_fit(p, needed, memory))
     return p
 
 

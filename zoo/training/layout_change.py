@@ -49,6 +49,7 @@ from zoo.checkpoint.training_state import (
 )
 from zoo.checkpoint.zero_reshard import check_reshardable_zero_config, partition_files
 from zoo.distributed import agree_max, raise_on_any_rank
+from zoo.errors import MissingInput, UserError
 from zoo.parallel.partition import partition_specs
 
 __all__ = ["needs_layout_change", "load_at_new_layout", "param_names_by_group", "one_stage_names",
@@ -104,7 +105,7 @@ def check_precision(source: str, target: str, where: str, keep: str | None = Non
               "the fp16 loss scaler would restart at the config's initial scale" if target == "fp16" else
               "the optimizer's master weights would change type")
     keep = keep or f"keep {source} in the ds_config"
-    raise ValueError(f"{where} was written in {source} and this layout trains in {target}: {scaler}; {keep}, "
+    raise UserError(f"{where} was written in {source} and this layout trains in {target}: {scaler}; {keep}, "
                      f"or export the checkpoint (launch/export.py) and start the "
                      f"{target} run with --pretrained.")
 
@@ -118,7 +119,7 @@ def check_source_files(tag_dir: Path, tp: int, pp: int) -> None:
     of every stage's TP ranks, every ZeRO/BF16 optimizer partition), the first missing one named."""
     for rank in range(tp * pp):
         if not model_states_path(tag_dir, rank).is_file():
-            raise FileNotFoundError(f"{model_states_path(tag_dir, rank)} is missing from a {layout_words(tp, pp)} "
+            raise MissingInput(f"{model_states_path(tag_dir, rank)} is missing from a {layout_words(tp, pp)} "
                                     "checkpoint; copy every file of the tag directory.")
     if pp > 1:
         layers = {p.name.split("-")[0] for p in tag_dir.glob("layer_*-model_*-model_states.pt")}
@@ -126,13 +127,13 @@ def check_source_files(tag_dir: Path, tp: int, pp: int) -> None:
             for tp_rank in range(tp):
                 path = tag_dir / f"{layer}-model_{tp_rank:02d}-model_states.pt"
                 if not path.is_file():
-                    raise FileNotFoundError(f"{path} is missing from a {layout_words(tp, pp)} checkpoint; copy "
+                    raise MissingInput(f"{path} is missing from a {layout_words(tp, pp)} checkpoint; copy "
                                             "every file of the tag directory.")
     partitions = partition_files(tag_dir)   # raises on a missing partition of the ranks it found
     for mp_rank in range(tp * pp) if partitions is not None else ():
         for dp_rank in range(partitions.dp_size):
             if not partitions.path(tag_dir, dp_rank, mp_rank).is_file():
-                raise FileNotFoundError(f"{partitions.path(tag_dir, dp_rank, mp_rank)} is missing from a "
+                raise MissingInput(f"{partitions.path(tag_dir, dp_rank, mp_rank)} is missing from a "
                                         f"{layout_words(tp, pp)} checkpoint partitioned over dp={partitions.dp_size}; "
                                         "copy every file of the tag directory.")
 
@@ -142,7 +143,7 @@ def check_layout_change(tag_dir: Path, source: tuple[int, int], tp: int, precisi
                         "or 2 in the ds_config") -> dict[str, Any]:
     """Every reason the checkpoint in ``tag_dir`` (written at (tp, pp) ``source``) cannot move to a run at tp
     ``tp`` training in ``precision`` with ZeRO stage ``zero_stage`` (None: the checkpoint's own), each one
-    sentence (ValueError/FileNotFoundError) in the order a user fixes them: a rank's file missing, ZeRO-3 on
+    sentence (UserError/MissingInput) in the order a user fixes them: a rank's file missing, ZeRO-3 on
     either side, ZeRO options whose partitions cannot be read, a precision change (:func:`check_precision`,
     ``where`` and ``keep`` word it; ``{source}`` in ``keep`` is the checkpoint's precision), a model the new tp cannot split (heads, MLP, vocabulary padding).
     Reads only the first rank's model states (returned) and the tag's file names; nothing is written."""
@@ -152,11 +153,11 @@ def check_layout_change(tag_dir: Path, source: tuple[int, int], tp: int, precisi
     first = read_model_states(first_path)
     recorded = first.get("ds_config")
     if zero_stage_of(recorded) >= 3:
-        raise ValueError(f"{tag_dir} was written with ZeRO stage 3, whose partitioned parameters zoo does not move "
+        raise UserError(f"{tag_dir} was written with ZeRO stage 3, whose partitioned parameters zoo does not move "
                          "to another layout; resume it at its own layout, or export it (launch/export.py) and "
                          "start the new layout with --pretrained.")
     if zero_stage is not None and zero_stage >= 3:
-        raise ValueError(f"this layout uses ZeRO stage {zero_stage} (ZeRO-3), whose partitioned parameters zoo does "
+        raise UserError(f"this layout uses ZeRO stage {zero_stage} (ZeRO-3), whose partitioned parameters zoo does "
                          f"not fill from a checkpoint of another layout; {zero_fix}.")
     if partition_files(tag_dir) is not None:
         check_reshardable_zero_config(first, first_path)

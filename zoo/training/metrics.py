@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import atomic_file
+from zoo.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -106,7 +107,7 @@ class MetricsLogger:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if not resume and self.path.exists():
-            raise ValueError(f"{self.path} already exists (an earlier run's metrics); pass another --save, or "
+            raise UserError(f"{self.path} already exists (an earlier run's metrics); pass another --save, or "
                              "resume that run with --load.")
         if tensorboard_dir is not None:
             self._tensorboard = _start_tensorboard(tensorboard_dir, resumed_at + 1 if resumed_at else None)
@@ -159,7 +160,7 @@ class MetricsLogger:
                 if self.path.stat().st_size > size:
                     os.truncate(self.path, size)
             reason = err.strerror or type(err).__name__
-            raise ValueError(f"appending to {self.path} failed ({reason}); free space in {self.run_dir} or pass "
+            raise UserError(f"appending to {self.path} failed ({reason}); free space in {self.run_dir} or pass "
                              "another --save, then run again (a pretraining run resumes from its last checkpoint "
                              f"with --load {self.run_dir}).") from None
 
@@ -176,11 +177,11 @@ class MetricsLogger:
 
 
 def _start_tensorboard(directory: str | os.PathLike, purge_step: int | None):
-    """torch's SummaryWriter on ``directory``; ValueError in one sentence when tensorboard is not installed."""
+    """torch's SummaryWriter on ``directory``; UserError in one sentence when tensorboard is not installed."""
     try:
         from torch.utils.tensorboard import SummaryWriter  # local: tensorboard is optional
     except ImportError:
-        raise ValueError(f"--tensorboard-dir {directory} needs the tensorboard package; pip install tensorboard, "
+        raise UserError(f"--tensorboard-dir {directory} needs the tensorboard package; pip install tensorboard, "
                          "or run without --tensorboard-dir.") from None
     return SummaryWriter(log_dir=str(directory), purge_step=purge_step)
 
@@ -228,7 +229,7 @@ MAX_EVENT_BYTES = 1 << 20   # far above any event zoo logs (a few hundred bytes)
 def metrics_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
     """(line number, text without its newline) of every line of ``path``, read one line at a time and at
     most :data:`MAX_EVENT_BYTES` at once, so memory stays bounded however long a line or the file is. A longer
-    line is no event zoo logged: ``ValueError`` naming the file, the line and its length."""
+    line is no event zoo logged: ``UserError`` naming the file, the line and its length."""
     path = Path(path)
     with path.open("rb") as handle:
         for number in itertools.count(1):
@@ -237,7 +238,7 @@ def metrics_lines(path: str | os.PathLike) -> Iterator[tuple[int, str]]:
                 return
             if len(raw) > MAX_EVENT_BYTES and not raw.endswith(b"\n"):
                 length = len(raw) + _skip_rest_of_line(handle)
-                raise ValueError(f"{path} line {number} is {length} bytes long, longer than any event zoo logs (at "
+                raise UserError(f"{path} line {number} is {length} bytes long, longer than any event zoo logs (at "
                                  f"most {MAX_EVENT_BYTES} bytes), so it is not one; delete or repair that line, then "
                                  "run again.")
             yield number, raw.decode("utf-8", errors="replace").removesuffix("\n")
@@ -257,7 +258,7 @@ class MetricsScan:
     """The whole events of a ``metrics.jsonl``, as (text, event), streamed (:func:`metrics_lines`); blank lines
     are skipped. A line that is not a JSON object is an append cut short (a full disk, a killed writer) when
     it is the last non-blank line: it is left out and, once the iteration ends, its number is in
-    ``torn_line``. Before any other line it raises ``ValueError`` naming the file and the line."""
+    ``torn_line``. Before any other line it raises ``UserError`` naming the file and the line."""
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
@@ -277,8 +278,8 @@ class MetricsScan:
             yield text, event
         self.torn_line = pending[0] if pending is not None else None
 
-    def _corrupt(self, number: int, shown: str) -> ValueError:
-        return ValueError(f"{self.path} line {number} is not a JSON object ({shown!r}); delete or repair that line "
+    def _corrupt(self, number: int, shown: str) -> UserError:
+        return UserError(f"{self.path} line {number} is not a JSON object ({shown!r}); delete or repair that line "
                           "(every line holds one logged event), then run again.")
 
 
@@ -322,7 +323,7 @@ def truncate_metrics_after(path: str | os.PathLike, iteration: int) -> None:
         with atomic_file(path) as tmp, tmp.open("w", encoding="utf-8") as out:
             out.writelines(text + "\n" for text, event in MetricsScan(path) if event.get("iteration", 0) <= iteration)
     except OSError as err:
-        raise ValueError(f"rewriting {path} to the checkpoint's iteration {iteration} failed ({err.strerror}); "
+        raise UserError(f"rewriting {path} to the checkpoint's iteration {iteration} failed ({err.strerror}); "
                          f"free space in {path.parent}, then resume again.") from None
 
 

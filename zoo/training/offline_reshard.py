@@ -31,6 +31,7 @@ from zoo.atomic import check_output_directory, give_default_modes, write_text_at
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR, checkpoints_root
 from zoo.checkpoint.safe_load import check_tag_files
 from zoo.checkpoint.training_state import precision_of, zero_stage_of
+from zoo.errors import MissingInput, UserError
 from zoo.training.layout_change import check_layout_change
 from zoo.training.resume import check_latest_files, has_checkpoint, resume_tag_and_layout
 from zoo.training.run_config import RunConfig
@@ -69,7 +70,7 @@ def check_output_beside_source(output: Path, run: Path) -> None:
     """The output is a new or empty directory that neither is nor lies inside the source run, nor holds it."""
     out, source = output.resolve(), run.resolve()
     if out == source or source in out.parents or out in source.parents:
-        raise ValueError(f"--out {output} overlaps the source run {run}, which is only read; choose an output "
+        raise UserError(f"--out {output} overlaps the source run {run}, which is only read; choose an output "
                          "directory beside it (the default is <run>-tp<T>pp<P>dp<D>).")
     check_new_or_empty(output)
     check_output_directory(output, None, "converted run directory")
@@ -78,7 +79,7 @@ def check_output_beside_source(output: Path, run: Path) -> None:
 def check_new_or_empty(output: Path) -> None:
     """``output`` does not exist or is an empty directory: a conversion never writes over anything."""
     if output.is_dir() and not output.is_symlink() and any(output.iterdir()):
-        raise ValueError(f"{output} exists and is not empty, and a conversion never writes over a directory; "
+        raise UserError(f"{output} exists and is not empty, and a conversion never writes over a directory; "
                          "move it away, or pass another --out.")
 
 
@@ -90,7 +91,7 @@ def source_run_config(load: str, run: Path, ds_config: str | None, tp: int, pp: 
 
     path = Path(ds_config) if ds_config else run / "config.json"
     if not path.is_file():
-        raise FileNotFoundError(f"{path} does not exist, and the conversion builds the run's engine from the "
+        raise MissingInput(f"{path} does not exist, and the conversion builds the run's engine from the "
                                 f"settings the run kept there; pass --deepspeed_config with the run's ds_config.")
     argv = ["--deepspeed_config", str(path), "--tensor-parallel-size", str(tp),
             "--pipeline-model-parallel-size", str(pp), "--save", str(output), "--load", str(output)]
@@ -104,19 +105,19 @@ def source_run_config(load: str, run: Path, ds_config: str | None, tp: int, pp: 
 def plan_conversion(load: str, tp: int, pp: int, dp: int | None, zero_stage: int | None, precision: str | None,
                     out: str | None, world_size: int, ds_config: str | None = None) -> Conversion:
     """Every check of a conversion that needs no process group, in the order a user would fix them; raises one
-    sentence (ValueError/FileNotFoundError) and writes nothing."""
+    sentence (UserError/MissingInput) and writes nothing."""
     check_latest_files(load)
     if not has_checkpoint(load):
-        raise FileNotFoundError(f"--load {load} holds no complete checkpoint; pass the run directory of a run that "
+        raise MissingInput(f"--load {load} holds no complete checkpoint; pass the run directory of a run that "
                                 "saved one.")
     for name, value in (("--tensor-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                         ("--data-parallel-size", dp)):
         if value is not None and value < 1:
-            raise ValueError(f"{name} {value} must be at least 1; pass a positive degree.")
+            raise UserError(f"{name} {value} must be at least 1; pass a positive degree.")
     dp = max(world_size // (tp * pp), 1) if dp is None else dp
     if world_size != tp * pp * dp:
         ranks = tp * pp * dp
-        raise ValueError(f"this job has {world_size} rank{'s' * (world_size != 1)} but the new layout tp={tp} x "
+        raise UserError(f"this job has {world_size} rank{'s' * (world_size != 1)} but the new layout tp={tp} x "
                          f"pp={pp} x dp={dp} needs {ranks}; launch it with {ranks} (deepspeed --num_gpus {ranks} "
                          "launch/reshard.py ...).")
     tag_dir, (source_tp, source_pp) = resume_tag_and_layout(load)
@@ -130,7 +131,7 @@ def plan_conversion(load: str, tp: int, pp: int, dp: int | None, zero_stage: int
     check_output_beside_source(output, run)
     source_dp = first.get("data_parallel_size") or first.get("dp_world_size")
     if (source_tp, source_pp) == (tp, pp) and source_dp in (None, dp) and zero_stage in (None, zero_stage_of(recorded)):
-        raise ValueError(f"--load {load} is already at tp={tp} x pp={pp} x dp={dp}; resume it directly with --load, "
+        raise UserError(f"--load {load} is already at tp={tp} x pp={pp} x dp={dp}; resume it directly with --load, "
                          "or pass the layout to convert it to.")
     config = source_run_config(load, run, ds_config, tp, pp, zero_stage, output)
     return Conversion(load, tag_dir, (source_tp, source_pp, source_dp), (tp, pp, dp), source_precision, config,

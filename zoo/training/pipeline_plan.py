@@ -18,6 +18,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from zoo.errors import UserError
+
 __all__ = ["StagePlan", "stage_bounds", "entry_parameters", "bubble_fraction", "micro_batches_in_flight",
            "plan_stages"]
 
@@ -53,7 +55,7 @@ def stage_bounds(entries: list[int], pp: int, method: str) -> list[int]:
     elif method == "parameters":
         weights = list(entries)
     else:
-        raise ValueError(f"pipeline partition method {method!r} is not 'parameters' or 'uniform'; pass one of them.")
+        raise UserError(f"pipeline partition method {method!r} is not 'parameters' or 'uniform'; pass one of them.")
     return partition_balanced(weights=weights, num_parts=pp)
 
 

@@ -27,6 +27,7 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+from zoo.errors import UserError
 from zoo.training.deepspeed_overrides import apply_overrides
 from zoo.training.metrics import megatron_flops_per_iteration
 from zoo.training.pipeline_plan import bubble_fraction, plan_stages
@@ -74,14 +75,14 @@ def gpu_spec(name: str) -> GpuSpec:
     for gpu in GPUS:
         if gpu.name.lower() == name.strip().lower():
             return gpu
-    raise ValueError(f"GPU {name!r} is not in the planner's table; pass --gpu one of "
+    raise UserError(f"GPU {name!r} is not in the planner's table; pass --gpu one of "
                      f"{[gpu.name for gpu in GPUS] + [CPU]}.")
 
 
 # ---------------------------------------------------------------------------------------------- activations
 def _check_recompute(recompute: str) -> None:
     if recompute not in RECOMPUTE_MODES:
-        raise ValueError(f"recompute {recompute!r} is not a mode; use one of {list(RECOMPUTE_MODES)}.")
+        raise UserError(f"recompute {recompute!r} is not a mode; use one of {list(RECOMPUTE_MODES)}.")
 
 
 def layer_activation_bytes(s: int, b: int, h: int, a: int, t: int = 1, sequence_parallel: bool = False,
@@ -254,7 +255,7 @@ def zero_stage_of(ds_config: Mapping[str, Any]) -> int:
     block = ds_config.get("zero_optimization") or {}
     stage = block.get("stage", 0) if isinstance(block, dict) else 0
     if stage not in (0, 1, 2, 3):
-        raise ValueError(f"zero_optimization.stage {stage!r} is not a ZeRO stage; use 0, 1, 2 or 3.")
+        raise UserError(f"zero_optimization.stage {stage!r} is not a ZeRO stage; use 0, 1, 2 or 3.")
     return stage
 
 
@@ -333,7 +334,7 @@ def parse_memory(text: str | int) -> int:
              "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
     match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
     if not match or match.group(2).lower() not in units or float(match.group(1)) <= 0:
-        raise ValueError(f"memory size {text!r} is not understood; write it like 32GB, 80GiB or 16000MB.")
+        raise UserError(f"memory size {text!r} is not understood; write it like 32GB, 80GiB or 16000MB.")
     return int(float(match.group(1)) * units[match.group(2).lower()])
 
 
@@ -348,7 +349,7 @@ def run_config_of(source: RunConfig | Mapping[str, Any] | str | os.PathLike) -> 
     known = {f.name for f in fields(RunConfig)} - {"ds_config", "ds_config_path"}
     unknown = sorted(set(block) - known)
     if unknown:
-        raise ValueError(f"unknown key {unknown[0]!r} in the zoo block; valid keys are {sorted(known)}.")
+        raise UserError(f"unknown key {unknown[0]!r} in the zoo block; valid keys are {sorted(known)}.")
     config = RunConfig(**block, ds_config=copy.deepcopy(dict(source)), ds_config_path="<dict>")
     check_field_types(config)
     return validate_static(apply_overrides(config))
@@ -378,7 +379,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     ``num_gpus`` is per node, as for the deepspeed launcher: world size = num_gpus x num_nodes. ``gpu``: a name of :data:`GPUS` or ``"cpu"`` (no peak, so no timing, and no
     memory unless ``gpu_memory`` is given). ``gpu_memory``: bytes or a size like "32GB"; by default the
     GPU's memory. ``with_deepspeed_estimate`` False leaves ``deepspeed_model_states`` None, so that DeepSpeed
-    is not imported (the fit check before a launch). Raises ValueError/FileNotFoundError with one sentence on
+    is not imported (the fit check before a launch). Raises UserError/MissingInput with one sentence on
     bad input.
     """
     # local: zoo.models imports torch and transformers (seconds); plan --help runs without them
@@ -387,10 +388,10 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
 
     for name, value in (("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} {value!r} must be a positive integer; pass the number of devices per node "
+            raise UserError(f"{name} {value!r} must be a positive integer; pass the number of devices per node "
                              "and of nodes.")
     if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
-        raise ValueError(f"--mfu {mfu!r} must be a fraction in (0, 1]; pass e.g. --mfu 0.4.")
+        raise UserError(f"--mfu {mfu!r} must be a fraction in (0, 1]; pass e.g. --mfu 0.4.")
     spec = None if str(gpu).lower() == CPU else gpu_spec(gpu)
     memory = parse_memory(gpu_memory) if gpu_memory is not None else (spec.memory_bytes if spec else None)
 
@@ -398,14 +399,14 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     tp, pp, world = config.tensor_parallel_size, config.pipeline_model_parallel_size, num_gpus * num_nodes
     if world % (tp * pp) != 0:
         layout = f"tensor_parallel_size {tp}" + (f" x pipeline_model_parallel_size {pp}" if pp > 1 else "")
-        raise ValueError(f"{layout} of {config.ds_config_path} does not divide the {world} devices ({num_gpus} per node x {num_nodes} nodes); plan a "
+        raise UserError(f"{layout} of {config.ds_config_path} does not divide the {world} devices ({num_gpus} per node x {num_nodes} nodes); plan a "
                          f"multiple of {tp * pp} devices.")
     gas = validate_for_world(config, world)
     model_config = model_config_of(config)
     family = family_of(model_config)
     shape = family.shape(model_config)
     if config.seq_length > shape.max_positions:
-        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
+        raise UserError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
                          f"{shape.max_positions}; pass a seq_length of {shape.max_positions} or less.")
 
     dp = world // (tp * pp)

@@ -16,6 +16,7 @@ import os
 from collections.abc import Mapping
 
 from zoo.distributed.local_rank import world_size_of
+from zoo.errors import UserError
 from zoo.training.fit_check import DeviceMemory, check_fit
 from zoo.training.planner import model_config_of
 from zoo.training.run_config import RunConfig, validate_for_world
@@ -48,7 +49,7 @@ def check_bundled_corpus(config: RunConfig, shape) -> None:
     if size <= BUNDLED_CORPUS_MAX_LAYER_PARAMETERS:
         return
     source = config.ds_config_path or "the config"
-    raise ValueError(f"{source} trains {config.model} ({shape.layers} layers of hidden size {shape.hidden}, "
+    raise UserError(f"{source} trains {config.model} ({shape.layers} layers of hidden size {shape.hidden}, "
                      f"{size / 1e6:,.0f}M transformer parameters) and names no --data-path, so it would read the "
                      "bundled Wikipedia sample (~0.5M tokens), which is for the demo configs (models of at most "
                      f"{BUNDLED_CORPUS_MAX_LAYER_PARAMETERS // 1_000_000}M, e.g. ds_configs/cpu_demo.json); pass "
@@ -57,7 +58,7 @@ def check_bundled_corpus(config: RunConfig, shape) -> None:
 
 def check_seq_length(config: RunConfig, shape) -> None:
     if config.seq_length > shape.max_positions:
-        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
+        raise UserError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
                          f"{shape.max_positions}; pass --seq-length {shape.max_positions} or less.")
 
 

@@ -20,6 +20,7 @@ import torch.distributed as dist
 from zoo.atomic import check_writable_directory
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR
 from zoo.distributed import host_group, raise_on_any_rank
+from zoo.errors import UserError
 from zoo.models import model_config as build_model_config
 from zoo.models.families import build_model, shape_of
 from zoo.output_guard import keep_output_in
@@ -93,7 +94,7 @@ def build_pretraining_model(config: RunConfig, ps, device: torch.device | str | 
 
 def check_seq_length(config: RunConfig, shape) -> None:
     if config.seq_length > shape.max_positions:
-        raise ValueError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
+        raise UserError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
                          f"{shape.max_positions}; pass --seq-length {shape.max_positions} or less.")
 
 
@@ -114,7 +115,7 @@ def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[s
     takes part) and the writer prints the lines after the validation perplexity. The libraries' notes that
     say nothing about a zoo run are not printed (:func:`zoo.training.loop.library_noise_silenced`)."""
     if config.sample_prompts and sample_text is None:
-        raise ValueError("sample_prompts are set but no text sampler was given; run launch/pretrain.py, or call "
+        raise UserError("sample_prompts are set but no text sampler was given; run launch/pretrain.py, or call "
                          "pretrain(config, sample_text=zoo.inference.sample_lines).")
     with library_noise_silenced():
         return pretrain_in_process_group(config, sample_text)

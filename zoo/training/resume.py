@@ -34,6 +34,7 @@ from zoo.checkpoint.files import (
 )
 from zoo.checkpoint.safe_load import check_tag_files
 from zoo.distributed import first_rank_result, raise_on_any_rank
+from zoo.errors import MissingInput, UserError
 
 __all__ = ["checkpoint_to_load", "check_latest_files", "check_rank_states", "has_checkpoint",
            "model_config_differences", "resume_tag_and_layout"]
@@ -75,7 +76,7 @@ def check_latest_files(load: str | os.PathLike) -> None:
         return   # an unreadable record: the tag's own checks say what is wrong
     missing = [name for name in files if not (root / latest / name).is_file()]
     if missing:
-        raise FileNotFoundError(f"{root / latest / missing[0]} is missing from checkpoint {latest} (its "
+        raise MissingInput(f"{root / latest / missing[0]} is missing from checkpoint {latest} (its "
                                 f"{COMPLETE_MARKER} lists it); copy every file of the tag directory, or write an "
                                 f"older complete tag into {root / LATEST_FILE}.")
 
@@ -103,7 +104,7 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
     raise_on_any_rank(lambda: check_tag_files(tag_dir, *rank_and_world()))
     pp_size = getattr(ps, "pp_size", 1)
     if (source_tp, source_pp) != (ps.tp_size, pp_size):
-        raise ValueError(f"--load {load} holds a checkpoint written at tp={source_tp} x pp={source_pp} and this run "
+        raise UserError(f"--load {load} holds a checkpoint written at tp={source_tp} x pp={source_pp} and this run "
                          f"is tp={ps.tp_size} x pp={pp_size}; resume it through zoo's pretraining (launch/pretrain.py "
                          "--load), which moves it to the new layout.")
     model_parallel_rank = getattr(ps, "pp_rank", 0) * ps.tp_size + ps.tp_rank   # DeepSpeed's mp_rank_XX
@@ -117,7 +118,7 @@ def resume_tag_and_layout(load: str | os.PathLike, announce: bool = False) -> tu
     root = checkpoints_root(load)
     tag_dir, note = resume_tag_directory(root)
     if tag_dir is None:
-        raise ValueError(f"--load {load}: {note.replace('; starting from iteration 0', '')}; remove "
+        raise UserError(f"--load {load}: {note.replace('; starting from iteration 0', '')}; remove "
                          f"{root / LATEST_FILE} to start the run from iteration 0, or pass --load of a run "
                          "with a finished checkpoint.")
     if announce and note and is_first_rank():
@@ -146,7 +147,7 @@ def check_rank_states(tag_dir: Path, tp_rank: int, model_config: dict[str, Any] 
         return
     differences = model_config_differences(recorded, model_config)
     if differences:
-        raise ValueError(f"--load {load} holds a checkpoint of another model ({'; '.join(differences)}); pass the "
+        raise UserError(f"--load {load} holds a checkpoint of another model ({'; '.join(differences)}); pass the "
                          f"--model preset and model_overrides it was trained with (preset "
                          f"{states.get('zoo_model')!r}), or start a new run without --load.")
 

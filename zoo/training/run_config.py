@@ -44,6 +44,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from zoo.errors import MissingInput, UserError
 from zoo.options import (
     add_deepspeed_config_argument,
     add_options,
@@ -194,18 +195,18 @@ def build_parser(description: str) -> argparse.ArgumentParser:
 def read_ds_config(path: str | None) -> dict[str, Any]:
     """The JSON of ``--deepspeed_config``, with one-sentence errors (shared by pretraining and finetuning)."""
     if path is None:
-        raise ValueError("no DeepSpeed config given; pass --deepspeed_config ds_configs/<name>.json.")
+        raise UserError("no DeepSpeed config given; pass --deepspeed_config ds_configs/<name>.json.")
     if not Path(path).is_file():
-        raise FileNotFoundError(f"DeepSpeed config {path} does not exist; {closest_ds_config_hint(path)}.")
+        raise MissingInput(f"DeepSpeed config {path} does not exist; {closest_ds_config_hint(path)}.")
     try:
         ds_config = json.loads(Path(path).read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
-        raise ValueError(f"DeepSpeed config {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+        raise UserError(f"DeepSpeed config {path} is not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
                          f"{err.start}); fix the file.") from None
     except json.JSONDecodeError as err:
-        raise ValueError(f"DeepSpeed config {path} is not valid JSON ({err}); fix the file.") from None
+        raise UserError(f"DeepSpeed config {path} is not valid JSON ({err}); fix the file.") from None
     if not isinstance(ds_config, dict):
-        raise ValueError(f"DeepSpeed config {path} holds {json_kind(ds_config)}, not a JSON object; write it as "
+        raise UserError(f"DeepSpeed config {path} holds {json_kind(ds_config)}, not a JSON object; write it as "
                          "{\"train_batch_size\": 8, \"train_micro_batch_size_per_gpu\": 4, \"optimizer\": {...}, ...}, "
                          "like the files in ds_configs/.")
     return ds_config
@@ -251,7 +252,7 @@ def check_ds_config(ds_config: dict[str, Any], path: str | None, *, needs_optimi
     file (``needs_optimizer``: pretraining), an ``optimizer`` block with a ``type`` is there."""
     for block in DS_CONFIG_BLOCKS:
         if block in ds_config and not isinstance(ds_config[block], dict):
-            raise ValueError(f"{block!r} in DeepSpeed config {path} is {shown(ds_config[block])} "
+            raise UserError(f"{block!r} in DeepSpeed config {path} is {shown(ds_config[block])} "
                              f"({json_kind(ds_config[block])}), not a JSON object; write it as \"{block}\": "
                              "{...} like the files in ds_configs/.")
     for key in DS_CONFIG_BATCH_KEYS:
@@ -260,20 +261,20 @@ def check_ds_config(ds_config: dict[str, Any], path: str | None, *, needs_optimi
             continue
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             kind = "" if isinstance(value, int) and not isinstance(value, bool) else f" ({json_kind(value)})"
-            raise ValueError(f"{key} in DeepSpeed config {path} is {shown(value)}{kind}, not a positive integer; "
+            raise UserError(f"{key} in DeepSpeed config {path} is {shown(value)}{kind}, not a positive integer; "
                              f"write it as e.g. \"{key}\": 8.")
     enabled = [name for name in ("fp16", "bf16") if ds_config.get(name, {}).get("enabled") is True]
     if len(enabled) == 2:
-        raise ValueError(f"DeepSpeed config {path} enables both fp16 and bf16; set \"enabled\": false in one of "
+        raise UserError(f"DeepSpeed config {path} enables both fp16 and bf16; set \"enabled\": false in one of "
                          "them (bf16 needs no loss scaling, fp16 runs where bf16 is not supported).")
     if needs_optimizer:
         optimizer = ds_config.get("optimizer")
         if optimizer is None:
-            raise ValueError(f"DeepSpeed config {path} has no optimizer block, and DeepSpeed builds the optimizer "
+            raise UserError(f"DeepSpeed config {path} has no optimizer block, and DeepSpeed builds the optimizer "
                              "from it; add e.g. \"optimizer\": {\"type\": \"AdamW\", \"params\": {\"lr\": 1.5e-4, "
                              "\"weight_decay\": 0.01}}.")
         if not isinstance(optimizer.get("type"), str):
-            raise ValueError(f"the optimizer block of DeepSpeed config {path} names no type (it has "
+            raise UserError(f"the optimizer block of DeepSpeed config {path} names no type (it has "
                              f"{shown(optimizer.get('type'))}); add e.g. \"type\": \"AdamW\".")
 
 
@@ -343,7 +344,7 @@ def check_input_paths(config: RunConfig) -> RunConfig:
     if config.pretrained is not None:
         read_config_json(config.pretrained)
     if config.load is not None and Path(config.load).exists() and not Path(config.load).is_dir():
-        raise FileNotFoundError(f"--load {config.load} is a file, not a directory; pass the run directory (or its "
+        raise MissingInput(f"--load {config.load} is a file, not a directory; pass the run directory (or its "
                                 "checkpoints/ directory) to resume from.")
     return config
 
@@ -358,41 +359,41 @@ def validate_static(config: RunConfig) -> RunConfig:
     allowed = {f.name for f in fields(family_config)} - {"extra"}
     bad = sorted(set(config.model_overrides) - allowed)
     if bad:
-        raise ValueError(f"model_overrides key {bad[0]!r} is not a {type(family_config).__name__} field; "
+        raise UserError(f"model_overrides key {bad[0]!r} is not a {type(family_config).__name__} field; "
                          f"use one of {sorted(allowed)}.")
     for name in ("train_iters", "seq_length", "tensor_parallel_size", "pipeline_model_parallel_size", "log_interval",
                  "eval_iters"):
         if getattr(config, name) < 1:
-            raise ValueError(f"{name} = {getattr(config, name)} must be at least 1; fix the zoo block or the flag.")
+            raise UserError(f"{name} = {getattr(config, name)} must be at least 1; fix the zoo block or the flag.")
     for name in ("eval_interval", "save_interval", "exit_interval", "data_workers"):
         if getattr(config, name) < 0:
-            raise ValueError(f"{name} = {getattr(config, name)} must be 0 (never) or positive; fix the zoo block "
+            raise UserError(f"{name} = {getattr(config, name)} must be 0 (never) or positive; fix the zoo block "
                              "or the flag.")
     for name in ("exit_duration_in_mins", "distributed_timeout_minutes"):
         if getattr(config, name) is not None and not 0 < getattr(config, name) < math.inf:
-            raise ValueError(f"{name} = {getattr(config, name)} must be a positive number of minutes; fix the zoo "
+            raise UserError(f"{name} = {getattr(config, name)} must be a positive number of minutes; fix the zoo "
                              "block or the flag.")
     check_sample_prompts(config, model_config(config.model, **config.model_overrides))
     check_pipeline(config, model_config(config.model, **config.model_overrides))
     if config.recompute_granularity not in (None, "full", "selective"):
-        raise ValueError(f"recompute_granularity {config.recompute_granularity!r} is not 'full' or 'selective'; pass "
+        raise UserError(f"recompute_granularity {config.recompute_granularity!r} is not 'full' or 'selective'; pass "
                          "--recompute-granularity full (every layer) or selective (the attention core).")
     if config.checkpoint_activations and config.recompute_granularity == "selective":
-        raise ValueError("checkpoint_activations (full recomputation) contradicts recompute_granularity 'selective'; "
+        raise UserError("checkpoint_activations (full recomputation) contradicts recompute_granularity 'selective'; "
                          "drop one of them.")
     if config.sequence_parallel and config.seq_length % config.tensor_parallel_size:
-        raise ValueError(f"sequence parallelism splits seq_length {config.seq_length} over tp="
+        raise UserError(f"sequence parallelism splits seq_length {config.seq_length} over tp="
                          f"{config.tensor_parallel_size} ranks, which does not divide it; pass a --seq-length that "
                          f"is a multiple of {config.tensor_parallel_size}.")
     if not config.save:
-        raise ValueError(f"save is {config.save!r} in the zoo block of {config.ds_config_path}; pass --save with the run "
+        raise UserError(f"save is {config.save!r} in the zoo block of {config.ds_config_path}; pass --save with the run "
                          "directory that receives the metrics, the plot and the checkpoints.")
     if config.pretrained is not None and not Path(config.pretrained).is_dir():
-        raise FileNotFoundError(f"--pretrained directory {config.pretrained} does not exist; pass a directory written "
+        raise MissingInput(f"--pretrained directory {config.pretrained} does not exist; pass a directory written "
                                 "by save_pretrained or launch/export.py.")
     for key in ("train_batch_size", "train_micro_batch_size_per_gpu"):
         if key not in config.ds_config:
-            raise ValueError(f"DeepSpeed config {config.ds_config_path} lacks {key!r}; zoo fixes the global "
+            raise UserError(f"DeepSpeed config {config.ds_config_path} lacks {key!r}; zoo fixes the global "
                              "batch in the config, add both train_batch_size and train_micro_batch_size_per_gpu.")
     return config
 
@@ -407,11 +408,11 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
         return
     bad = next((p for p in prompts if not isinstance(p, str)), None)
     if bad is not None:
-        raise ValueError(f"sample_prompts holds {shown(bad)} ({json_kind(bad)}), not a string; write it as e.g. "
+        raise UserError(f"sample_prompts holds {shown(bad)} ({json_kind(bad)}), not a string; write it as e.g. "
                          "\"sample_prompts\": [\"The history of\"].")
     family = family_of(family_config)
     if not family.generates_text:
-        raise ValueError(f"sample_prompts are for GPT models, but model {config.model!r} is a "
+        raise UserError(f"sample_prompts are for GPT models, but model {config.model!r} is a "
                          f"{family_config.model_type} model, which does not generate text; remove sample_prompts "
                          "from the zoo block.")
     if config.pretrained is not None:   # the directory's n_positions: generation checks the lengths itself
@@ -423,7 +424,7 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
     for index, prompt in enumerate(prompts):
         length = len(tokenizer.encode(prompt))
         if length >= n_positions:
-            raise ValueError(f"sample prompt {index} has {length} tokens, which leaves no room for new tokens in the "
+            raise UserError(f"sample prompt {index} has {length} tokens, which leaves no room for new tokens in the "
                              f"model's n_positions={n_positions}; shorten it.")
 
 
@@ -434,7 +435,7 @@ def check_pipeline(config: RunConfig, family_config) -> None:
 
     pp = config.pipeline_model_parallel_size
     if config.pipeline_partition_method not in ("parameters", "uniform"):
-        raise ValueError(f"pipeline_partition_method {config.pipeline_partition_method!r} is not 'parameters' or "
+        raise UserError(f"pipeline_partition_method {config.pipeline_partition_method!r} is not 'parameters' or "
                          "'uniform'; pass --pipeline-partition-method parameters (balanced parameter counts) or "
                          "uniform (equal transformer layers per stage).")
     if pp == 1:
@@ -442,21 +443,21 @@ def check_pipeline(config: RunConfig, family_config) -> None:
     family = family_of(family_config)
     if family.pipeline is None:
         staged = " and ".join(f.display_name for f in FAMILIES if f.pipeline is not None)
-        raise ValueError(f"pipeline stages are built for {staged} only, and model {config.model!r} is not "
+        raise UserError(f"pipeline stages are built for {staged} only, and model {config.model!r} is not "
                          f"{staged} (model_type {family_config.model_type!r}); train it with "
                          "--pipeline-model-parallel-size 1 (tensor, sequence and data parallelism).")
     layers = family.shape(family_config).layers
     if config.pretrained is None and layers < pp:
-        raise ValueError(f"--pipeline-model-parallel-size {pp} asks for more stages than the {layers} transformer "
+        raise UserError(f"--pipeline-model-parallel-size {pp} asks for more stages than the {layers} transformer "
                          f"layers of model {config.model!r}; pass at most {layers} stages.")
     if config.pretrained is None and config.pipeline_partition_method == "uniform" and layers % pp:
         fits = [p for p in range(1, layers + 1) if layers % p == 0]
-        raise ValueError(f"--pipeline-partition-method uniform splits the {layers} transformer layers of model "
+        raise UserError(f"--pipeline-partition-method uniform splits the {layers} transformer layers of model "
                          f"{config.model!r} equally, which {pp} stages cannot; pass --pipeline-model-parallel-size one "
                          f"of {fits} or --pipeline-partition-method parameters.")
     stage = (config.ds_config.get("zero_optimization") or {}).get("stage", 0)
     if stage >= 2:
-        raise ValueError(f"ZeRO stage {stage} in {config.ds_config_path} partitions gradients, which DeepSpeed's "
+        raise UserError(f"ZeRO stage {stage} in {config.ds_config_path} partitions gradients, which DeepSpeed's "
                          "pipeline engine cannot; set zero_optimization stage 0 or 1 with "
                          f"--pipeline-model-parallel-size {pp}.")
 
@@ -497,11 +498,11 @@ def validate_for_world(config: RunConfig, world_size: int) -> int:
     global_batch = config.ds_config["train_batch_size"]
     micro = config.ds_config["train_micro_batch_size_per_gpu"]
     if global_batch % (micro * dp) != 0:
-        raise ValueError(batch_arithmetic_error(global_batch, micro, dp, world_size, tp, pp))
+        raise UserError(batch_arithmetic_error(global_batch, micro, dp, world_size, tp, pp))
     gas = global_batch // (micro * dp)
     declared = config.ds_config.get("gradient_accumulation_steps")
     if declared not in (None, "auto", gas):
-        raise ValueError(f"gradient_accumulation_steps {declared} disagrees with train_batch_size {global_batch} "
+        raise UserError(f"gradient_accumulation_steps {declared} disagrees with train_batch_size {global_batch} "
                          f"/ (micro {micro} x dp {dp}) = {gas}; remove it and DeepSpeed derives it.")
     return gas
 

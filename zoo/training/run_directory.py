@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from zoo.atomic import check_writable_directory, default_file_mode, unwritable_directory
+from zoo.errors import UserError
 from zoo.training.metrics import METRICS_FILE, check_metrics_file
 
 __all__ = ["LOCK_FILE", "Holder", "RunDirectoryLock", "claim_pretraining_directory", "claim_finetuning_directory"]
@@ -131,7 +132,7 @@ class RunDirectoryLock:
 
     # ------------------------------------------------------------------------------------------ acquire
     def acquire(self, check: Callable[[], None] = lambda: None) -> RunDirectoryLock:
-        """Take the lock, or raise ``ValueError`` naming the holder. ``check`` (the caller's read-only checks
+        """Take the lock, or raise ``UserError`` naming the holder. ``check`` (the caller's read-only checks
         of the directory's contents) runs once no other run can hold the directory and before this run
         writes anything there; when it raises, nothing was written and the lock is not kept."""
         if not self.run_dir.is_dir():
@@ -159,7 +160,7 @@ class RunDirectoryLock:
             except OSError as err:
                 os.close(fd)
                 if err.errno not in FLOCK_UNSUPPORTED:
-                    raise ValueError(f"{self.flag} {self.run_dir}: its lock file {self.path} cannot be locked "
+                    raise UserError(f"{self.flag} {self.run_dir}: its lock file {self.path} cannot be locked "
                                      f"({err.strerror}); pass a directory on a filesystem you can write to.") from None
                 if not existed:
                     with contextlib.suppress(OSError):
@@ -177,7 +178,7 @@ class RunDirectoryLock:
             self._fd = fd
             self._write_holder()
             return self
-        raise ValueError(f"{self.flag} {self.run_dir}: its lock file {self.path} keeps being replaced by other "
+        raise UserError(f"{self.flag} {self.run_dir}: its lock file {self.path} keeps being replaced by other "
                          "runs; make sure one run at a time uses this directory.")
 
     def _open(self, flags: int) -> int:
@@ -210,7 +211,7 @@ class RunDirectoryLock:
             what = "a directory"
         else:
             what = "a special file"
-        raise ValueError(f"{self.flag} {self.run_dir}: its lock file {self.path} is {what}, not a regular file, and "
+        raise UserError(f"{self.flag} {self.run_dir}: its lock file {self.path} is {what}, not a regular file, and "
                          f"zoo writes its lock only into a file of its own; remove {self.path} and run again.")
 
     def _names_this_file(self, fd: int) -> bool:
@@ -253,13 +254,13 @@ class RunDirectoryLock:
             return self
         raise self._in_use(read_holder(self.path))
 
-    def _in_use(self, holder: Holder | None) -> ValueError:
+    def _in_use(self, holder: Holder | None) -> UserError:
         if holder is None:
-            return ValueError(f"{self.flag} {self.run_dir} is in use by another run (its lock file {self.path} "
+            return UserError(f"{self.flag} {self.run_dir} is in use by another run (its lock file {self.path} "
                               f"names no holder); wait for that run to end, or remove {self.path} if no run uses "
                               f"the directory, or pass another {self.flag}.")
         where = "" if holder.host == socket.gethostname() else f" (if that run has ended, remove {self.path})"
-        return ValueError(f"{self.flag} {self.run_dir} is in use by another run ({holder.describe()}); wait for it "
+        return UserError(f"{self.flag} {self.run_dir} is in use by another run ({holder.describe()}); wait for it "
                           f"to end or stop it, or pass another {self.flag}{where}.")
 
     # ------------------------------------------------------------------------------------------ release
@@ -341,11 +342,11 @@ def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, o
     def check() -> None:
         checkpoints = None if resuming else checkpoint_summary(run_dir)
         if checkpoints is not None and not overwrite:
-            raise ValueError(f"--save {run_dir} already holds the checkpoints of an earlier run ({checkpoints}), "
+            raise UserError(f"--save {run_dir} already holds the checkpoints of an earlier run ({checkpoints}), "
                              f"which this run's saves would overwrite; use --load {run_dir} to resume, or another "
                              "--save, or --overwrite to replace them.")
         if not resuming and metrics.exists() and not overwrite:
-            raise ValueError(f"--save {run_dir} already holds the {METRICS_FILE} of an earlier run; use --load "
+            raise UserError(f"--save {run_dir} already holds the {METRICS_FILE} of an earlier run; use --load "
                              f"{run_dir} to resume, or another --save, or --overwrite to replace it.")
         if resuming and metrics.is_file():
             check_metrics_file(metrics)
@@ -380,7 +381,7 @@ def refuse_symlinked_checkpoints(run_dir: Path) -> None:
 
     checkpoints = run_dir / CHECKPOINT_SUBDIR
     if checkpoints.is_symlink():
-        raise ValueError(f"--save {run_dir}: its checkpoints {checkpoints} is a symbolic link to "
+        raise UserError(f"--save {run_dir}: its checkpoints {checkpoints} is a symbolic link to "
                          f"{os.readlink(checkpoints)}, whose contents --overwrite does not remove; remove the link "
                          "(or what it points to) yourself, or pass another --save.")
 
@@ -483,7 +484,7 @@ def claim_finetuning_directory(run_dir: str | os.PathLike, overwrite: bool = Fal
     def check() -> None:
         earlier = [name for name in FINETUNING_OUTPUTS if (run_dir / name).exists()]
         if earlier and not overwrite:
-            raise ValueError(f"--save {run_dir} already holds the {' and '.join(earlier)} of an earlier finetuning "
+            raise UserError(f"--save {run_dir} already holds the {' and '.join(earlier)} of an earlier finetuning "
                              f"run; pass another --save, or --overwrite to replace them.")
 
     lock = RunDirectoryLock(run_dir, "--save").acquire(check)

@@ -13,6 +13,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from zoo.errors import UserError
 from zoo.models.config import (
     MAX_HIDDEN_SIZE,
     MAX_LAYERS,
@@ -109,21 +110,21 @@ class LlamaConfig:
         recompute_mode(self)
         heads, kv_heads = self.num_attention_heads, self.kv_heads
         if self.head_dim is None and self.hidden_size % heads != 0:
-            raise ValueError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}; "
+            raise UserError(f"hidden_size={self.hidden_size} is not divisible by num_attention_heads={heads}; "
                              "choose num_attention_heads that divides it, or set head_dim.")
         if heads % kv_heads != 0:
-            raise ValueError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}; "
+            raise UserError(f"num_attention_heads={heads} is not a multiple of num_key_value_heads={kv_heads}; "
                              "choose num_key_value_heads that divides num_attention_heads.")
         if self.attention_head_dim % 2 != 0:
-            raise ValueError(f"head dim {self.attention_head_dim} is odd, and rotary embeddings rotate pairs of "
+            raise UserError(f"head dim {self.attention_head_dim} is odd, and rotary embeddings rotate pairs of "
                              "dimensions; choose an even head_dim.")
         check_tp_divides_heads(heads, kv_heads, self.intermediate_size, tp_size)
         if self.hidden_act != "silu":
-            raise ValueError(f"hidden_act {self.hidden_act!r} is not supported; zoo's Llama implements 'silu' "
+            raise UserError(f"hidden_act {self.hidden_act!r} is not supported; zoo's Llama implements 'silu' "
                              "(SwiGLU) only.")
         for key, value in _UNSUPPORTED.items():
             if self.extra.get(key, value) != value:
-                raise ValueError(f"Llama config field {key}={self.extra[key]!r} is not supported by zoo; only "
+                raise UserError(f"Llama config field {key}={self.extra[key]!r} is not supported by zoo; only "
                                  f"{key}={value} is implemented.")
         check_rope_scaling(self.rope_scaling)
         return self
@@ -161,11 +162,11 @@ class LlamaConfig:
 def check_tp_divides_heads(heads: int, kv_heads: int, intermediate_size: int, tp_size: int) -> None:
     """Each TP rank holds whole query heads and whole key/value groups, and an equal slice of the MLP."""
     if heads % tp_size != 0 or kv_heads % tp_size != 0:
-        raise ValueError(f"num_attention_heads={heads} and num_key_value_heads={kv_heads} must both be divisible "
+        raise UserError(f"num_attention_heads={heads} and num_key_value_heads={kv_heads} must both be divisible "
                          f"by tensor-parallel size {tp_size} so that every rank holds whole heads and whole key/value "
                          f"groups; use a tp degree that divides {kv_heads}.")
     if intermediate_size % tp_size != 0:
-        raise ValueError(f"intermediate_size={intermediate_size} is not divisible by tensor-parallel size {tp_size}; "
+        raise UserError(f"intermediate_size={intermediate_size} is not divisible by tensor-parallel size {tp_size}; "
                          "use a tp degree that divides it.")
 
 
@@ -175,15 +176,15 @@ def check_rope_scaling(rope_scaling: Any) -> None:
     if rope_scaling is None:
         return
     if not isinstance(rope_scaling, dict):
-        raise ValueError(f"rope_scaling {rope_scaling!r} is not a JSON object; write null or Llama-3's "
+        raise UserError(f"rope_scaling {rope_scaling!r} is not a JSON object; write null or Llama-3's "
                          "{\"rope_type\": \"llama3\", ...}.")
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
     if rope_type not in ROPE_TYPES:
-        raise ValueError(f"rope_type {rope_type!r} is not supported; zoo's Llama implements {list(ROPE_TYPES)}.")
+        raise UserError(f"rope_type {rope_type!r} is not supported; zoo's Llama implements {list(ROPE_TYPES)}.")
     if rope_type == "llama3":
         absent = [name for name in LLAMA3_ROPE_FIELDS if name not in rope_scaling]
         if absent:
-            raise ValueError(f"rope_scaling of rope_type 'llama3' has no {absent[0]!r}; add it (Llama-3.1 uses "
+            raise UserError(f"rope_scaling of rope_type 'llama3' has no {absent[0]!r}; add it (Llama-3.1 uses "
                              "factor 8, low_freq_factor 1, high_freq_factor 4, original_max_position_embeddings 8192).")
 
 
@@ -192,10 +193,10 @@ def check_llama_config_values(values: dict[str, Any], path: Any) -> None:
     else one sentence naming the file and the field; zoo never guesses the shape of a model it loads."""
     for name in LLAMA_REQUIRED_FIELDS:
         if name not in values:
-            raise ValueError(f"{path} has no {name} field, and zoo does not guess a model's shape; add "
+            raise UserError(f"{path} has no {name} field, and zoo does not guess a model's shape; add "
                              f"\"{name}\": <the model's value> (transformers' save_pretrained always writes it).")
     for name, (maximum, nullable) in LLAMA_SHAPE_FIELDS.items():
         problem = shape_field_problem(values[name], maximum, nullable) if name in values else None
         if problem:
-            raise ValueError(f"{path} field {name} {problem}; write the model's {name} there as a positive integer "
+            raise UserError(f"{path} field {name} {problem}; write the model's {name} there as a positive integer "
                              f"of at most {maximum:,}.")

@@ -24,6 +24,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zoo.assets import GPT2_TOKENIZER_DIR
+from zoo.errors import UserError
 from zoo.models.llama.config import LlamaConfig, check_llama_config_values
 from zoo.models.pretrained import HFPretrainedMixin
 
@@ -56,7 +57,7 @@ class LlamaCheckpointMixin(HFPretrainedMixin):
     @classmethod
     def config_from_hf(cls, values: dict) -> LlamaConfig:
         if values.get("model_type") != "llama":
-            raise ValueError(f"checkpoint has model_type {values.get('model_type')!r}, not 'llama'; load it with "
+            raise UserError(f"checkpoint has model_type {values.get('model_type')!r}, not 'llama'; load it with "
                              "the zoo class for that model type.")
         check_llama_config_values(values, "config.json")
         return LlamaConfig.from_hf_dict(values)

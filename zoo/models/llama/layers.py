@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.errors import UserError
 from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.rope import apply_rotary
 from zoo.models.transformer import LayerCache, recomputed
@@ -110,7 +111,7 @@ class LlamaAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         has_past = cache is not None and cache.past is not None
         if has_past and attn_bias is None and s > 1:
-            raise ValueError(f"a causal query of {s} tokens after a key/value cache needs the offset causal "
+            raise UserError(f"a causal query of {s} tokens after a key/value cache needs the offset causal "
                              "mask; pass attn_bias from attention_bias(..., past_length=...).")
         if cache is not None:
             k, v = cache.extend(k, v)                                              # (b, kv_heads_local, P + s, d)

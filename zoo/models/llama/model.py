@@ -14,6 +14,7 @@ import torch
 from torch import nn
 from transformers.modeling_outputs import BaseModelOutputWithPast, CausalLMOutputWithPast
 
+from zoo.errors import UserError
 from zoo.models.config import recompute_mode
 from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.hf_names import LlamaCheckpointMixin
@@ -70,7 +71,7 @@ class LlamaModel(LlamaCheckpointMixin, nn.Module):
         b, s = input_ids.shape
         past_length = cache.past_length if cache is not None else 0
         if position_ids is None and past_length + s > self.config.max_position_embeddings:
-            raise ValueError(f"sequence length {past_length + s} exceeds max_position_embeddings="
+            raise UserError(f"sequence length {past_length + s} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}; truncate inputs to that many tokens.")
         sp = cache is None and uses_sequence_parallel(self.parallel, self.config.sequence_parallel, s)
         if position_ids is None:
@@ -132,7 +133,7 @@ class LlamaForCausalLM(LlamaCheckpointMixin, nn.Module):
                 gather_output: bool = False, past_key_values=None, use_cache: bool = False,
                 logits_to_keep: int = 0) -> CausalLMOutputWithPast:
         if logits_to_keep and labels is not None:
-            raise ValueError("labels need the logits of every position; pass logits_to_keep=0 with labels.")
+            raise UserError("labels need the logits of every position; pass logits_to_keep=0 with labels.")
         cache = KVCache(past_key_values, len(self.model.layers)) if past_key_values is not None or use_cache else None
         hidden, sp = self.model.hidden_states(input_ids, attention_mask, position_ids, cache)  # (b, s or s/p, h)
         if logits_to_keep:

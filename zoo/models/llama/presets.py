@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from zoo.errors import UserError
 from zoo.models.llama.config import LlamaConfig
 
 LLAMA3_ROPE_SCALING = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
@@ -32,7 +33,7 @@ LLAMA_PRESETS: dict[str, dict] = {
 def llama_config(preset: str, **overrides) -> LlamaConfig:
     """The :class:`LlamaConfig` of a preset name, with optional field overrides."""
     if preset not in LLAMA_PRESETS:
-        raise ValueError(f"unknown model preset {preset!r}; choose one of {sorted(LLAMA_PRESETS)}.")
+        raise UserError(f"unknown model preset {preset!r}; choose one of {sorted(LLAMA_PRESETS)}.")
     values = {**LLAMA_PRESETS[preset], **overrides}
     if isinstance(values.get("rope_scaling"), dict):
         values["rope_scaling"] = dict(values["rope_scaling"])   # a config never shares the preset's dict
