@@ -3,9 +3,10 @@ scripts start DeepSpeed (one launcher per node: ``deepspeed --hostfile H --no_ss
 --master_addr HEAD --master_port P``), train exactly like one 4-rank launch.
 
 The two-node run is the user's CLI (launch/pretrain.py) with ZeRO-1 at tp = 2 x dp = 2 and the demo
-config's settings; the reference is the non-ZeRO run of tests/test_zero.py's one-node 4-rank launch
-(the same data, model and batch): losses and grad norms equal <= 1e-5 (fp32). Also checks that
-launch/slurm_pretrain.sbatch is a complete job script (sbatch header, per-node launch form, auto-resume).
+config's settings; the reference is the non-ZeRO run of the one-node 4-rank launch that tests/test_zero.py
+checks (tests/helpers/zero_launch.py: the same data, model and batch): losses and grad norms equal <= 1e-5
+(fp32). Also checks that launch/slurm_pretrain.sbatch is a complete job script (sbatch header, per-node
+launch form, auto-resume).
 """
 
 from __future__ import annotations
@@ -16,18 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers.pretraining import ds_config
-from tests.test_zero import (
-    ITERS,
-    MODEL,
-    PARITY,
-    REPO,
-    assert_matches,
-    deepspeed_cmd,
-    launcher_env,
-    one_node_launch,
-    train_events,
-)
+from tests.helpers.pretraining import ds_config, train_events
+from tests.helpers.random_corpus import MODEL
+from tests.helpers.repo import REPO
+from tests.helpers.zero_launch import ITERS, PARITY, assert_matches, deepspeed_cmd, launcher_env, one_node_launch
 
 
 def two_node_config(path: Path) -> None:

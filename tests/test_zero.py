@@ -1,6 +1,7 @@
 """ZeRO-1/2 with tensor parallelism, through the real `deepspeed` launcher on CPU (4 ranks).
 
-One launch of a driver that runs, in the same 4 processes, at tp = 2 x dp = 2 unless said:
+One launch (tests/helpers/zero_launch.py) of a driver that runs, in the same 4 processes, at tp = 2 x dp = 2
+unless said:
   base   no ZeRO, 5 iterations (also the one-node reference of tests/test_multinode.py)
   zero1  ZeRO stage 1, checkpoints every 2 iterations          zero2  ZeRO stage 2, the same
   same   zero1's iteration-2 checkpoint resumed at tp = 2 x dp = 2 (ZeRO-1)
@@ -18,126 +19,18 @@ DeepSpeed lays it out), and an impossible layout is refused in one sentence with
 
 from __future__ import annotations
 
-import functools
-import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-VOCAB = 1100   # padded to 1152 at tp=1, 1280 at tp=2, 1536 at tp=4
-MODEL = dict(vocab_size=VOCAB, n_layer=2, n_embd=64, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-ITERS, SAVED_AT = 5, 2
-PARITY = 1e-5
-
-DRIVER = """
-import json, shutil, sys
-from pathlib import Path
-sys.path.insert(0, {repo!r})
-import torch.distributed as dist
-from tests.test_pretrain import run_config
-from zoo.training.pretrain import pretrain
-args = [a for a in sys.argv[1:] if not a.startswith("--local_rank")]   # the launcher adds --local_rank=N
-data, root, model = args[0], Path(args[1]), json.loads(Path(args[2]).read_text())
-
-def run(name, tp, stage, iters={iters}, load=None, save_interval=0, bf16=False):
-    config = run_config(data, str(root / name), tp, 1, 4, train_iters=iters, model_overrides=dict(model),
-                        save_interval=save_interval, load=load, data_workers=0)
-    if stage:
-        config.ds_config["zero_optimization"] = {{"stage": stage}}
-    if bf16:
-        config.ds_config["bf16"] = {{"enabled": True}}
-    pretrain(config)
-
-run("base", 2, 0)
-run("zero1", 2, 1, save_interval={saved_at})
-run("zero2", 2, 2, save_interval={saved_at})
-if dist.get_rank() == 0:   # each iteration-{saved_at} checkpoint as its own run directory, 'latest' naming it
-    for run_name, saved in (("zero1", "saved"), ("zero2", "saved2")):
-        source = root / run_name / "checkpoints" / "iter_{saved_at:07d}"
-        shutil.copytree(source, root / saved / "checkpoints" / source.name)
-        (root / saved / "checkpoints" / "latest").write_text(source.name)
-dist.barrier()
-for name, tp in (("same", 2), ("tp4", 4), ("tp1", 1)):
-    run(name, tp, 1, load=str(root / "saved"))
-run("zero2-tp1", 1, 2, load=str(root / "saved2"))
-run("bf16-0", 2, 0, iters=3, bf16=True)
-run("bf16-1", 2, 1, iters=3, bf16=True)
-"""
-
-
-def rel(a: float, b: float) -> float:
-    return abs(a - b) / max(abs(b), 1e-12)
-
-
-def make_corpus(prefix: Path) -> str:
-    """A small random-token corpus of a ``VOCAB``-token vocabulary in the indexed format."""
-    import numpy as np
-
-    from zoo.data.indexed_dataset import IndexedDatasetBuilder
-
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(prefix, vocab_size=VOCAB) as builder:
-        for _ in range(24):
-            builder.add_document(rng.integers(0, VOCAB, size=100))
-    return str(prefix)
-
-
-def launcher_env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo", HF_HUB_OFFLINE="1",
-                TOKENIZERS_PARALLELISM="false")
-
-
-def deepspeed_cmd() -> str:
-    return str(Path(sys.executable).parent / "deepspeed")
-
-
-def one_node_launch(factory) -> tuple[Path, str]:
-    """(runs root, corpus prefix) of the one 4-rank launch, once per session: shared with
-    tests/test_multinode.py (keyed by the session's base temporary directory)."""
-    return _launch_once(str(factory.getbasetemp()))
-
-
-@functools.cache
-def _launch_once(basetemp: str) -> tuple[Path, str]:
-    from tests.spawn import free_port
-
-    root = Path(basetemp) / "zero_launch"
-    root.mkdir()
-    corpus = make_corpus(root / "random")
-    driver = root / "driver.py"
-    driver.write_text(DRIVER.format(repo=str(REPO), iters=ITERS, saved_at=SAVED_AT))
-    (root / "model.json").write_text(json.dumps(MODEL))   # a file: the launcher re-quotes its arguments
-    cmd = [deepspeed_cmd(), "--num_gpus", "4", "--master_port", str(free_port()), str(driver), corpus,
-           str(root / "runs"), str(root / "model.json")]
-    proc = subprocess.run(cmd, env=launcher_env(), cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-3000:])
-    return root / "runs", corpus
+from tests.helpers.pretraining import train_events
+from tests.helpers.zero_launch import ITERS, PARITY, SAVED_AT, assert_matches, one_node_launch, rel
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
     return one_node_launch(tmp_path_factory)[0]
-
-
-def train_events(run_dir: Path) -> list[dict]:
-    from zoo.training.metrics import read_metrics
-
-    return [e for e in read_metrics(run_dir) if "split" not in e]
-
-
-def assert_matches(events: list[dict], reference: list[dict], tolerance: float, what: str,
-                   grad_norm_tolerance: float | None = None) -> None:
-    assert [e["iteration"] for e in events] == [e["iteration"] for e in reference], what
-    for ours, theirs in zip(events, reference):
-        assert rel(ours["loss"], theirs["loss"]) <= tolerance, (what, "loss", ours, theirs)
-        norm_tolerance = tolerance if grad_norm_tolerance is None else grad_norm_tolerance
-        assert rel(ours["grad_norm"], theirs["grad_norm"]) <= norm_tolerance, (what, "grad_norm", ours, theirs)
-        assert ours["lr"] == theirs["lr"] and ours["consumed_samples"] == theirs["consumed_samples"], what
 
 
 def test_zero1_and_zero2_equal_the_non_zero_run_at_tp2_dp2(runs):
