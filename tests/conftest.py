@@ -30,5 +30,5 @@ def environment_of_the_session():
 @pytest.fixture(scope="module")
 def corpus_prefix(tmp_path_factory):
     """A small real corpus: the first 12 articles of the bundled Wikipedia sample, built once per test
-    module that asks for it (a module may define its own ``corpus_prefix`` instead)."""
+    module that asks for it."""
     return wiki_sample_corpus(tmp_path_factory.mktemp("corpus"))

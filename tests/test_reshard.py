@@ -24,12 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.pretraining import run_config, train_events
+from tests.helpers.random_corpus import MODEL, make_corpus
 from tests.spawn import spawn
-from tests.test_pretrain import run_config, train_events
 
 REL_TOL = 1e-5
-VOCAB = 1100   # padded to 1152 at tp=1, 1280 at tp=2, 1536 at tp=4: the padding changes with tp
-NO_DROPOUT = dict(vocab_size=VOCAB, n_layer=2, n_embd=64, n_head=4, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
 TRAIN_ITERS, SAVED_AT = 7, 2
 
 
@@ -39,18 +38,10 @@ def rel(a: float, b: float) -> float:
 
 # ----------------------------------------------------------------------------- end to end
 @pytest.fixture(scope="module")
-def corpus_prefix(tmp_path_factory):
-    """A small random-token corpus of a ``VOCAB``-token vocabulary in the indexed format."""
-    import numpy as np
-
-    from zoo.data.indexed_dataset import IndexedDatasetBuilder
-
-    prefix = tmp_path_factory.mktemp("corpus") / "random"
-    rng = np.random.default_rng(0)
-    with IndexedDatasetBuilder(prefix, vocab_size=VOCAB) as builder:
-        for _ in range(24):
-            builder.add_document(rng.integers(0, VOCAB, size=100))
-    return str(prefix)
+def random_corpus_prefix(tmp_path_factory):
+    """The random-token corpus of tests/helpers/random_corpus.py: its vocabulary (1100) is padded differently at
+    tp 1, 2 and 4, so the move re-pads the embedding."""
+    return make_corpus(tmp_path_factory.mktemp("corpus") / "random")
 
 
 def _resume_at_other_tp_worker(rank, world_size, data_path, root):
@@ -59,7 +50,7 @@ def _resume_at_other_tp_worker(rank, world_size, data_path, root):
     from zoo.training.pretrain import pretrain
 
     def config(tp, save, load=None):   # global batch 4 of micro-batches of 1: gas = 4 / dp
-        return run_config(data_path, save, tp, 1, 4, train_iters=TRAIN_ITERS, model_overrides=dict(NO_DROPOUT),
+        return run_config(data_path, save, tp, 1, 4, train_iters=TRAIN_ITERS, model_overrides=dict(MODEL),
                           save_interval=0 if load else SAVED_AT, load=load)
 
     pretrain(config(2, f"{root}/tp2"))   # the un-resharded run: saved at iteration 2, continued to 7
@@ -74,9 +65,9 @@ def _resume_at_other_tp_worker(rank, world_size, data_path, root):
 
 
 @pytest.fixture(scope="module")
-def resumed(corpus_prefix, tmp_path_factory):
+def resumed(random_corpus_prefix, tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
-    spawn(_resume_at_other_tp_worker, 4, corpus_prefix, str(root))
+    spawn(_resume_at_other_tp_worker, 4, random_corpus_prefix, str(root))
     return root
 
 
