@@ -31,6 +31,7 @@ from zoo.distributed import (
     ranks_that_did_not_arrive,
     run_on_first_rank,
 )
+from zoo.errors import UserError
 from zoo.training.loop import StopConditions, TrainingLoop
 from zoo.training.pretrain import pretrain
 
@@ -142,7 +143,7 @@ def _first_rank_worker(rank, world_size):
         return f"done by {dist.get_rank()}"
 
     def fails():
-        raise ValueError("the export failed on rank 0.")
+        raise UserError("the export failed on rank 0.")
 
     done = run_on_first_rank(work, work_bytes=10 ** 9)
     try:
