@@ -23,13 +23,13 @@ import pytest
 import torch
 
 import zoo.checkpoint.deepspeed_export as export
-import zoo.eval.runner as runner
+import zoo.eval.zero_shot as zero_shot
 from zoo.atomic import staged_directory
 from zoo.checkpoint import export_checkpoint
 from zoo.checkpoint.layout import layout_only_state
 from zoo.cli.evaluate import main as evaluate_main
 from zoo.cli.export import main as export_main
-from zoo.eval.runner import export_cache_path, make_private_directory, transformers_directory
+from zoo.eval.zero_shot import export_cache_path, make_private_directory, transformers_directory
 from zoo.models import GPT2LMHeadModel, gpt2_config
 from zoo.models.hf_io import is_hf_export
 from zoo.training.metrics import plot_loss
@@ -202,7 +202,7 @@ def test_loss_plot_and_evaluation_results_honour_the_umask(tmp_path, umask, monk
 
     results = {"task": "lambada", "strict": True, "accuracy": 0.5, "correct": 1, "total": 2,
                "multi_token_targets": 0, "truncated": 0}
-    monkeypatch.setattr(runner, "evaluate_checkpoint", lambda args: results)
+    monkeypatch.setattr(zero_shot, "evaluate_checkpoint", lambda args: results)
     out = tmp_path / "new" / "lambada.json"
     evaluate_main(["--task", "lambada", "--data", "unused", "--load", "unused", "--out", str(out)])
     assert json.loads(out.read_text()) == results and mode(out) == 0o666 & ~umask
@@ -216,7 +216,7 @@ def evaluate_cli(capsys, monkeypatch, out) -> str:
     def forbidden(args):
         raise AssertionError("the evaluation started before --out was checked")
 
-    monkeypatch.setattr(runner, "evaluate_checkpoint", forbidden)
+    monkeypatch.setattr(zero_shot, "evaluate_checkpoint", forbidden)
     with pytest.raises(SystemExit) as exit_info:
         evaluate_main(["--task", "wikitext", "--data", "unused", "--load", "unused", "--out", str(out)])
     assert exit_info.value.code == 2

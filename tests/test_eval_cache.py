@@ -26,7 +26,7 @@ def exported_weight(directory: str) -> torch.Tensor:
 
 
 def test_rewritten_tag_is_exported_again(tmp_path, monkeypatch, capsys):
-    from zoo.eval.runner import transformers_directory
+    from zoo.eval.zero_shot import transformers_directory
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))   # the export cache lives under it
     (tmp_path / "tmp").mkdir()
@@ -55,7 +55,7 @@ def test_rewritten_tag_is_exported_again(tmp_path, monkeypatch, capsys):
 def test_rewrite_keeping_size_and_mtime_is_exported_again(tmp_path, monkeypatch, capsys):
     """The states file is rewritten in place with new weights of the same size, and its modification
     time is set back to the old one, as ``cp -p`` or ``rsync -a`` leave it."""
-    from zoo.eval.runner import transformers_directory
+    from zoo.eval.zero_shot import transformers_directory
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()

@@ -227,7 +227,7 @@ def test_cli_errors_are_one_sentence_and_exit_2(tiny_bert_dir, tmp_path, capsys)
 def test_vocab_file_larger_than_the_checkpoint_vocab_is_refused(tiny_bert_dir, tmp_path):
     from zoo.data.tokenizers import load_bert_tokenizer
     from zoo.finetune.config import FinetuneConfig
-    from zoo.finetune.runner import check_inputs_fit
+    from zoo.finetune.finetune_job import check_inputs_fit
     from zoo.models.config import BertConfig
 
     config = FinetuneConfig(task="qqp", pretrained=str(tiny_bert_dir), data_dir="-", ds_config={}, max_seq_length=64)

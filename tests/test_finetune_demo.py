@@ -125,7 +125,7 @@ def test_the_runner_scores_dev_accuracy_beside_the_majority_baseline(tiny_post_n
 
 
 def test_the_closing_lines_name_accuracy_and_baseline(capsys):
-    from zoo.finetune.runner import print_baseline_comparison
+    from zoo.finetune.finetune_job import print_baseline_comparison
 
     print_baseline_comparison("dev/accuracy", {"score": 0.8125, "metrics": {"dev/accuracy": 0.8125,
                                                                            "dev/majority_baseline": 0.5}})

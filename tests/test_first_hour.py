@@ -36,7 +36,7 @@ def event(**changes) -> dict:
 
 
 def test_eta_past_a_day_prints_days():
-    from zoo.training.tasks import format_log_line
+    from zoo.training.loop_tasks import format_log_line
 
     assert "ETA 3 days 01:00:00" in format_log_line(event(), 60)
     assert "ETA 1 day 00:00:05" in format_log_line(event(eta_s=DAY + 5), 60)
@@ -44,7 +44,7 @@ def test_eta_past_a_day_prints_days():
 
 
 def test_log_line_carries_mfu_memory_and_skipped_and_nan_counts():
-    from zoo.training.tasks import format_log_line
+    from zoo.training.loop_tasks import format_log_line
 
     gpu = format_log_line(event(mfu_pct=12.47, mem_allocated_gb=12.3, mem_reserved_gb=14.0), 60)
     assert "123.400 TFLOPs/device (MFU 12.5%)" in gpu

@@ -106,10 +106,10 @@ parameters:
 
 def test_an_in_process_run_finds_its_task_from_the_scripts_file_name(monkeypatch):
     """finetune/<task>.py runs <task>; a task spelt with dashes lives in a file spelt with underscores."""
-    from zoo.finetune import tasks
+    from zoo.finetune import task_catalog
     from zoo.finetune.sweep import task_of_program
 
-    monkeypatch.setitem(tasks.TASKS, "two-words", tasks.TASKS["qqp"])
+    monkeypatch.setitem(task_catalog.TASKS, "two-words", task_catalog.TASKS["qqp"])
     assert task_of_program("finetune/race.py") == "race"
     assert task_of_program("finetune/two_words.py") == "two-words"
 
@@ -190,7 +190,7 @@ def test_a_run_logging_to_wandb_without_it_warns_pip_install_wandb_and_goes_on(t
 
 
 def test_an_evaluation_logging_to_wandb_without_it_warns_pip_install_wandb(capsys, monkeypatch):
-    from zoo.eval.runner import log_to_wandb
+    from zoo.eval.zero_shot import log_to_wandb
 
     monkeypatch.setitem(sys.modules, "wandb", None)
     assert log_to_wandb("zoo-eval", {"task": "wikitext", "load": "runs/demo", "ppl": 3.0}) is False

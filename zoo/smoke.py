@@ -206,7 +206,7 @@ def timed(smoke: Smoke, seconds: list[float]):
 
 
 class OneBatchTask:
-    """The smoke's training task (:class:`zoo.training.tasks.TrainTask`): the LM loss of one fixed batch
+    """The smoke's training task (:class:`zoo.training.loop_tasks.TrainTask`): the LM loss of one fixed batch
     ``ids`` (on the device), one micro-batch per step; its own grad norm is zoo's unscaled one where DeepSpeed's
     is not the true norm (:func:`zoo.training.grad_norm.deepspeed_reports_true_norm`), as a pretraining run
     logs it."""

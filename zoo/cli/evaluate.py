@@ -7,7 +7,7 @@
     python launch/evaluate.py --task wikitext --data wiki.test.tokens --load out/hf --tf32   # float32, TF32 GEMMs
 
 --dtype float32 (the default) computes in full float32; on an Ampere/Hopper GPU, --tf32 (TF32 tensor cores
-for float32 GEMMs) or --dtype bfloat16/float16 is several times faster. See zoo.eval.runner.
+for float32 GEMMs) or --dtype bfloat16/float16 is several times faster. See zoo.eval.zero_shot.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from zoo.atomic import write_text_atomic
-from zoo.cli.runner import command_parser, run_command
+from zoo.cli.command import command_parser, run_command
 from zoo.dtypes import add_dtype_argument
 from zoo.options import add_options, group_of, option
 
@@ -65,20 +65,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     def work() -> dict[str, Any]:
         import torch.distributed as dist  # local: torch import cost, after parsing
 
-        from zoo.eval import runner  # local: torch import cost, after parsing
+        from zoo.eval import zero_shot  # local: torch import cost, after parsing
         from zoo.eval.wikitext import DEFAULT_OVERLAP  # local: torch import cost, after parsing
 
         if args.overlap is None:
             args.overlap = DEFAULT_OVERLAP
         if args.out:
-            runner.check_output_file(args.out)   # on every rank, before any work: no collective to agree on
-        results = runner.evaluate_checkpoint(args)
+            zero_shot.check_output_file(args.out)   # on every rank, before any work: no collective to agree on
+        results = zero_shot.evaluate_checkpoint(args)
         if not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0:
-            print(runner.format_results(results))
+            print(zero_shot.format_results(results))
             if args.out:
                 write_text_atomic(args.out, json.dumps(results, indent=2) + "\n")
             if args.wandb_project:
-                runner.log_to_wandb(args.wandb_project, results)
+                zero_shot.log_to_wandb(args.wandb_project, results)
         return results
 
     return run_command(work)

@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from zoo.cli.runner import run_command
+from zoo.cli.command import run_command
 from zoo.dtypes import add_dtype_argument, torch_dtype
 from zoo.options import add_options, group_of, option
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from zoo.cli.runner import command_parser, run_command
+from zoo.cli.command import command_parser, run_command
 from zoo.finetune.config import build_parser as finetune_parser
 from zoo.finetune.config import config_from_args
 
@@ -25,7 +25,7 @@ def main(task: str, argv: list[str] | None = None, leave_process_group: bool = T
     ``leave_process_group`` is False (an in-process sweep keeps one group for all its runs)."""
     def work() -> None:
         from zoo.distributed import single_process_env  # local: torch import cost, after parsing
-        from zoo.finetune.runner import finetune  # local: torch import cost, after parsing
+        from zoo.finetune.finetune_job import finetune  # local: torch import cost, after parsing
 
         single_process_env()
         finetune(config_from_args(task, args))

@@ -22,8 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoo.atomic import atomic_file, check_writable_directory
+from zoo.cli.command import command_parser, run_command
 from zoo.cli.evaluate import TF32_HELP
-from zoo.cli.runner import command_parser, run_command
 from zoo.dtypes import add_dtype_argument, torch_dtype
 from zoo.errors import MissingInput, UserError
 from zoo.options import add_options, group_of, option
@@ -144,7 +144,7 @@ def generate_from_checkpoint(args: argparse.Namespace, texts: list[str], config)
 
     from zoo.data import load_gpt2_tokenizer  # local: torch import cost, after parsing
     from zoo.distributed import join_process_group, launched_distributed, single_device  # local: torch import cost
-    from zoo.eval.runner import set_tf32, transformers_directory  # local: torch import cost, after parsing
+    from zoo.eval.zero_shot import set_tf32, transformers_directory  # local: torch import cost, after parsing
     from zoo.inference import generate_text  # local: torch import cost, after parsing
     from zoo.models import GPT2LMHeadModel  # local: torch import cost, after parsing
     from zoo.parallel import ParallelState  # local: torch import cost, after parsing

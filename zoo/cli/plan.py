@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from zoo.cli.runner import run_command
+from zoo.cli.command import run_command
 from zoo.options import add_options, option
 from zoo.training.planner import CPU, GPUS, format_plan, plan
 

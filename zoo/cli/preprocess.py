@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from zoo.cli.runner import run_command
+from zoo.cli.command import run_command
 from zoo.data.preprocess import add_preprocess_arguments, run_preprocess
 
 

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import argparse
 
-from zoo.cli.runner import command_parser, run_command
+from zoo.cli.command import command_parser, run_command
 from zoo.errors import alike_on_every_rank
 from zoo.training.run_config import build_parser as run_config_parser
 from zoo.training.run_config import load_run_config

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from zoo.cli.runner import command_parser, run_command
+from zoo.cli.command import command_parser, run_command
 from zoo.options import add_options, option
 
 

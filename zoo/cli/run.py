@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import sys
 
-from zoo.cli.runner import run_command
+from zoo.cli.command import run_command
 from zoo.launcher import run, runner_arguments
 
 HELP_FLAGS = ("-h", "--help")

@@ -17,7 +17,7 @@ import json
 import sys
 
 from zoo.atomic import write_text_atomic
-from zoo.cli.runner import USER_ERROR_EXIT_CODE, run_command
+from zoo.cli.command import USER_ERROR_EXIT_CODE, run_command
 from zoo.errors import UserError
 from zoo.finetune.squad_eval import squad_scores
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zoo.cli.runner import run_command
+from zoo.cli.command import run_command
 from zoo.finetune.sweep import DEFAULT_PROJECT, failed_runs_sentence, run_sweep
 from zoo.finetune.sweep_overrides import SweepOverrides
 from zoo.options import add_groups, group_of

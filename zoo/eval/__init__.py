@@ -2,7 +2,7 @@
 
 ``evaluate_wikitext`` and ``evaluate_lambada`` take a (tensor-parallel) GPT-2, the raw task data
 (``read_wikitext`` / ``read_lambada``: original files or ``datasets`` directories) and the GPT-2
-tokenizer; they are collective over the tp x dp grid. ``zoo.eval.runner`` is the CLI behind
+tokenizer; they are collective over the tp x dp grid. ``zoo.eval.zero_shot`` is the CLI behind
 ``launch/evaluate.py``.
 """
 

@@ -34,9 +34,9 @@ from zoo.distributed import host_group, raise_on_any_rank
 from zoo.errors import MissingInput, UserError
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict
 from zoo.finetune.dev_curve import DEV_CURVE_FILE, baseline_metric, plot_dev_curve
+from zoo.finetune.task_catalog import Task, get_task
 from zoo.finetune.task_evaluation import BestTracker, DevValidator, write_file
 from zoo.finetune.task_training import FinetuneTask
-from zoo.finetune.tasks import Task, get_task
 from zoo.models.bert import BertConfig
 from zoo.models.hf_io import read_config_json
 from zoo.training import loop as training_loop
@@ -92,7 +92,7 @@ def read_inputs(config: FinetuneConfig, task: Task):
     if main_split not in {eval_set.name for eval_set in data.eval_sets}:
         raise MissingInput(f"no {main_split} split found in {config.data_dir} for {config.task}, and it gives "
                                 f"the metric the best model is chosen by ({task.main_metric}); add it (the layouts "
-                                "are listed in zoo/finetune/tasks.py and the README).")
+                                "are listed in zoo/finetune/task_catalog.py and the README).")
     return model_config, data
 
 

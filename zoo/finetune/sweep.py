@@ -308,7 +308,9 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
 def task_of_program(program: str) -> str:
     """The task a finetune script runs, from its file name: ``finetune/race.py`` runs race, and underscores
     read as dashes where only that spelling is a task (``finetune/same_article.py`` runs same-article)."""
-    from zoo.finetune.tasks import TASKS  # local: torch import cost (the tasks import torch); in-process sweeps only
+    from zoo.finetune.task_catalog import (
+        TASKS,  # local: torch import cost (the tasks import torch); in-process sweeps only
+    )
 
     stem = Path(program).stem
     dashed = stem.replace("_", "-")
@@ -320,7 +322,7 @@ def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> 
     whole sweep, no per-run interpreter and DeepSpeed start-up); returns its exit code: 2 with the one
     sentence in the run's log for a user error, as the script would."""
     from zoo.distributed import single_process_env  # local: torch import cost, for in-process sweeps only
-    from zoo.finetune.runner import finetune  # local: torch import cost, for in-process sweeps only
+    from zoo.finetune.finetune_job import finetune  # local: torch import cost, for in-process sweeps only
 
     saved = dict(os.environ)
     os.environ.clear()

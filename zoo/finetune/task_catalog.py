@@ -2,7 +2,7 @@
 
 A :class:`Task` turns a data directory into a :class:`TaskData`: the encoded training tensors and
 the evaluation sets. An :class:`EvalSet` holds the model inputs and a ``score`` function that maps
-the model's outputs to (metrics, predictions file contents). The runner (:mod:`zoo.finetune.runner`)
+the model's outputs to (metrics, predictions file contents). The runner (:mod:`zoo.finetune.finetune_job`)
 knows nothing task-specific beyond this.
 """
 

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from zoo.atomic import write_text_atomic
-from zoo.finetune.tasks import EvalSet, Task
+from zoo.finetune.task_catalog import EvalSet, Task
 from zoo.training.loop import LoopState, to_device
 from zoo.training.metrics import MetricsLogger
 

@@ -1,4 +1,4 @@
-"""Finetuning as a :class:`zoo.training.tasks.TrainTask`: epochs of seeded global batches over the
+"""Finetuning as a :class:`zoo.training.loop_tasks.TrainTask`: epochs of seeded global batches over the
 task's encoded training rows, split over the data-parallel ranks, and the head's loss as the metric."""
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ The skeleton owns what every job shares, each step a small function:
   (:func:`zoo.distributed.ranks_that_did_not_arrive`, a roll call through the store that costs nothing
   until something failed).
 
-What a job adds plugs in as objects: a :class:`zoo.training.tasks.TrainTask` (the micro-batches of an
+What a job adds plugs in as objects: a :class:`zoo.training.loop_tasks.TrainTask` (the micro-batches of an
 iteration, the forward and its metrics, the log event), a validator (``is_evaluation_step`` and
 ``evaluate``, e.g. :class:`zoo.training.validator.Validator`) and a checkpointer (``is_save_step`` and
 ``save``, :class:`zoo.training.checkpointer.Checkpointer`). The end-of-run summary stays with the caller,
@@ -427,7 +427,7 @@ class StopConditions:
 class TrainingLoop:
     """``run(state)`` trains from ``state`` until ``task.total_iterations`` or an agreed stop.
 
-    ``task`` (:class:`zoo.training.tasks.TrainTask`) gives the batches, the forward and the log events,
+    ``task`` (:class:`zoo.training.loop_tasks.TrainTask`) gives the batches, the forward and the log events,
     which go to ``logger`` (a :class:`zoo.training.metrics.MetricsLogger`); ``validator`` and
     ``checkpointer`` are optional (None: no evaluation, no checkpoint); ``stop`` None trains to the end."""
 

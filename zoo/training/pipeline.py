@@ -39,10 +39,10 @@ from zoo.training.grad_norm import (
     global_grad_norm,
     keep_gradients_tagged,
 )
+from zoo.training.loop_tasks import PretrainTask
 from zoo.training.loss_scaling import scale_pipeline_losses_once
 from zoo.training.pretraining_data import PretrainingData
 from zoo.training.run_config import RunConfig
-from zoo.training.tasks import PretrainTask
 
 __all__ = ["pipeline_ds_dict", "build_pipeline_model", "setup_pipeline_engine", "StageGradClipping",
            "PipelinePretrainTask", "pipeline_validation_means", "is_pipeline_engine", "pipeline_grad_norm",

@@ -37,6 +37,7 @@ from zoo.training.loop import (
     pin_memory_here,
     setup_engine,
 )
+from zoo.training.loop_tasks import PretrainTask
 from zoo.training.metrics import MetricsLogger, plot_loss, truncate_metrics_after
 from zoo.training.pipeline import (
     PipelinePretrainTask,
@@ -54,7 +55,6 @@ from zoo.training.run_config import (
     validate_for_world,
 )
 from zoo.training.run_directory import claim_pretraining_directory
-from zoo.training.tasks import PretrainTask
 from zoo.training.validator import Validator
 
 __all__ = ["pretrain"]
