@@ -5,9 +5,8 @@ ranks of the new run, and the one the offline conversion (:mod:`zoo.training.off
 The checkpoint is read in its layout-free form (:class:`zoo.checkpoint.training_state.CheckpointTrainingState`:
 per global parameter name the fp32 master, Adam's ``exp_avg`` and ``exp_avg_sq``, the step), whatever
 precision and optimizer wrote it: fp32, fp16 (FP16_Optimizer, FP16_UnfusedOptimizer), bf16 (BF16_Optimizer,
-with ZeRO-1 or without) and ZeRO-1/2. For each parameter this rank holds, the checkpoint's TP shards of that
-name are merged, the vocabulary re-padded for this tp and this rank's slice kept (its partition spec says
-how), and the slice goes where the run's optimizer keeps it (:func:`optimizer_target`): the weight and the
+with ZeRO-1 or without) and ZeRO-1/2. For each parameter this rank holds, this rank's slice is copied out of the
+checkpoint's TP shards of that name (its partition spec says how; the vocabulary re-padded for this tp), and the slice goes where the run's optimizer keeps it (:func:`optimizer_target`): the weight and the
 torch optimizer's state (fp32), the fp32 copies and flat Adam buffers of the fp16 optimizers, or through
 DeepSpeed's hp-fragment mapping (``safe_set_full_fp32_param``/``safe_set_full_optimizer_state``) into this dp
 rank's partition of a ZeRO or BF16 optimizer. The low-precision weight is the master rounded, as DeepSpeed's
