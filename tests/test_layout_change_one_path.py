@@ -33,10 +33,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers.pretraining import run_config, train_events
+from tests.helpers.random_corpus import MODEL, make_corpus
+from tests.helpers.repo import REPO
+from tests.helpers.zero_launch import rel
 from tests.spawn import spawn
-from tests.test_zero import MODEL, make_corpus, rel, train_events
 
-REPO = Path(__file__).resolve().parent.parent
 PARITY = 1e-5
 BERT_MODEL = dict(num_hidden_layers=1, hidden_size=64, num_attention_heads=4, hidden_dropout_prob=0.0,
                   attention_probs_dropout_prob=0.0)
@@ -44,8 +46,6 @@ MISSING = "mp_rank_01_model_states.pt"
 
 
 def gpt2_config(data, save, tp, iters, load=None, save_interval=0, bf16=False):
-    from tests.test_pretrain import run_config
-
     config = run_config(data, save, tp, 2, 8, train_iters=iters, model_overrides=dict(MODEL), load=load,
                         save_interval=save_interval, data_workers=0)
     config.ds_config["zero_optimization"] = {"stage": 1}
@@ -55,8 +55,6 @@ def gpt2_config(data, save, tp, iters, load=None, save_interval=0, bf16=False):
 
 
 def bert_config(data, save, tp, iters, load=None, save_interval=0):
-    from tests.test_pretrain import run_config
-
     config = run_config(data, save, tp, 2, 8, train_iters=iters, model="bert-tiny", model_overrides=dict(BERT_MODEL),
                         load=load, save_interval=save_interval, data_workers=0)
     config.ds_config["scheduler"] = {"type": "WarmupDecayLR", "params": {"warmup_num_steps": 1, "warmup_max_lr": 1e-3,

@@ -26,69 +26,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.layout_change_runs import KEYS, SAVED_AT, engine_state, precision_run_config
+from tests.helpers.pretraining import train_events
+from tests.helpers.random_corpus import make_corpus
 from tests.spawn import spawn
-from tests.test_zero import MODEL, make_corpus
 
-ITERS, SAVED_AT = 4, 2
 RTOL = 2e-3
-INITIAL_SCALE_POWER = 8
 SOURCES = {"bf16-tp1-pp2": (1, 2, "bf16"), "fp16u-tp2": (2, 1, "fp16u"), "fp16f-tp2": (2, 1, "fp16f")}
 MOVES = {"bf16-to-tp2": ("bf16-tp1-pp2", 2, 1), "bf16-to-dp2": ("bf16-tp1-pp2", 1, 1),
          "fp16u-to-pp2": ("fp16u-tp2", 1, 2), "fp16f-to-pp2": ("fp16f-tp2", 1, 2)}
-
-
-def config(data, save, tp, pp, precision, load=None):
-    from tests.test_pretrain import run_config
-
-    cfg = run_config(data, save, tp, 2, 8, train_iters=ITERS, model_overrides=dict(MODEL), save_interval=SAVED_AT,
-                     load=load, data_workers=0, pipeline_model_parallel_size=pp)
-    if precision == "bf16":
-        cfg.ds_config.update(bf16={"enabled": True}, zero_optimization={"stage": 1},
-                             data_types={"grad_accum_dtype": "fp32"})
-    else:   # the scale doubles every 2 good steps (at iteration 3): when, the carried scaler decides
-        cfg.ds_config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": INITIAL_SCALE_POWER,
-                                 "loss_scale_window": 2, "hysteresis": 1}
-        cfg.ds_config["optimizer"]["params"]["torch_adam"] = precision == "fp16u"
-    return cfg
-
-
-KEYS = ("master", "exp_avg", "exp_avg_sq")
-
-
-def engine_state(engine) -> dict[str, dict[str, torch.Tensor]]:
-    """This rank's fp32 master and Adam moments of every parameter, {key: {``GPT2LMHeadModel`` name: tensor}}, as
-    DeepSpeed's optimizer holds them (read through DeepSpeed's own accessors where it has them)."""
-    from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
-
-    from zoo.training.layout_change import one_stage_names
-
-    names = one_stage_names(engine.module)
-    by_id = {id(p): names[n] for n, p in engine.module.named_parameters()}
-    optimizer = engine.optimizer
-    out: dict[str, dict[str, torch.Tensor]] = {key: {} for key in KEYS}
-    if hasattr(optimizer, "fp32_groups_flat") and hasattr(optimizer, "fp16_groups"):   # FP16_Optimizer
-        for lows, flat in zip(optimizer.fp16_groups, optimizer.fp32_groups_flat):
-            state, offset = optimizer.optimizer.state[flat], 0
-            for low in lows:
-                for key, source in (("master", flat), ("exp_avg", state["exp_avg"]),
-                                    ("exp_avg_sq", state["exp_avg_sq"])):
-                    out[key][by_id[id(low)]] = source.narrow(0, offset, low.numel()).view(low.shape).clone()
-                offset += low.numel()
-        return out
-    if hasattr(optimizer, "fp32_groups") and hasattr(optimizer, "fp16_groups"):        # FP16_UnfusedOptimizer
-        for lows, highs in zip(optimizer.fp16_groups, optimizer.fp32_groups):
-            for low, high in zip(lows, highs):
-                state = optimizer.optimizer.state[high]
-                out["master"][by_id[id(low)]] = high.detach().clone()
-                for key in KEYS[1:]:
-                    out[key][by_id[id(low)]] = state[key].clone()
-        return out
-    optimizer._lazy_init_hp_params_optimizer_state()   # DeepSpeed links its moment views at the first step
-    for param in engine.module.parameters():                                           # BF16_Optimizer
-        out["master"][by_id[id(param)]] = safe_get_full_fp32_param(param).clone()
-        for key in KEYS[1:]:
-            out[key][by_id[id(param)]] = safe_get_full_optimizer_state(param, key).clone()
-    return out
 
 
 def _runs(rank, world_size, data, root):
@@ -104,7 +50,7 @@ def _runs(rank, world_size, data, root):
     get_accelerator().is_fp16_supported = lambda: True
     root = Path(root)
     for name, (tp, pp, precision) in SOURCES.items():
-        pretrain(config(data, str(root / name), tp, pp, precision))
+        pretrain(precision_run_config(data, str(root / name), tp, pp, precision))
         if rank == 0:   # the iteration-2 checkpoint as a run directory of its own
             tag = f"iter_{SAVED_AT:07d}"
             shutil.copytree(root / name / "checkpoints" / tag, root / f"{name}-saved" / "checkpoints" / tag)
@@ -120,7 +66,7 @@ def _runs(rank, world_size, data, root):
     checkpointer.Checkpointer.load = load_and_record   # this rank's process ends with the spawn
     for name, (source, tp, pp) in MOVES.items():
         precision = SOURCES[source][2]
-        pretrain(config(data, str(root / name), tp, pp, precision, load=str(root / f"{source}-saved")))
+        pretrain(precision_run_config(data, str(root / name), tp, pp, precision, load=str(root / f"{source}-saved")))
     return {name: moved[str(root / name)] for name in MOVES}
 
 
@@ -192,8 +138,6 @@ def expected_slice(master: torch.Tensor, name: str, config, tp: int, rank: int) 
 
 @pytest.mark.parametrize("move", list(MOVES))
 def test_masters_move_exactly_and_training_continues(runs, move):
-    from tests.test_zero import train_events
-
     root, moved = runs
     source, tp, pp = MOVES[move]
     source_tp = SOURCES[source][0]

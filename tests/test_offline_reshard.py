@@ -24,9 +24,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers.layout_change_runs import ITERS, KEYS, engine_state, precision_run_config
+from tests.helpers.pretraining import train_events
+from tests.helpers.random_corpus import make_corpus
 from tests.spawn import spawn
-from tests.test_layout_change_precisions import ITERS, KEYS, config, engine_state
-from tests.test_zero import make_corpus, train_events
 
 SOURCE_TP, SOURCE_PP, NEW_TP, NEW_PP = 1, 2, 2, 1
 
@@ -46,7 +47,7 @@ def _runs(rank, world_size, data, root):
 
     root = Path(root)
     source = root / "source"
-    pretrain(config(data, str(source), SOURCE_TP, SOURCE_PP, "bf16"))   # 4 iterations, checkpoints at 2 and 4
+    pretrain(precision_run_config(data, str(source), SOURCE_TP, SOURCE_PP, "bf16"))   # 4 iterations, saved at 2, 4
     if rank == 0:   # the iteration-2 checkpoint as the run's latest
         (source / "checkpoints" / "latest").write_text("iter_0000002")
         shutil.rmtree(source / "checkpoints" / "iter_0000004")
@@ -61,20 +62,21 @@ def _runs(rank, world_size, data, root):
 
     checkpointer.Checkpointer.load = load_and_record   # this rank's process ends with the spawn
     on_resume = root / "on-resume"
-    pretrain(config(data, str(on_resume), NEW_TP, NEW_PP, "bf16", load=str(source)))
+    pretrain(precision_run_config(data, str(on_resume), NEW_TP, NEW_PP, "bf16", load=str(source)))
     plan = plan_conversion(str(source), NEW_TP, NEW_PP, None, None, None, None, world_size)
     record = convert_checkpoint(plan)
     converted = root / "source-tp2pp1dp1"
     written = {"latest": (converted / "checkpoints" / "latest").read_text().strip(),
                "files": sorted(p.name for p in (converted / "checkpoints" / "iter_0000002").iterdir())}
-    pretrain(config(data, str(converted), NEW_TP, NEW_PP, "bf16", load=str(converted)))
+    pretrain(precision_run_config(data, str(converted), NEW_TP, NEW_PP, "bf16", load=str(converted)))
     # one stage on both sides, tp2 x dp1 -> tp1 x dp2: the offline tool against the on-resume move
     one_stage = {}
     for name in ("one-stage-on-resume", "one-stage-converted"):
         out = root / name
         if name == "one-stage-converted":
             convert_checkpoint(plan_conversion(str(converted), 1, 1, 2, None, None, str(out), world_size))
-        cfg = config(data, str(out), 1, 1, "bf16", load=str(out if name == "one-stage-converted" else converted))
+        load = out if name == "one-stage-converted" else converted
+        cfg = precision_run_config(data, str(out), 1, 1, "bf16", load=str(load))
         cfg.train_iters = ITERS + 1
         pretrain(cfg)
         one_stage[name] = loaded[str(out)]
