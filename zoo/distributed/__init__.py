@@ -10,6 +10,8 @@
 * :mod:`~zoo.distributed.build_once`: a file built once per filesystem (an exclusive lock file beside
   it), the other processes waiting for it, bounded.
 * :mod:`~zoo.distributed.roll_call`: after a collective failed, the ranks that never came.
+* :mod:`~zoo.distributed.extension_locks`: build locks of DeepSpeed's JIT-compiled ops left by a killed
+  builder, removed before DeepSpeed would wait on them forever.
 * :mod:`zoo.parallel.agreement` (re-exported here): a failure on one rank raised on every rank.
 """
 

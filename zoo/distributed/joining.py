@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from zoo.distributed.extension_locks import take_over_dead_extension_locks
 from zoo.distributed.local_rank import launcher_local_rank
 from zoo.distributed.shared_memory import unlink_shared_memory_buffer
 from zoo.errors import UserError
@@ -151,9 +152,13 @@ def process_group_left_on_success():
 
 def join_deepspeed(timeout: timedelta | None = None, **init_kwargs) -> None:
     """``deepspeed.init_distributed`` (adopting a group that exists), then whether DeepSpeed's CPU
-    shared-memory kernel serves this group's TP sums (``zoo.parallel.host_all_reduce``)."""
+    shared-memory kernel serves this group's TP sums (``zoo.parallel.host_all_reduce``). First, a build lock
+    of DeepSpeed's JIT-compiled ops left by a killed builder is removed
+    (:func:`zoo.distributed.extension_locks.take_over_dead_extension_locks`): DeepSpeed loads its CPU
+    all-reduce op in ``init_distributed`` and would wait on such a lock forever."""
     import deepspeed  # local: deepspeed's import cost, paid when joining
 
+    take_over_dead_extension_locks()
     created_now = not deepspeed_backend_exists()
     if timeout is not None:
         init_kwargs["timeout"] = timeout
