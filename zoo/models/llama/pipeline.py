@@ -1,0 +1,242 @@
+"""Llama as a DeepSpeed ``PipelineModule`` of zoo's tensor-parallel layers (3D parallelism).
+
+The layer sequence DeepSpeed's pipeline engine runs stage by stage (Narayanan et al. 2021):
+
+    index 0          embed_tokens (vocab-parallel), scattered along the sequence under SP
+    index 1 ... L    the L decoder layers (each computes the rotary angles of positions 0 ... s-1)
+    index L+1        the final RMSNorm
+    index L+2        lm_head (vocab-parallel, untied): local logits (b, s, V_padded / t)
+    loss             the fused vocab-parallel cross-entropy of the shifted labels
+
+Nothing is tied, so no weight travels between stages; one tensor travels per micro-batch: the hidden states
+(b, s, h), or this rank's (b, s/t, h) under sequence parallelism.
+
+**Init equal to the one-stage model.** :class:`~zoo.models.llama.model.LlamaForCausalLM` draws, from the seed,
+embed_tokens, layer 0, 1, ..., L-1, then lm_head (the norm draws nothing): the order of the sequence above.
+Before its first entry a stage replays the draws of every earlier entry (built one at a time and dropped,
+:class:`LlamaInitReplay`), so a P-stage model starts from the one-stage model's weights at every tp.
+
+**Names.** :func:`one_stage_names` maps each parameter of a stage to its ``LlamaForCausalLM`` parameter name,
+so a stage reads as a subset of the one model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from zoo.errors import UserError
+from zoo.models.config import recompute_mode
+from zoo.models.llama.config import LlamaConfig
+from zoo.models.llama.layers import LlamaDecoderLayer, LlamaRMSNorm
+from zoo.models.llama.model import VocabParallelLMHead
+from zoo.models.llama.rope import rotary_cos_sin
+from zoo.models.transformer import lm_loss, recomputed
+from zoo.parallel import VocabParallelEmbedding
+from zoo.parallel.layers import uses_sequence_parallel
+from zoo.parallel.mappings import scatter_to_sequence_parallel_region
+from zoo.parallel.state import ParallelState
+
+__all__ = ["llama_pipeline_module", "LlamaPipelineLoss", "LlamaInitReplay", "one_stage_names", "entry_count",
+           "load_llama_stage_weights", "PARTITION_METHODS"]
+
+# zoo's --pipeline-partition-method -> DeepSpeed's partition_method: "uniform" balances the decoder layers
+# (embedding and head ride on the first and last stage), "parameters" balances parameter counts.
+PARTITION_METHODS = {"uniform": "type:LlamaDecoderPipe", "parameters": "parameters"}
+
+
+def entry_count(config: LlamaConfig) -> int:
+    """Entries of the pipeline's layer sequence: the embedding, the layers, the final norm, the head."""
+    return config.num_hidden_layers + 3
+
+
+class LlamaInitReplay:
+    """Draws each stage's entries as the one-stage model draws them: :meth:`before` is called by every entry at
+    the start of its construction with its index; it reseeds the default generators where the draw order
+    restarts (a first build, an index at or below the last one built: DeepSpeed's counting pass, a second
+    module) and builds and drops the entries between the last one built and this one."""
+
+    def __init__(self, config: LlamaConfig, parallel: ParallelState, seed: int):
+        self.config, self.parallel, self.seed = config, parallel, seed
+        self.next_index: int | None = None
+        self.replaying = False
+
+    def before(self, index: int) -> None:
+        if self.replaying:
+            return
+        if self.next_index is None or index < self.next_index:
+            self.reseed()
+            self.next_index = 0
+        with self.replay():
+            for skipped in range(self.next_index, index):
+                entry_class(skipped, self.config)(self.config, self.parallel, skipped, self)   # drawn, dropped
+        self.next_index = index + 1
+
+    def reseed(self) -> None:
+        from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
+
+        torch.manual_seed(self.seed)
+        get_accelerator().manual_seed(self.seed)
+
+    @contextlib.contextmanager
+    def replay(self):
+        self.replaying = True
+        try:
+            yield
+        finally:
+            self.replaying = False
+
+
+def announce(replay: LlamaInitReplay | None, index: int) -> None:
+    if replay is not None:
+        replay.before(index)
+
+
+class LlamaEmbeddingPipe(nn.Module):
+    """(b, s) token ids -> (b, s, h) embeddings (g all-reduces the vocab shards), (b, s/t, h) under SP."""
+
+    def __init__(self, config: LlamaConfig, parallel: ParallelState, index: int,
+                 replay: LlamaInitReplay | None = None):
+        super().__init__()
+        announce(replay, index)
+        self.parallel = parallel
+        self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, parallel=parallel,
+                                                   pad_multiple=config.make_vocab_size_divisible_by,
+                                                   init_std=config.initializer_range)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)                                          # (b, s, h)
+        if self.sequence_parallel:
+            x = scatter_to_sequence_parallel_region(x, self.parallel)             # (b, s/t, h)
+        return x
+
+
+class LlamaDecoderPipe(LlamaDecoderLayer):
+    """One decoder layer of the causal full-sequence forward, recomputed as the config says; it computes the
+    rotary angles of positions 0 ... s-1 itself (s the full sequence: t times its tokens under SP)."""
+
+    def __init__(self, config: LlamaConfig, parallel: ParallelState, index: int,
+                 replay: LlamaInitReplay | None = None):
+        announce(replay, index)
+        super().__init__(config, parallel)
+        self.config, self.tp_size = config, parallel.tp_size
+        self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:                        # (b, s or s/t, h) -> same
+        s = x.shape[1] * (self.tp_size if self.sequence_parallel else 1)
+        positions = torch.arange(s, device=x.device).unsqueeze(0)                 # (1, s)
+        cos, sin = rotary_cos_sin(self.config, positions, x.dtype)                # (1, s, d) each
+        recompute = recompute_mode(self.config) if self.training else None
+        options = {"sequence_parallel": self.sequence_parallel, "recompute_attention": recompute == "selective"}
+        if recompute == "full" and torch.is_grad_enabled():
+            return recomputed(super().forward, x, cos, sin, None, **options)
+        return super().forward(x, cos, sin, None, **options)
+
+
+class LlamaNormPipe(nn.Module):
+    """The final RMSNorm (``norm``), on this rank's tokens under SP."""
+
+    def __init__(self, config: LlamaConfig, parallel: ParallelState, index: int,
+                 replay: LlamaInitReplay | None = None):
+        super().__init__()
+        announce(replay, index)
+        self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
+        self.norm = LlamaRMSNorm(config.hidden_size, config.rms_norm_eps, parallel=parallel,
+                                 sequence_parallel=config.sequence_parallel)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x, self.sequence_parallel)
+
+
+class LlamaHeadPipe(nn.Module):
+    """The untied LM head: (b, s or s/t, h) -> (b, s, V_padded / t), this rank's logits."""
+
+    def __init__(self, config: LlamaConfig, parallel: ParallelState, index: int,
+                 replay: LlamaInitReplay | None = None):
+        super().__init__()
+        announce(replay, index)
+        self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
+        self.lm_head = VocabParallelLMHead(config.vocab_size, config.hidden_size, parallel=parallel,
+                                           pad_multiple=config.make_vocab_size_divisible_by,
+                                           init_std=config.initializer_range)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden, sequence_parallel=self.sequence_parallel)
+
+
+def entry_class(index: int, config: LlamaConfig) -> type[nn.Module]:
+    last = entry_count(config) - 1
+    if index == 0:
+        return LlamaEmbeddingPipe
+    if index == last:
+        return LlamaHeadPipe
+    if index == last - 1:
+        return LlamaNormPipe
+    return LlamaDecoderPipe
+
+
+class LlamaPipelineLoss:
+    """loss(local logits, labels): the shifted-label mean token cross-entropy, -100 ignored, through the fused
+    vocab-parallel cross-entropy (the logits are never gathered)."""
+
+    __name__ = "LlamaPipelineLoss"
+
+    def __init__(self, parallel: ParallelState, vocab_size: int):
+        self.parallel, self.vocab_size = parallel, vocab_size
+
+    def __call__(self, local_logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        targets = F.pad(labels[:, 1:], (0, 1), value=-100)                        # (b, s): t predicts t+1
+        return lm_loss(local_logits, targets, self.parallel, self.vocab_size)
+
+
+def llama_pipeline_module(config: LlamaConfig, parallel: ParallelState, seed: int,
+                          partition_method: str = "parameters", replay_init: bool = True):
+    """This rank's stage of Llama as a ``deepspeed.pipe.PipelineModule`` over ``parallel``'s topology, its
+    entries drawn as the one-stage model of ``seed`` draws them. Collective. After the build the default
+    generators are reseeded with this stage's training stream (:func:`zoo.parallel.model_parallel_seed`);
+    ``replay_init=False`` skips the replay of earlier stages' draws, for weights loaded next."""
+    from deepspeed.pipe import LayerSpec, PipelineModule  # local: DeepSpeed costs seconds to import
+
+    from zoo.parallel import model_parallel_seed
+
+    if partition_method not in PARTITION_METHODS:
+        raise UserError(f"pipeline partition method {partition_method!r} is not one of {sorted(PARTITION_METHODS)}; "
+                        "pass --pipeline-partition-method uniform (decoder layers) or parameters.")
+    config.validate(parallel.tp_size)
+    replay = LlamaInitReplay(config, parallel, seed) if replay_init else None
+    specs = [LayerSpec(entry_class(index, config), config, parallel, index, replay)
+             for index in range(entry_count(config))]
+    module = PipelineModule(specs, topology=parallel.topology, loss_fn=LlamaPipelineLoss(parallel, config.vocab_size),
+                            partition_method=PARTITION_METHODS[partition_method])
+    module.zoo_config = config
+    model_parallel_seed(seed, parallel)
+    return module
+
+
+def one_stage_name(index: int, local_name: str, num_layers: int) -> str:
+    """The ``LlamaForCausalLM`` parameter name of ``local_name`` of entry ``index`` of the layer sequence."""
+    if index == 0 or index == num_layers + 1:
+        return f"model.{local_name}"                                              # embed_tokens / norm
+    if index == num_layers + 2:
+        return local_name                                                         # lm_head.weight
+    return f"model.layers.{index - 1}.{local_name}"
+
+
+def one_stage_names(module) -> dict[str, str]:
+    """Each parameter of a pipeline stage (``named_parameters`` names) -> its ``LlamaForCausalLM`` name."""
+    layers = module.zoo_config.num_hidden_layers
+    names = {}
+    for name, _ in module.named_parameters():
+        head, _, rest = name.partition(".")
+        names[name] = one_stage_name(int(head), rest, layers)
+    return names
+
+
+def load_llama_stage_weights(module, directory, parallel: ParallelState) -> None:
+    """Llama stages do not read a transformers directory yet: one sentence instead of a wrong start."""
+    raise UserError(f"--pretrained {directory} with pipeline stages is not supported for Llama yet; run it with "
+                    "--pipeline-model-parallel-size 1 (any tp), or start the pipeline run from its random init.")
