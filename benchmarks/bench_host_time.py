@@ -72,7 +72,7 @@ def before_reader(dataset, micro: int):
     from zoo.training.pretraining_data import PretrainingData  # local: 18ce9da's API
 
     data = object.__new__(PretrainingData)   # only the two fields micro_batch_at reads
-    data.ps, data.micro_batch = ParallelState.single(), micro
+    data.parallel, data.micro_batch = ParallelState.single(), micro
     return lambda step: model_forward_kwargs(data.micro_batch_at(dataset, step * micro), "cpu")
 
 

@@ -115,8 +115,8 @@ def validate(args: argparse.Namespace) -> None:
 def setup(args: argparse.Namespace) -> Smoke:
     """Join the launcher's group as every zoo job does (on this rank's device), then the TP x DP grid."""
     device = torch.device(join_process_group(args.local_rank))
-    ps = ParallelState.initialize(args.tensor_parallel_size or dist.get_world_size())
-    return Smoke(args, ps, device, is_writer=dist.get_rank() == 0)
+    parallel = ParallelState.initialize(args.tensor_parallel_size or dist.get_world_size())
+    return Smoke(args, parallel, device, is_writer=dist.get_rank() == 0)
 
 
 def seed_everything(seed: int, parallel) -> None:

@@ -26,7 +26,7 @@ Each file holds ``args`` (the run's argparse Namespace: the model's shape and pa
    directory only.
 
 The result loads with ``transformers.GPT2LMHeadModel.from_pretrained`` and with zoo's
-``GPT2LMHeadModel.from_pretrained(path, parallel=ps)`` at any tp, so zoo finetunes or continues from it.
+``GPT2LMHeadModel.from_pretrained(path, parallel=parallel)`` at any tp, so zoo finetunes or continues from it.
 """
 
 from __future__ import annotations

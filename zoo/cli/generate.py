@@ -152,11 +152,11 @@ def generate_from_checkpoint(args: argparse.Namespace, texts: list[str], config)
     set_tf32(args.tf32)
     device = join_process_group(args.local_rank) if launched_distributed() else single_device()
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    ps = ParallelState.initialize(args.tensor_parallel_size or world)
+    parallel = ParallelState.initialize(args.tensor_parallel_size or world)
     hf_dir = transformers_directory(args.load)
-    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=torch_dtype(args.dtype)).to(device).eval()
+    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=parallel, dtype=torch_dtype(args.dtype)).to(device).eval()
     tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
-    return generate_text(model, tokenizer, texts, config, ps, batch_size=args.batch_size), model.config.n_positions
+    return generate_text(model, tokenizer, texts, config, parallel, batch_size=args.batch_size), model.config.n_positions
 
 
 def main(argv: list[str] | None = None):

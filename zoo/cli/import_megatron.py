@@ -1,6 +1,6 @@
 """``launch/import_megatron.py``: import a Megatron-LM GPT checkpoint (any tp and pp, checkpoint_version 0 to
 3.0, legacy ``release/`` too) into a transformers GPT-2 directory, from which zoo finetunes or continues
-training at any layout (``GPT2LMHeadModel.from_pretrained(out, parallel=ps)``), in one process.
+training at any layout (``GPT2LMHeadModel.from_pretrained(out, parallel=parallel)``), in one process.
 
     python launch/import_megatron.py --load <megatron --save dir> --out hf/ [--iteration 2000]
         [--vocab-size 50257] [--dtype float32|bfloat16|float16]

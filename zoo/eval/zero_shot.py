@@ -52,19 +52,19 @@ def evaluate_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     set_tf32(args.tf32)
     data = read_wikitext(args.data, args.split) if args.task == "wikitext" else read_lambada(args.data, args.split)
     device = join_process_group(args.local_rank) if launched_distributed() else single_device()
-    ps = ParallelState.initialize(args.tensor_parallel_size)
+    parallel = ParallelState.initialize(args.tensor_parallel_size)
     hf_dir = transformers_directory(args.load)
-    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=ps, dtype=torch_dtype(args.dtype)).to(device).eval()
+    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=parallel, dtype=torch_dtype(args.dtype)).to(device).eval()
     tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
-    progress = ps.rank == 0
+    progress = parallel.rank == 0
     if args.task == "wikitext":
         result = evaluate_wikitext(model, data, tokenizer, seq_length=args.seq_length, overlap=args.overlap,
-                                   parallel=ps, batch_size=args.batch_size, progress=progress)
+                                   parallel=parallel, batch_size=args.batch_size, progress=progress)
     else:
-        result = evaluate_lambada(model, data, tokenizer, strict=args.strict, parallel=ps,
+        result = evaluate_lambada(model, data, tokenizer, strict=args.strict, parallel=parallel,
                                   batch_size=args.batch_size, progress=progress)
-    results = {**result.to_dict(), "data": str(args.data), "load": str(args.load), "tp": ps.tp_size,
-               "dp": ps.dp_size, "dtype": args.dtype, "tf32": args.tf32}
+    results = {**result.to_dict(), "data": str(args.data), "load": str(args.load), "tp": parallel.tp_size,
+               "dp": parallel.dp_size, "dtype": args.dtype, "tf32": args.tf32}
     if dist.is_available() and dist.is_initialized():
         dist.barrier()
     return results

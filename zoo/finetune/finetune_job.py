@@ -64,12 +64,12 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     get wrong in files and flags is checked before any process group starts."""
     task = get_task(config.task)
     model_config, data = read_inputs(config, task)
-    ps = training_loop.join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
+    parallel = training_loop.join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
     is_writer = dist.get_rank() == 0
     # one run per directory, and never over an earlier run's results: checked before the model is read
     lock = raise_on_any_rank(lambda: claim_finetuning_directory(config.save, config.overwrite) if is_writer else None)
     try:
-        return train_and_evaluate(config, task, data, model_config, ps, is_writer)
+        return train_and_evaluate(config, task, data, model_config, parallel, is_writer)
     finally:
         if lock is not None:
             lock.release()
@@ -96,10 +96,10 @@ def read_inputs(config: FinetuneConfig, task: Task):
     return model_config, data
 
 
-def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, ps, is_writer: bool) -> dict[str, Any]:
+def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, parallel, is_writer: bool) -> dict[str, Any]:
     """The finetuning run proper, in a claimed run directory: the engine, the epochs through the training
     loop with a :class:`FinetuneTask` and a :class:`DevValidator`; returns the results."""
-    engine, ds_config, steps_per_epoch, total_steps = build_engine(config, task, data, model_config, ps)
+    engine, ds_config, steps_per_epoch, total_steps = build_engine(config, task, data, model_config, parallel)
     run_dir = Path(config.save)
     # the metrics agreements run on a gloo group of the host, never on the accelerator (collective: every rank)
     host = host_group(None if config.distributed_timeout_minutes is None
@@ -109,9 +109,9 @@ def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, p
                                                      wandb_config={**config.to_dict(), "deepspeed": ds_config},
                                                      group=host), group=host)
     tracker = BestTracker(task, run_dir, is_writer, save_model=config.epochs > 0)
-    validator = DevValidator(engine, data.eval_sets, task, ps, logger, tracker, config.eval_batch_size, config.epochs,
+    validator = DevValidator(engine, data.eval_sets, task, parallel, logger, tracker, config.eval_batch_size, config.epochs,
                              steps_per_epoch, total_steps, is_writer)
-    loop = TrainingLoop(engine, ps, FinetuneTask(config, data.train, engine, ps, steps_per_epoch, total_steps), logger,
+    loop = TrainingLoop(engine, parallel, FinetuneTask(config, data.train, engine, parallel, steps_per_epoch, total_steps), logger,
                         validator, progress_desc=f"finetune {config.task}", is_writer=is_writer)
     state = loop.run(LoopState())
     if total_steps == 0:
@@ -119,25 +119,25 @@ def train_and_evaluate(config: FinetuneConfig, task: Task, data, model_config, p
     return report_results(config, task, run_dir, tracker, state, logger, is_writer)
 
 
-def build_engine(config: FinetuneConfig, task: Task, data, model_config, ps):
+def build_engine(config: FinetuneConfig, task: Task, data, model_config, parallel):
     """(engine, ds_config, steps per epoch, total steps): the head model from ``--pretrained`` (a missing
     head drawn from ``--seed``), its schedule, and the DeepSpeed engine (WarmupDecayLR over the steps)."""
     overrides = {"sequence_parallel": True} if config.sequence_parallel else {}
     if config.dropout is not None:
         overrides.update(hidden_dropout_prob=config.dropout, attention_probs_dropout_prob=config.dropout,
                          extra={**model_config.extra, "classifier_dropout": config.dropout})
-    model = task.model_class.from_pretrained(config.pretrained, parallel=ps, head_seed=config.seed,
+    model = task.model_class.from_pretrained(config.pretrained, parallel=parallel, head_seed=config.seed,
                                              **({"labels": list(task.labels)} if task.labels else {}), **overrides)
     num_train = 0 if data.train is None else next(iter(data.train.values())).shape[0]
     if config.epochs > 0 and num_train < config.batch_size:
         raise UserError(f"--batch-size {config.batch_size} exceeds the {num_train} training examples in "
-                         f"{config.data_dir}; pass --batch-size {max(ps.dp_size, num_train // ps.dp_size * ps.dp_size)} "
+                         f"{config.data_dir}; pass --batch-size {max(parallel.dp_size, num_train // parallel.dp_size * parallel.dp_size)} "
                          "or less.")
     steps_per_epoch = num_train // config.batch_size if config.epochs > 0 else 0
     total_steps = int(math.ceil(config.epochs * steps_per_epoch))
-    ds_config = deepspeed_dict(config, ps.dp_size, total_steps)
+    ds_config = deepspeed_dict(config, parallel.dp_size, total_steps)
     # a guard: the weights were loaded before initialize, so the masters match them already
-    engine = setup_engine(model, ds_config, ps, config.weight_decay, refresh_masters=True)
+    engine = setup_engine(model, ds_config, parallel, config.weight_decay, refresh_masters=True)
     return engine, ds_config, steps_per_epoch, total_steps
 
 

@@ -25,10 +25,10 @@ def write_file(path: Path, text: str) -> None:
 
 
 @torch.no_grad()
-def run_eval_set(engine, eval_set: EvalSet, task: Task, ps, batch_size: int) -> dict[str, np.ndarray]:
+def run_eval_set(engine, eval_set: EvalSet, task: Task, parallel, batch_size: int) -> dict[str, np.ndarray]:
     """The model's outputs on every row, each DP rank running an interleaved share, gathered on all."""
     engine.eval()
-    rows = torch.arange(len(eval_set))[ps.dp_rank::ps.dp_size]
+    rows = torch.arange(len(eval_set))[parallel.dp_rank::parallel.dp_size]
     pieces: dict[str, list[np.ndarray]] = {name: [] for name in task.outputs}
     for chunk in rows.split(batch_size):
         output = engine(**to_device({key: value[chunk] for key, value in eval_set.inputs.items()}, engine.device))
@@ -36,10 +36,10 @@ def run_eval_set(engine, eval_set: EvalSet, task: Task, ps, batch_size: int) -> 
             pieces[name].append(getattr(output, name).float().cpu().numpy())
     local = {name: (np.concatenate(p) if p else None) for name, p in pieces.items()}
     engine.train()
-    if ps.dp_size == 1:
+    if parallel.dp_size == 1:
         return local
-    gathered: list[Any] = [None] * ps.dp_size
-    dist.all_gather_object(gathered, (rows.numpy(), local), group=ps.dp_group)
+    gathered: list[Any] = [None] * parallel.dp_size
+    dist.all_gather_object(gathered, (rows.numpy(), local), group=parallel.dp_group)
     outputs = {}
     for name in task.outputs:
         parts = [(r, out[name]) for r, out in gathered if out[name] is not None]
@@ -50,11 +50,11 @@ def run_eval_set(engine, eval_set: EvalSet, task: Task, ps, batch_size: int) -> 
     return outputs
 
 
-def evaluate_all_sets(engine, eval_sets: list[EvalSet], task: Task, ps, batch_size: int):
+def evaluate_all_sets(engine, eval_sets: list[EvalSet], task: Task, parallel, batch_size: int):
     """Scores of every eval set (``"<set>/<metric>"``) and the prediction files (``"<set>.<ext>"``)."""
     metrics, files = {}, {}
     for eval_set in eval_sets:
-        outputs = run_eval_set(engine, eval_set, task, ps, batch_size)
+        outputs = run_eval_set(engine, eval_set, task, parallel, batch_size)
         scores, contents = eval_set.score(outputs)
         metrics.update({f"{eval_set.name}/{k}": v for k, v in scores.items()})
         files.update({f"{eval_set.name}.{ext}": text for ext, text in contents.items()})
@@ -87,10 +87,10 @@ class DevValidator:
     """Evaluates every eval set at the end of each epoch and at the last step (collective: every rank),
     logs the ``"split": "dev"`` event, prints it on the writer and hands it to ``tracker``."""
 
-    def __init__(self, engine, eval_sets: list[EvalSet], task: Task, ps, logger: MetricsLogger,
+    def __init__(self, engine, eval_sets: list[EvalSet], task: Task, parallel, logger: MetricsLogger,
                  tracker: BestTracker, batch_size: int, epochs: float, steps_per_epoch: int, total_steps: int,
                  is_writer: bool):
-        self.engine, self.eval_sets, self.task, self.ps = engine, eval_sets, task, ps
+        self.engine, self.eval_sets, self.task, self.parallel = engine, eval_sets, task, parallel
         self.logger, self.tracker, self.batch_size, self.is_writer = logger, tracker, batch_size, is_writer
         self.epochs, self.steps_per_epoch, self.total_steps = epochs, steps_per_epoch, total_steps
 
@@ -101,7 +101,7 @@ class DevValidator:
         """(``write`` is unused: the evaluation line is printed, flushed, on the writer.)"""
         step = state.iteration
         epoch = min(step / self.steps_per_epoch, self.epochs) if self.steps_per_epoch else 0
-        metrics, files = evaluate_all_sets(self.engine, self.eval_sets, self.task, self.ps, self.batch_size)
+        metrics, files = evaluate_all_sets(self.engine, self.eval_sets, self.task, self.parallel, self.batch_size)
         event = {"iteration": step, "epoch": epoch, "split": "dev", **metrics}
         self.logger.log(event)
         if self.is_writer:

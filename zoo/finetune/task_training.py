@@ -20,10 +20,10 @@ def global_batches(num_examples: int, batch_size: int, epoch: int, seed: int) ->
     return list(order[: (num_examples // batch_size) * batch_size].split(batch_size))
 
 
-def rank_micro_batches(batch: torch.Tensor, ps, micro: int) -> list[torch.Tensor]:
+def rank_micro_batches(batch: torch.Tensor, parallel, micro: int) -> list[torch.Tensor]:
     """This DP rank's contiguous share of a global batch, cut into micro-batches."""
-    share = batch.shape[0] // ps.dp_size
-    mine = batch[ps.dp_rank * share: (ps.dp_rank + 1) * share]
+    share = batch.shape[0] // parallel.dp_size
+    mine = batch[parallel.dp_rank * share: (parallel.dp_rank + 1) * share]
     return list(mine.split(micro))
 
 
@@ -48,9 +48,9 @@ class FinetuneTask:
     split, one tensor per model input), ``steps_per_epoch`` to an epoch; the TP ranks of a group read the
     same rows. DeepSpeed's grad norm is the one it keeps (none is logged)."""
 
-    def __init__(self, config: FinetuneConfig, train: dict[str, torch.Tensor] | None, engine, ps,
+    def __init__(self, config: FinetuneConfig, train: dict[str, torch.Tensor] | None, engine, parallel,
                  steps_per_epoch: int, total_steps: int):
-        self.config, self.train, self.engine, self.ps = config, train, engine, ps
+        self.config, self.train, self.engine, self.parallel = config, train, engine, parallel
         self.steps_per_epoch = steps_per_epoch
         self.total_iterations = total_steps
         self.samples_per_iteration = config.batch_size
@@ -61,7 +61,7 @@ class FinetuneTask:
 
     def micro_batches(self, state: LoopState) -> list[dict[str, torch.Tensor]]:
         return [{key: value[rows] for key, value in self.train.items()}
-                for rows in rank_micro_batches(self.batches.at(state.iteration), self.ps, self.micro)]
+                for rows in rank_micro_batches(self.batches.at(state.iteration), self.parallel, self.micro)]
 
     def forward(self, engine, batch: dict[str, torch.Tensor]) -> tuple[Any, dict[str, torch.Tensor]]:
         """A task head's forward on the device batch; its loss is the one metric, left on the device."""

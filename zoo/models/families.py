@@ -4,7 +4,7 @@ exist; training, planning, checkpoint export and resharding ask it instead of di
 classes or model-type strings themselves. A new family is its own folder under ``zoo/models/`` plus one
 entry of :data:`FAMILIES`.
 
-    family_of(config).pretraining_model(config, parallel=ps)      # GPT2LMHeadModel / BertForPreTraining / ...
+    family_of(config).pretraining_model(config, parallel=parallel)  # GPT2LMHeadModel / BertForPreTraining / ...
     model_config("llama-tiny", hidden_dropout=0.0)                # any family's preset, by name
     family_of(config).shape(config).layers                        # for the FLOPs formula
 
@@ -25,10 +25,13 @@ from zoo.errors import UserError
 from zoo.models.bert import BertForPreTraining
 from zoo.models.config import BertConfig, GPT2Config, check_hf_config_values
 from zoo.models.gpt2 import GPT2LMHeadModel
-from zoo.models.gpt2_pipeline import gpt2_pipeline_module, load_stage_weights
+from zoo.models.gpt2_pipeline import gpt2_pipeline_module, hf_names, load_stage_weights, one_stage_name
 from zoo.models.hf_io import read_config_json
 from zoo.models.llama import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, llama_config
 from zoo.models.llama.config import check_llama_config_values
+from zoo.models.llama.pipeline import llama_pipeline_module, load_llama_stage_weights
+from zoo.models.llama.pipeline import one_stage_name as llama_one_stage_name
+from zoo.models.llama.pipeline import one_stage_names as llama_one_stage_names
 from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS, bert_config, gpt2_config
 from zoo.parallel.state import ParallelState
 
@@ -53,10 +56,14 @@ class ModelShape:
 class PipelineStages:
     """How a family runs as DeepSpeed pipeline stages: ``build(config, parallel, seed, partition_method,
     replay_init)`` gives this rank's stage module, ``load_weights(module, directory, parallel)`` fills it from
-    a transformers directory (this stage's tensors, this rank's slices)."""
+    a transformers directory (this stage's tensors, this rank's slices). ``one_stage_names(module)`` maps a
+    stage's parameters to the one-stage model's names, and ``entry_name(index, key, layers)`` a key of the
+    checkpoint file of layer-sequence entry ``index`` (entries 0 ... layers + 2 hold every weight once)."""
 
     build: Callable[..., torch.nn.Module]
     load_weights: Callable[[torch.nn.Module, str, ParallelState], None]
+    one_stage_names: Callable[[torch.nn.Module], dict[str, str]]
+    entry_name: Callable[[int, str, int], str]
 
 
 @dataclass(frozen=True)
@@ -96,7 +103,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("gpt2", "GPT-2", GPT2Config, GPT2LMHeadModel, ("gpt2",), "transformer.wte.weight",
                 lambda c: ModelShape(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.n_positions),
                 GPT2_PRESETS, gpt2_config, GPT2Config.from_dict, check_hf_config_values, CAUSAL_LM,
-                generates_text=True, pipeline=PipelineStages(gpt2_pipeline_module, load_stage_weights)),
+                generates_text=True, pipeline=PipelineStages(gpt2_pipeline_module, load_stage_weights, hf_names,
+                                                                 one_stage_name)),
     ModelFamily("bert", "BERT", BertConfig, BertForPreTraining, ("bert", "megatron-bert"),
                 "bert.embeddings.word_embeddings.weight",
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
@@ -107,7 +115,8 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
                                      c.max_position_embeddings),
                 LLAMA_PRESETS, llama_config, LlamaConfig.from_hf_dict, check_llama_config_values, CAUSAL_LM,
-                generates_text=True),
+                generates_text=True, pipeline=PipelineStages(llama_pipeline_module, load_llama_stage_weights,
+                                                             llama_one_stage_names, llama_one_stage_name)),
 )
 
 

@@ -82,13 +82,13 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
 
     timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     join_process_group(timeout=timeout)   # the device of the launcher's local rank (zoo.distributed.local_rank)
-    ps = ParallelState.initialize(tensor_parallel_size or dist.get_world_size(), timeout=timeout or default_pg_timeout,
+    parallel = ParallelState.initialize(tensor_parallel_size or dist.get_world_size(), timeout=timeout or default_pg_timeout,
                                   pp_size=pipeline_parallel_size)
-    model_parallel_seed(seed, ps)
-    return ps
+    model_parallel_seed(seed, parallel)
+    return parallel
 
 
-def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], ps, weight_decay: float,
+def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], parallel, weight_decay: float,
                  refresh_masters: bool):
     """The DeepSpeed engine of ``model`` (AdamW groups without decay on biases and norms, zoo's mpu);
     ``refresh_masters`` copies weights loaded before ``initialize`` into fp16/bf16 master weights."""
@@ -96,7 +96,7 @@ def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], ps, weight_d
 
     fit_cuda_arch_list_for_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
-                                           config=ds_config, mpu=ps)
+                                           config=ds_config, mpu=parallel)
     if refresh_masters:
         refresh_fp32_master_weights(engine)
     return engine
@@ -179,18 +179,18 @@ class LogWindow:
         self.steps += 1
         self.seconds += seconds
 
-    def means(self, ps, device) -> dict[str, float]:
+    def means(self, parallel, device) -> dict[str, float]:
         """Window means over iterations and DP ranks (fp64, one all-reduce), as Python floats. The same
         all-reduce sums the per-iteration NaN/inf flags over the DP ranks, so ``nan_iterations`` counts the
         window's iterations whose loss was not finite on any DP rank."""
         if not self.sums:
             return {}
         stacked = torch.stack(list(self.sums.values()) + self.not_finite).to(device)
-        if ps.dp_size > 1:
-            dist.all_reduce(stacked, group=ps.dp_group)
+        if parallel.dp_size > 1:
+            dist.all_reduce(stacked, group=parallel.dp_group)
         values = stacked.tolist()
         self.nan_iterations = sum(1 for flag in values[len(self.sums):] if flag > 0)
-        return dict(zip(self.sums, (value / (ps.dp_size * self.steps) for value in values[:len(self.sums)])))
+        return dict(zip(self.sums, (value / (parallel.dp_size * self.steps) for value in values[:len(self.sums)])))
 
     @property
     def step_time(self) -> float:
@@ -431,11 +431,11 @@ class TrainingLoop:
     which go to ``logger`` (a :class:`zoo.training.metrics.MetricsLogger`); ``validator`` and
     ``checkpointer`` are optional (None: no evaluation, no checkpoint); ``stop`` None trains to the end."""
 
-    def __init__(self, engine, ps, task, logger=None, validator: Validates | None = None,
+    def __init__(self, engine, parallel, task, logger=None, validator: Validates | None = None,
                  checkpointer: Saves | None = None, stop: StopConditions | None = None,
                  progress_desc: str = "train", is_writer: bool = False):
         self.engine = engine
-        self.ps = ps
+        self.parallel = parallel
         self.task = task
         self.logger = logger
         self.validator = validator
@@ -479,7 +479,7 @@ class TrainingLoop:
         """The window's event (the task's, from the means over the window's micro-batches and the DP
         ranks): logged, shown on the writer's console and kept as ``state.last_event``."""
         start = time.perf_counter()
-        means = self.window.means(self.ps, self.engine.device)
+        means = self.window.means(self.parallel, self.engine.device)
         self.window.seconds += time.perf_counter() - start   # the interval's one synchronisation
         event = self.task.log_event(state, means, self.window)
         event.update(self.health.fields(event, self.window))
@@ -566,7 +566,7 @@ class TrainingLoop:
 
         if run_number is None or not is_collective_failure(err):
             return err
-        timeout = getattr(self.ps, "timeout", None) or default_pg_timeout
+        timeout = getattr(self.parallel, "timeout", None) or default_pg_timeout
         missing = ranks_that_did_not_arrive(f"run{run_number}", timeout)
         if not missing:
             return err

@@ -54,8 +54,8 @@ class PretrainTask:
     position, Megatron's throughput figures in each log event. Where DeepSpeed's grad norm is missing
     (fp32) or still carries the loss scale (unfused fp16), zoo's own unscaled norm is logged."""
 
-    def __init__(self, config: RunConfig, data: PretrainingData, engine, ps, gas: int, shape):
-        self.config, self.data, self.engine, self.ps, self.gas = config, data, engine, ps, gas
+    def __init__(self, config: RunConfig, data: PretrainingData, engine, parallel, gas: int, shape):
+        self.config, self.data, self.engine, self.parallel, self.gas = config, data, engine, parallel, gas
         self.total_iterations = config.train_iters
         self.samples_per_iteration = engine.train_batch_size()
         self.log_interval = config.log_interval
@@ -70,7 +70,7 @@ class PretrainTask:
         return forward_with_metrics(engine, batch, self.data.objective.extra_metrics)
 
     def own_grad_norm(self, engine) -> torch.Tensor | None:
-        return unscaled_grad_norm(engine, self.ps) if self.uses_own_norm else None
+        return unscaled_grad_norm(engine, self.parallel) if self.uses_own_norm else None
 
     def log_event(self, state: LoopState, means: dict[str, float], window: LogWindow) -> dict[str, Any]:
         engine, config = self.engine, self.config

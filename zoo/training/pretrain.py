@@ -64,7 +64,7 @@ __all__ = ["pretrain"]
 SampleText = Callable[[torch.nn.Module, Sequence[str], int, Any], list[str]]
 
 
-def build_pretraining_model(config: RunConfig, ps, device: torch.device | str | None = None):
+def build_pretraining_model(config: RunConfig, parallel, device: torch.device | str | None = None):
     """(model, model config, shape) of the run: ``--pretrained`` weights or the family's random init.
 
     A random init is built on ``device`` (by default the engine's accelerator device, set by
@@ -82,13 +82,13 @@ def build_pretraining_model(config: RunConfig, ps, device: torch.device | str | 
     model_config = build_model_config(config.model, **{**config.model_run_fields(), **config.model_overrides})
     model = None
     if config.pretrained:  # the weights (and the shapes) of a transformers-layout directory, this rank's slices
-        model = pretrained_model(config.pretrained, model_config, config.model, config.model_overrides, ps)
+        model = pretrained_model(config.pretrained, model_config, config.model, config.model_overrides, parallel)
         model_config = model.config
     shape = shape_of(model_config)
     check_seq_length(config, shape)
     if model is None:
         with torch.device(accelerator_device() if device is None else device):
-            model = build_model(model_config, ps)
+            model = build_model(model_config, parallel)
     return model, model_config, shape
 
 
@@ -124,14 +124,14 @@ def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[s
 def pretrain_in_process_group(config: RunConfig, sample_text: SampleText | None) -> dict[str, Any]:
     """:func:`pretrain` once its arguments are checked: join, claim ``--save``, run."""
     started = time.monotonic()   # --exit-duration-in-mins counts from here: the set-up is part of the job's time
-    ps = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes,
+    parallel = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes,
               config.pipeline_model_parallel_size)
     gas = validate_for_world(config, dist.get_world_size())
     is_writer = dist.get_rank() == 0
     lock = raise_on_any_rank(lambda: claim_pretraining_directory(
         config.save, resuming=continues_save_directory(config), overwrite=config.overwrite) if is_writer else None)
     try:
-        return pretrain_in_claimed_directory(config, ps, gas, is_writer, started, sample_text)
+        return pretrain_in_claimed_directory(config, parallel, gas, is_writer, started, sample_text)
     finally:
         if lock is not None:
             lock.release()
@@ -146,35 +146,35 @@ def continues_save_directory(config: RunConfig) -> bool:
     return Path(config.load).resolve() in (save, save / CHECKPOINT_SUBDIR)
 
 
-def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bool, started: float,
+def pretrain_in_claimed_directory(config: RunConfig, parallel, gas: int, is_writer: bool, started: float,
                                   sample_text: SampleText | None = None) -> dict[str, Any]:
     """The run proper, in a claimed ``--save``: the engine, the resumed state, the data, the metrics
     file, then the loop over a :class:`PretrainTask` with its :class:`Validator` and :class:`Checkpointer`."""
-    engine, model, model_config, shape, ds_config, clipping = build_engine(config, ps, gas, is_writer)
+    engine, model, model_config, shape, ds_config, clipping = build_engine(config, parallel, gas, is_writer)
     host = host_group(None if config.distributed_timeout_minutes is None
                       else timedelta(minutes=config.distributed_timeout_minutes))
-    checkpointer = Checkpointer(engine, config, ds_config, ps, model_config.to_hf_dict() if ps.pp_size > 1
+    checkpointer = Checkpointer(engine, config, ds_config, parallel, model_config.to_hf_dict() if parallel.pp_size > 1
                                 else model.hf_config_dict(), is_writer)
     state = checkpointer.resume()
-    data = PretrainingData(config, model_config, ps, engine.train_micro_batch_size_per_gpu(), engine.train_batch_size(),
+    data = PretrainingData(config, model_config, parallel, engine.train_micro_batch_size_per_gpu(), engine.train_batch_size(),
                            config.data_workers, pin_memory_here(), agreement_group=host)
     logger = open_metrics(config, ds_config, state.iteration, is_writer, host)
     # once the checkpoint and the data were accepted: a refused run leaves no config.json behind
-    raise_on_any_rank(lambda: record_effective_settings(config, ps.world_size, gas) if is_writer else None)
+    raise_on_any_rank(lambda: record_effective_settings(config, parallel.world_size, gas) if is_writer else None)
     stop = StopConditions(exit_interval=config.exit_interval, exit_duration_minutes=config.exit_duration_in_mins,
                           handle_signals=config.exit_signal_handler, group=host, started=started)
-    validator = Validator(engine, data, config, ps, logger)
-    task = (PipelinePretrainTask(config, data, engine, ps, gas, shape, clipping) if ps.pp_size > 1
-            else PretrainTask(config, data, engine, ps, gas, shape))
-    loop = TrainingLoop(engine, ps, task, logger, validator, checkpointer, stop, progress_desc="pretrain",
+    validator = Validator(engine, data, config, parallel, logger)
+    task = (PipelinePretrainTask(config, data, engine, parallel, gas, shape, clipping) if parallel.pp_size > 1
+            else PretrainTask(config, data, engine, parallel, gas, shape))
+    loop = TrainingLoop(engine, parallel, task, logger, validator, checkpointer, stop, progress_desc="pretrain",
                         is_writer=is_writer)
     state = run_loop(loop, state, config, data)
     if state.stopped_by is not None and is_writer:
         print(f"stopped by {state.stopped_by} after iteration {state.iteration}: checkpoint "
               f"{checkpointer.tag_directory(state.iteration)}; resume with --load {Path(config.save)}", flush=True)
     samples = []
-    if config.sample_prompts and state.stopped_by is None and ps.pp_size == 1:   # every rank decodes; the writer prints
-        samples = sample_text(engine.module, config.sample_prompts, config.seed, ps)
+    if config.sample_prompts and state.stopped_by is None and parallel.pp_size == 1:   # every rank decodes; the writer prints
+        samples = sample_text(engine.module, config.sample_prompts, config.seed, parallel)
     if logger.is_writer and state.stopped_by is None:
         print_summary(Path(config.save), state.iteration, state.last_event, validator.means, data, config, shape,
                       samples)
@@ -182,7 +182,7 @@ def pretrain_in_claimed_directory(config: RunConfig, ps, gas: int, is_writer: bo
     return {**state.last_event, "val_loss": validator.loss, "stopped_by": state.stopped_by}
 
 
-def build_engine(config: RunConfig, ps, gas: int, is_writer: bool):
+def build_engine(config: RunConfig, parallel, gas: int, is_writer: bool):
     """(engine, model, model config, shape, ds_config, clipping) of the run: the model
     (:func:`build_pretraining_model`, or this rank's pipeline stage), DeepSpeed's activation checkpointing when
     ``--checkpoint-activations`` or ``--recompute-granularity`` asks for it, and the engine over both
@@ -195,20 +195,20 @@ def build_engine(config: RunConfig, ps, gas: int, is_writer: bool):
         if is_writer and warning:
             print(f"warning: {warning}", file=sys.stderr)
     weight_decay = ds_config.get("optimizer", {}).get("params", {}).get("weight_decay", 0.01)
-    if ps.pp_size > 1:
+    if parallel.pp_size > 1:
         model_config = raise_on_any_rank(lambda: pipeline_model_config(config))
         shape = shape_of(model_config)
         check_seq_length(config, shape)
         if config.recompute:
-            deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
-        model = build_pipeline_model(config, model_config, ps, accelerator_device())
-        engine, clipping = setup_pipeline_engine(model, ds_config, ps, weight_decay, config.sequence_parallel)
+            deepspeed.checkpointing.configure(parallel, num_checkpoints=shape.layers)
+        model = build_pipeline_model(config, model_config, parallel, accelerator_device())
+        engine, clipping = setup_pipeline_engine(model, ds_config, parallel, weight_decay, config.sequence_parallel)
         return engine, model, model_config, shape, ds_config, clipping
     # agreed: a shape every rank refuses (heads that tp does not divide) is one sentence, printed once
-    model, model_config, shape = raise_on_any_rank(lambda: build_pretraining_model(config, ps))
+    model, model_config, shape = raise_on_any_rank(lambda: build_pretraining_model(config, parallel))
     if config.recompute:   # full or selective: DeepSpeed's checkpointing restores the TP RNG on recompute
-        deepspeed.checkpointing.configure(ps, num_checkpoints=shape.layers)
-    engine = setup_engine(model, ds_config, ps, weight_decay, refresh_masters=bool(config.pretrained))
+        deepspeed.checkpointing.configure(parallel, num_checkpoints=shape.layers)
+    engine = setup_engine(model, ds_config, parallel, weight_decay, refresh_masters=bool(config.pretrained))
     return engine, model, model_config, shape, ds_config, None
 
 

@@ -43,7 +43,7 @@ class PretrainingData:
     a blend).
     """
 
-    def __init__(self, config: RunConfig, model_config, ps, micro_batch: int, global_batch: int,
+    def __init__(self, config: RunConfig, model_config, parallel, micro_batch: int, global_batch: int,
                  workers: int, pin_memory: bool, agreement_group=None):
         blend = raise_on_any_rank(lambda: check_data_path(config.data_path, config.split))
         if blend is None:  # bundled corpus: preprocess once on rank 0 while the others wait on the host
@@ -53,13 +53,13 @@ class PretrainingData:
         self.is_bundled_corpus = config.data_path is None
         self.objective = objective_of(model_config)   # its extra metrics and their log lines
         self.blend = [(weight, prefix) for weight, prefix in blend if weight > 0]
-        self.ps = ps
+        self.parallel = parallel
         self.micro_batch = micro_batch
         self.workers = workers if can_start_workers() else 0
         self.pin_memory = pin_memory
         self.agreement_group = agreement_group
         train_samples = config.train_iters * global_batch
-        valid_samples = config.eval_iters * micro_batch * ps.dp_size if config.eval_interval else 0
+        valid_samples = config.eval_iters * micro_batch * parallel.dp_size if config.eval_interval else 0
         index = None
         if len(self.blend) > 1:  # one index serves both splits: valid uses its first valid_samples entries
             index = shared_blend_index(self.blend, max(train_samples, valid_samples))
@@ -96,7 +96,7 @@ class PretrainingData:
         return (corpora[0] if index is None else None), train, valid
 
     def loader(self, dataset, first_global_sample: int):
-        return build_pretraining_dataloader(dataset, self.micro_batch, first_global_sample, self.ps,
+        return build_pretraining_dataloader(dataset, self.micro_batch, first_global_sample, self.parallel,
                                             num_workers=self.workers, pin_memory=self.pin_memory)
 
     def next_micro_batches(self, batches, count: int) -> list[dict[str, torch.Tensor]]:

@@ -16,7 +16,7 @@ from zoo.training.run_config import RunConfig
 __all__ = ["Validator", "validation_means"]
 
 
-def validation_means(engine, data: PretrainingData, config: RunConfig, ps) -> dict[str, float]:
+def validation_means(engine, data: PretrainingData, config: RunConfig, parallel) -> dict[str, float]:
     """Validation means over ``eval_iters`` micro-batches and the DP ranks: "loss", plus BERT's
     "mlm_loss", "sop_loss" and "sop_acc". Summed on the device, one synchronisation at the end. A pipeline
     engine evaluates through its own schedule (:func:`zoo.training.pipeline.pipeline_validation_means`)."""
@@ -31,15 +31,15 @@ def validation_means(engine, data: PretrainingData, config: RunConfig, ps) -> di
             for key, value in metrics.items():
                 sums[key] = sums.get(key, 0.0) + value
     engine.train()
-    return means_over_dp(sums, config.eval_iters, ps, engine.device)
+    return means_over_dp(sums, config.eval_iters, parallel, engine.device)
 
 
 class Validator:
     """Evaluates ``engine`` on ``data``'s validation split (collective: every rank); ``means`` holds the
     latest evaluation's means (empty before the first)."""
 
-    def __init__(self, engine, data: PretrainingData, config: RunConfig, ps, logger: MetricsLogger):
-        self.engine, self.data, self.config, self.ps, self.logger = engine, data, config, ps, logger
+    def __init__(self, engine, data: PretrainingData, config: RunConfig, parallel, logger: MetricsLogger):
+        self.engine, self.data, self.config, self.parallel, self.logger = engine, data, config, parallel, logger
         self.means: dict[str, float] = {}
 
     def is_evaluation_step(self, iteration: int) -> bool:
@@ -52,7 +52,7 @@ class Validator:
         return self.means.get("loss")
 
     def evaluate(self, state: LoopState, write) -> None:
-        self.means.update(validation_means(self.engine, self.data, self.config, self.ps))
+        self.means.update(validation_means(self.engine, self.data, self.config, self.parallel))
         val_loss = self.means["loss"]
         extras = {f"val_{key}": value for key, value in self.means.items() if key != "loss"}
         if "mlm_loss" in self.means:   # BERT: the perplexity of the MLM loss alone (val_ppl is of MLM + SOP)
