@@ -13,7 +13,14 @@ from zoo.assets import BERT_TOKENIZER_DIR
 from zoo.errors import UserError
 from zoo.models.config import BertConfig, recompute_mode
 from zoo.models.pretrained import HFPretrainedMixin
-from zoo.models.transformer import TransformerLayer, attention_bias, lm_loss, region_dropout, run_layers
+from zoo.models.transformer import (
+    LayerOptions,
+    TransformerLayer,
+    attention_bias,
+    lm_loss,
+    region_dropout,
+    run_layers,
+)
 from zoo.parallel import VocabParallelEmbedding, gather_from_tp_region, mark_tensor_parallel, scaled_init_std
 from zoo.parallel.layers import SequenceParallelLayerNorm, mark_sequence_parallel, uses_sequence_parallel
 from zoo.parallel.mappings import (
@@ -147,6 +154,17 @@ class _BertCheckpoints(HFPretrainedMixin):
         return self.config.to_hf_dict(self.hf_architecture)
 
 
+def bert_layer_options(config: BertConfig) -> LayerOptions:
+    """The settings of every BERT layer: post-norm (the original BERT) or pre-norm (Megatron BERT) as
+    configured, output GEMMs initialised with the depth-scaled std."""
+    std = config.initializer_range
+    return LayerOptions(config.hidden_size, config.num_attention_heads, config.ffn_hidden_size,
+                        layer_norm_eps=config.layer_norm_eps, attn_dropout=config.attention_probs_dropout_prob,
+                        hidden_dropout=config.hidden_dropout_prob, gelu_approximate=config.gelu_approximate,
+                        init_std=std, output_init_std=scaled_init_std(std, config.num_hidden_layers),
+                        pre_norm=config.pre_norm, sequence_parallel=config.sequence_parallel)
+
+
 class BertModel(_BertCheckpoints, nn.Module):
     """The bare encoder: ``.last_hidden_state`` (b, s, h) and ``.pooler_output`` (b, h).
 
@@ -163,15 +181,9 @@ class BertModel(_BertCheckpoints, nn.Module):
         self.parallel = parallel
         std = config.initializer_range
         self.embeddings = BertEmbeddings(config, parallel)
-        self.layer = nn.ModuleList(
-            TransformerLayer(config.hidden_size, config.num_attention_heads, config.ffn_hidden_size,
-                             layer_norm_eps=config.layer_norm_eps,
-                             attn_dropout=config.attention_probs_dropout_prob,
-                             hidden_dropout=config.hidden_dropout_prob, gelu_approximate=config.gelu_approximate,
-                             parallel=parallel, init_std=std,
-                             output_init_std=scaled_init_std(std, config.num_hidden_layers),
-                             pre_norm=config.pre_norm, sequence_parallel=config.sequence_parallel)
-            for _ in range(config.num_hidden_layers))
+        options = bert_layer_options(config)
+        self.layer = nn.ModuleList(TransformerLayer(options, parallel=parallel)
+                                   for _ in range(config.num_hidden_layers))
         self.ln = SequenceParallelLayerNorm(config.hidden_size, eps=config.layer_norm_eps, parallel=parallel,
                                             sequence_parallel=config.sequence_parallel) if config.pre_norm else None
         self.pooler = _normal_linear(config.hidden_size, config.hidden_size, std) if add_pooling_layer else None

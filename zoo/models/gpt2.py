@@ -10,11 +10,30 @@ from zoo.assets import GPT2_TOKENIZER_DIR
 from zoo.errors import UserError
 from zoo.models.config import GPT2Config, recompute_mode
 from zoo.models.pretrained import HFPretrainedMixin
-from zoo.models.transformer import KVCache, TransformerLayer, attention_bias, lm_loss, region_dropout, run_layers
+from zoo.models.transformer import (
+    KVCache,
+    LayerOptions,
+    TransformerLayer,
+    attention_bias,
+    lm_loss,
+    region_dropout,
+    run_layers,
+)
 from zoo.parallel import VocabParallelEmbedding, gather_from_tp_region, scaled_init_std
 from zoo.parallel.layers import SequenceParallelLayerNorm, uses_sequence_parallel
 from zoo.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from zoo.parallel.state import ParallelState, as_state
+
+
+def gpt2_layer_options(config: GPT2Config) -> LayerOptions:
+    """The settings of every GPT-2 layer: pre-norm, GeLU as configured, output GEMMs initialised with the
+    depth-scaled std, and the GEMM weights stored as Conv1D's (in, out) in merged checkpoints."""
+    std = config.initializer_range
+    return LayerOptions(config.n_embd, config.n_head, config.ffn_hidden_size,
+                        layer_norm_eps=config.layer_norm_epsilon, attn_dropout=config.attn_pdrop,
+                        hidden_dropout=config.resid_pdrop, gelu_approximate=config.gelu_approximate,
+                        init_std=std, output_init_std=scaled_init_std(std, config.n_layer), pre_norm=True,
+                        sequence_parallel=config.sequence_parallel, checkpoint_transposed=True)
 
 
 class GPT2Model(nn.Module):
@@ -39,14 +58,8 @@ class GPT2Model(nn.Module):
         nn.init.normal_(self.wpe.weight, 0.0, std)
         self.drop = nn.Dropout(config.embd_pdrop)
         sp = config.sequence_parallel
-        self.h = nn.ModuleList(
-            TransformerLayer(config.n_embd, config.n_head, config.ffn_hidden_size,
-                             layer_norm_eps=config.layer_norm_epsilon, attn_dropout=config.attn_pdrop,
-                             hidden_dropout=config.resid_pdrop, gelu_approximate=config.gelu_approximate,
-                             parallel=parallel, init_std=std,
-                             output_init_std=scaled_init_std(std, config.n_layer), pre_norm=True,
-                             sequence_parallel=sp, checkpoint_transposed=True)
-            for _ in range(config.n_layer))
+        options = gpt2_layer_options(config)
+        self.h = nn.ModuleList(TransformerLayer(options, parallel=parallel) for _ in range(config.n_layer))
         self.ln_f = SequenceParallelLayerNorm(config.n_embd, eps=config.layer_norm_epsilon, parallel=parallel,
                                               sequence_parallel=sp)
 

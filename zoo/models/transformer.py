@@ -45,6 +45,36 @@ from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide
 
 
+@dataclass(frozen=True)
+class LayerOptions:
+    """The settings every transformer layer of one model shares, built once from the model's config and
+    handed to each layer, which passes it on to its attention and MLP.
+
+    Sizes: ``hidden_size`` h, ``num_heads``, ``ffn_hidden_size`` (the MLP's inner width). Dropout
+    probabilities: ``attn_dropout`` on the attention probabilities, ``hidden_dropout`` on each residual
+    branch. ``gelu_approximate``: F.gelu's ``approximate`` ("tanh" for GPT-2, "none" for BERT).
+    ``init_std``: the normal init of the column-parallel GEMMs; ``output_init_std``: that of the
+    row-parallel ones (scaled by depth). ``pre_norm``: Figure 7b (True) or 7a (False) of Shoeybi et al.
+    ``sequence_parallel``: the layer may run sequence-parallel (its LayerNorm and row-parallel bias
+    gradients are then summed over the TP group); each call still decides. ``checkpoint_transposed``:
+    merged checkpoints store the GEMM weights as (in, out) (GPT-2's Conv1D); it only sets the
+    partition specs.
+    """
+
+    hidden_size: int
+    num_heads: int
+    ffn_hidden_size: int
+    layer_norm_eps: float
+    attn_dropout: float
+    hidden_dropout: float
+    gelu_approximate: str
+    init_std: float
+    output_init_std: float
+    pre_norm: bool = True
+    sequence_parallel: bool = False
+    checkpoint_transposed: bool = False
+
+
 @dataclass
 class LayerCache:
     """One layer's key/value cache: ``past`` (k, v) of this rank's heads, each (b, heads_local, P, d), or None
@@ -107,22 +137,22 @@ class ParallelSelfAttention(nn.Module):
     ``sequence_parallel`` the input and output are (b, s/p, h); the heads still see all s tokens.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, attn_dropout: float, *,
-                 parallel: ParallelState | None, init_std: float, output_init_std: float,
-                 sequence_parallel: bool = False, checkpoint_transposed: bool = False):
+    def __init__(self, options: LayerOptions, *, parallel: ParallelState | None):
         super().__init__()
         self.parallel = parallel = as_state(parallel)
         tp = parallel.tp_size
-        self.head_dim = divide(hidden_size, num_heads, "hidden size")
-        self.local_heads = divide(num_heads, tp, "number of attention heads")
+        hidden_size = options.hidden_size
+        self.head_dim = divide(hidden_size, options.num_heads, "hidden size")
+        self.local_heads = divide(options.num_heads, tp, "number of attention heads")
         self.local_hidden = self.local_heads * self.head_dim
-        self.attn_dropout = attn_dropout
+        self.attn_dropout = options.attn_dropout
         self.c_attn = ColumnParallelLinear(hidden_size, 3 * hidden_size, stride=3, parallel=parallel,
-                                           init_std=init_std, sequence_parallel=sequence_parallel,
-                                           checkpoint_transposed=checkpoint_transposed)
-        self.c_proj = RowParallelLinear(hidden_size, hidden_size, parallel=parallel, init_std=output_init_std,
-                                        sequence_parallel=sequence_parallel,
-                                        checkpoint_transposed=checkpoint_transposed)
+                                           init_std=options.init_std, sequence_parallel=options.sequence_parallel,
+                                           checkpoint_transposed=options.checkpoint_transposed)
+        self.c_proj = RowParallelLinear(hidden_size, hidden_size, parallel=parallel,
+                                        init_std=options.output_init_std,
+                                        sequence_parallel=options.sequence_parallel,
+                                        checkpoint_transposed=options.checkpoint_transposed)
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool, *,
                 cache: LayerCache | None = None, sequence_parallel: bool = False,
@@ -165,17 +195,16 @@ class ParallelSelfAttention(nn.Module):
 class ParallelMLP(nn.Module):
     """Y = g(GeLU(f(X) A) B): A column-parallel (GeLU runs locally on X A_i), B row-parallel."""
 
-    def __init__(self, hidden_size: int, ffn_hidden_size: int, gelu_approximate: str, *,
-                 parallel: ParallelState | None, init_std: float, output_init_std: float,
-                 sequence_parallel: bool = False, checkpoint_transposed: bool = False):
+    def __init__(self, options: LayerOptions, *, parallel: ParallelState | None):
         super().__init__()
-        self.gelu_approximate = gelu_approximate
-        self.c_fc = ColumnParallelLinear(hidden_size, ffn_hidden_size, parallel=parallel, init_std=init_std,
-                                         sequence_parallel=sequence_parallel,
-                                        checkpoint_transposed=checkpoint_transposed)
-        self.c_proj = RowParallelLinear(ffn_hidden_size, hidden_size, parallel=parallel,
-                                        init_std=output_init_std, sequence_parallel=sequence_parallel,
-                                        checkpoint_transposed=checkpoint_transposed)
+        self.gelu_approximate = options.gelu_approximate
+        self.c_fc = ColumnParallelLinear(options.hidden_size, options.ffn_hidden_size, parallel=parallel,
+                                         init_std=options.init_std, sequence_parallel=options.sequence_parallel,
+                                         checkpoint_transposed=options.checkpoint_transposed)
+        self.c_proj = RowParallelLinear(options.ffn_hidden_size, options.hidden_size, parallel=parallel,
+                                        init_std=options.output_init_std,
+                                        sequence_parallel=options.sequence_parallel,
+                                        checkpoint_transposed=options.checkpoint_transposed)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """(b, s, h) -> (b, s, h); with ``sequence_parallel`` (b, s/p, h) -> (b, s/p, h) (AG -> A -> B -> RS)."""
@@ -191,29 +220,27 @@ class TransformerLayer(nn.Module):
         pre-norm:   x = x + drop(attn(ln_1(x)));   x = x + drop(mlp(ln_2(x)))
         post-norm:  x = ln_1(x + drop(attn(x)));   x = ln_2(x + drop(mlp(x)))
 
-    ``checkpoint_transposed``: merged checkpoints store the GEMM weights as (in, out) (GPT-2's Conv1D); it
-    only sets the layers' partition specs.
+    Every setting comes from one :class:`LayerOptions`, built once per model from its config. The keyword
+    form (``TransformerLayer(hidden_size, num_heads, ffn_hidden_size, **settings)``, the fields of
+    :class:`LayerOptions`) builds that object in place, for callers that do not build one themselves.
     """
 
-    def __init__(self, hidden_size: int, num_heads: int, ffn_hidden_size: int, *, layer_norm_eps: float,
-                 attn_dropout: float, hidden_dropout: float, gelu_approximate: str,
-                 parallel: ParallelState | None, init_std: float, output_init_std: float,
-                 pre_norm: bool = True, sequence_parallel: bool = False, checkpoint_transposed: bool = False):
+    def __init__(self, options: LayerOptions | int, *sizes: int, parallel: ParallelState | None = None,
+                 **settings):
         super().__init__()
-        self.pre_norm = pre_norm
+        if not isinstance(options, LayerOptions):
+            options = LayerOptions(options, *sizes, **settings)
+        self.options = options
+        self.pre_norm = options.pre_norm
         self.parallel = parallel = as_state(parallel)
-        self.ln_1 = SequenceParallelLayerNorm(hidden_size, eps=layer_norm_eps, parallel=parallel,
-                                              sequence_parallel=sequence_parallel)
-        self.attn = ParallelSelfAttention(hidden_size, num_heads, attn_dropout, parallel=parallel,
-                                          init_std=init_std, output_init_std=output_init_std,
-                                          sequence_parallel=sequence_parallel,
-                                          checkpoint_transposed=checkpoint_transposed)
-        self.ln_2 = SequenceParallelLayerNorm(hidden_size, eps=layer_norm_eps, parallel=parallel,
-                                              sequence_parallel=sequence_parallel)
-        self.mlp = ParallelMLP(hidden_size, ffn_hidden_size, gelu_approximate, parallel=parallel,
-                               init_std=init_std, output_init_std=output_init_std,
-                               sequence_parallel=sequence_parallel, checkpoint_transposed=checkpoint_transposed)
-        self.dropout = nn.Dropout(hidden_dropout)  # default stream, or the TP-rank stream under SP
+        sp = options.sequence_parallel
+        self.ln_1 = SequenceParallelLayerNorm(options.hidden_size, eps=options.layer_norm_eps, parallel=parallel,
+                                              sequence_parallel=sp)
+        self.attn = ParallelSelfAttention(options, parallel=parallel)
+        self.ln_2 = SequenceParallelLayerNorm(options.hidden_size, eps=options.layer_norm_eps, parallel=parallel,
+                                              sequence_parallel=sp)
+        self.mlp = ParallelMLP(options, parallel=parallel)
+        self.dropout = nn.Dropout(options.hidden_dropout)  # default stream, or the TP-rank stream under SP
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, *, causal: bool = False,
                 cache: LayerCache | None = None, sequence_parallel: bool = False,
