@@ -303,25 +303,28 @@ def _grid(tp: int, rank: int = 0):
 
 
 def test_layers_declare_their_partition_specs():
-    """Each layer states how its parameters split and how merged checkpoints store them; the model-wide
-    collection names every parameter, agrees with the tags DeepSpeed reads, and marks the rest replicated."""
+    """Each layer states how its parameters split; GPT-2's transformers name map marks the Conv1D weights as
+    stored transposed; the model-wide collection names every parameter, agrees with the tags DeepSpeed reads,
+    and marks the rest replicated."""
     from zoo.models import GPT2Config, GPT2LMHeadModel
+    from zoo.models.hf_io import hf_params
     from zoo.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from zoo.parallel.partition import PartitionSpec, partition_specs
 
     with torch.device("meta"):
-        column = ColumnParallelLinear(IN, OUT, stride=3, checkpoint_transposed=True, parallel=_grid(2))
+        column = ColumnParallelLinear(IN, OUT, stride=3, parallel=_grid(2))
         row = RowParallelLinear(OUT, IN, parallel=_grid(2))
         embedding = VocabParallelEmbedding(VOCAB, DIM, pad_multiple=PAD_MULTIPLE, parallel=_grid(2))
         model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=16, n_head=4, n_positions=8, vocab_size=VOCAB),
                                 parallel=_grid(2))
-    assert partition_specs(column) == {"weight": PartitionSpec(0, 3, transposed=True), "bias": PartitionSpec(0, 3)}
+    assert partition_specs(column) == {"weight": PartitionSpec(0, 3), "bias": PartitionSpec(0, 3)}
     assert partition_specs(row) == {"weight": PartitionSpec(1), "bias": PartitionSpec()}
     assert partition_specs(embedding) == {"weight": PartitionSpec(0, vocab_rows=VOCAB)}
     specs = partition_specs(model)
     assert list(specs) == [name for name, _ in model.named_parameters()]
-    assert specs["transformer.h.1.attn.c_attn.weight"] == PartitionSpec(0, 3, transposed=True)   # Conv1D, fused QKV
-    assert specs["transformer.h.1.mlp.c_proj.weight"] == PartitionSpec(1, transposed=True)
+    stored = hf_params(model)
+    assert stored["transformer.h.1.attn.c_attn.weight"].spec == PartitionSpec(0, 3, transposed=True)  # Conv1D, QKV
+    assert stored["transformer.h.1.mlp.c_proj.weight"].spec == PartitionSpec(1, transposed=True)
     assert specs["transformer.wte.weight"] == PartitionSpec(0, vocab_rows=VOCAB)
     for name, param in model.named_parameters():
         tags = (param.partition_dim, param.partition_stride) if getattr(param, "tensor_model_parallel", False) else None

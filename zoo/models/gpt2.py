@@ -27,13 +27,13 @@ from zoo.parallel.state import ParallelState, as_state
 
 def gpt2_layer_options(config: GPT2Config) -> LayerOptions:
     """The settings of every GPT-2 layer: pre-norm, GeLU as configured, output GEMMs initialised with the
-    depth-scaled std, and the GEMM weights stored as Conv1D's (in, out) in merged checkpoints."""
+    depth-scaled std."""
     std = config.initializer_range
     return LayerOptions(config.n_embd, config.n_head, config.ffn_hidden_size,
                         layer_norm_eps=config.layer_norm_epsilon, attn_dropout=config.attn_pdrop,
                         hidden_dropout=config.resid_pdrop, gelu_approximate=config.gelu_approximate,
                         init_std=std, output_init_std=scaled_init_std(std, config.n_layer), pre_norm=True,
-                        sequence_parallel=config.sequence_parallel, checkpoint_transposed=True)
+                        sequence_parallel=config.sequence_parallel)
 
 
 class GPT2Model(nn.Module):
@@ -44,7 +44,8 @@ class GPT2Model(nn.Module):
     (TP-rank stream), the layers and ``ln_f`` on this rank's s/p tokens (see :meth:`hidden_states`), and
     :meth:`forward` all-gathers the result, so it returns (b, s, h) like transformers. Key/value-cached
     decoding runs without sequence parallelism (it is a training-memory device; decoding holds few tokens).
-    The GEMM weights' partition specs say that merged checkpoints store them as Conv1D's (in, out).
+    transformers' checkpoints store the GEMM weights as Conv1D's (in, out); the name map of
+    :class:`GPT2LMHeadModel` (``hf_transposed_keys``) says so, the layers hold ``nn.Linear``'s (out, in).
     """
 
     def __init__(self, config: GPT2Config, parallel: ParallelState | None = None):
@@ -136,6 +137,8 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
 
     base_prefix = "transformer."   # OpenAI-converted gpt2 checkpoints store keys without it
     ignorable_keys = (".attn.bias", ".attn.masked_bias", "lm_head.weight")  # causal-mask buffers, tied head
+    # transformers' Conv1D keeps these GEMM weights as (in, out); zoo's layers hold nn.Linear's (out, in)
+    hf_transposed_keys = (".attn.c_attn.weight", ".attn.c_proj.weight", ".mlp.c_fc.weight", ".mlp.c_proj.weight")
     default_tokenizer_dir = GPT2_TOKENIZER_DIR
 
     def __init__(self, config: GPT2Config, parallel: ParallelState | None = None):
@@ -183,6 +186,6 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
 
     def hf_names(self) -> dict[str, str]:
         """zoo parameter -> transformers ``GPT2LMHeadModel`` key: the names are identical (how each tensor is
-        split and stored comes from the layers' partition specs). ``lm_head.weight`` is tied to
+        split comes from the layers' partition specs, which keys are stored transposed from ``hf_transposed_keys``). ``lm_head.weight`` is tied to
         ``transformer.wte.weight`` and not stored."""
         return {name: name for name, _ in self.named_parameters()}

@@ -1,8 +1,9 @@
 """Reading and writing Hugging Face transformers checkpoints at any tp degree.
 
-A model names, per parameter, the transformers key(s) it maps to (``hf_names()``, names only); how the
-tensor is split, padded and stored comes from the partition spec its layer declares
-(:mod:`zoo.parallel.partition`). :func:`hf_params` joins the two into one :class:`HFParam` per parameter.
+A model names, per parameter, the transformers key(s) it maps to (``hf_names()``), and the keys transformers
+stores transposed (``hf_transposed_keys``, key endings: GPT-2's Conv1D weights); how the tensor is split and
+padded comes from the partition spec its layer declares (:mod:`zoo.parallel.partition`). :func:`hf_params`
+joins them into one :class:`HFParam` per parameter.
 
 Loading reads only this rank's slices with ``safetensors.safe_open(...).get_slice``, one tensor at a
 time, each file mapped only while its tensor is read (a mapping's touched pages count in the RSS until
@@ -23,7 +24,7 @@ import re
 import tempfile
 from collections.abc import Callable, Iterable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -79,10 +80,21 @@ class HFParam:
 
 def hf_params(model: torch.nn.Module) -> dict[str, HFParam]:
     """Every parameter of ``model`` with its transformers key(s) (the model's ``hf_names()``) and its
-    layer's partition spec (:func:`zoo.parallel.partition.partition_specs`)."""
+    layer's partition spec (:func:`zoo.parallel.partition.partition_specs`), marked transposed where the
+    model's ``hf_transposed_keys`` (if any) says transformers stores that key so."""
     names = model.hf_names()
-    return {name: HFParam((names[name],) if isinstance(names[name], str) else tuple(names[name]), spec)
-            for name, spec in partition_specs(model).items()}
+    transposed = tuple(getattr(model, "hf_transposed_keys", ()))
+    params = {}
+    for name, spec in partition_specs(model).items():
+        keys = (names[name],) if isinstance(names[name], str) else tuple(names[name])
+        params[name] = HFParam(keys, stored_spec(spec, keys[0], transposed))
+    return params
+
+
+def stored_spec(spec: PartitionSpec, key: str, transposed_keys: tuple[str, ...]) -> PartitionSpec:
+    """``spec`` as the file stores the tensor under ``key``: transposed when the key ends with one of
+    ``transposed_keys`` (a model's ``hf_transposed_keys``)."""
+    return replace(spec, transposed=True) if key.endswith(transposed_keys) else spec
 
 
 # --------------------------------------------------------------------------- reading

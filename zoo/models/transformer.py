@@ -31,7 +31,7 @@ attend to past + new keys; without one (training, BERT) nothing is cached.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +40,7 @@ from torch import nn
 from zoo.errors import UserError
 from zoo.parallel import ColumnParallelLinear, RowParallelLinear, tp_rng_fork, vocab_parallel_cross_entropy
 from zoo.parallel.layers import SequenceParallelLayerNorm
+from zoo.parallel.partition import PartitionSpec
 from zoo.parallel.random import region_rng
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide
@@ -56,9 +57,8 @@ class LayerOptions:
     ``init_std``: the normal init of the column-parallel GEMMs; ``output_init_std``: that of the
     row-parallel ones (scaled by depth). ``pre_norm``: Figure 7b (True) or 7a (False) of Shoeybi et al.
     ``sequence_parallel``: the layer may run sequence-parallel (its LayerNorm and row-parallel bias
-    gradients are then summed over the TP group); each call still decides. ``checkpoint_transposed``:
-    merged checkpoints store the GEMM weights as (in, out) (GPT-2's Conv1D); it only sets the
-    partition specs.
+    gradients are then summed over the TP group); each call still decides. How a checkpoint file stores
+    the weights is no layer setting: the model's transformers name map says it (:mod:`zoo.models.hf_io`).
     """
 
     hidden_size: int
@@ -72,7 +72,6 @@ class LayerOptions:
     output_init_std: float
     pre_norm: bool = True
     sequence_parallel: bool = False
-    checkpoint_transposed: bool = False
 
 
 @dataclass
@@ -147,12 +146,10 @@ class ParallelSelfAttention(nn.Module):
         self.local_hidden = self.local_heads * self.head_dim
         self.attn_dropout = options.attn_dropout
         self.c_attn = ColumnParallelLinear(hidden_size, 3 * hidden_size, stride=3, parallel=parallel,
-                                           init_std=options.init_std, sequence_parallel=options.sequence_parallel,
-                                           checkpoint_transposed=options.checkpoint_transposed)
+                                           init_std=options.init_std, sequence_parallel=options.sequence_parallel)
         self.c_proj = RowParallelLinear(hidden_size, hidden_size, parallel=parallel,
                                         init_std=options.output_init_std,
-                                        sequence_parallel=options.sequence_parallel,
-                                        checkpoint_transposed=options.checkpoint_transposed)
+                                        sequence_parallel=options.sequence_parallel)
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool, *,
                 cache: LayerCache | None = None, sequence_parallel: bool = False,
@@ -199,12 +196,10 @@ class ParallelMLP(nn.Module):
         super().__init__()
         self.gelu_approximate = options.gelu_approximate
         self.c_fc = ColumnParallelLinear(options.hidden_size, options.ffn_hidden_size, parallel=parallel,
-                                         init_std=options.init_std, sequence_parallel=options.sequence_parallel,
-                                         checkpoint_transposed=options.checkpoint_transposed)
+                                         init_std=options.init_std, sequence_parallel=options.sequence_parallel)
         self.c_proj = RowParallelLinear(options.ffn_hidden_size, options.hidden_size, parallel=parallel,
                                         init_std=options.output_init_std,
-                                        sequence_parallel=options.sequence_parallel,
-                                        checkpoint_transposed=options.checkpoint_transposed)
+                                        sequence_parallel=options.sequence_parallel)
 
     def forward(self, x: torch.Tensor, sequence_parallel: bool = False) -> torch.Tensor:
         """(b, s, h) -> (b, s, h); with ``sequence_parallel`` (b, s/p, h) -> (b, s/p, h) (AG -> A -> B -> RS)."""
@@ -222,12 +217,17 @@ class TransformerLayer(nn.Module):
 
     Every setting comes from one :class:`LayerOptions`, built once per model from its config. The keyword
     form (``TransformerLayer(hidden_size, num_heads, ffn_hidden_size, **settings)``, the fields of
-    :class:`LayerOptions`) builds that object in place, for callers that do not build one themselves.
+    :class:`LayerOptions`) builds that object in place, for callers that do not build one themselves; it also
+    takes ``checkpoint_transposed``, which makes the layer declare its GEMM weights as stored transposed
+    (GPT-2's Conv1D) in its partition specs, for pipeline stages that read transformers' files through the
+    specs alone (:mod:`zoo.models.gpt2_pipeline`). Built from a :class:`LayerOptions` the layer declares
+    no file layout.
     """
 
     def __init__(self, options: LayerOptions | int, *sizes: int, parallel: ParallelState | None = None,
                  **settings):
         super().__init__()
+        self.checkpoint_transposed = bool(settings.pop("checkpoint_transposed", False))
         if not isinstance(options, LayerOptions):
             options = LayerOptions(options, *sizes, **settings)
         self.options = options
@@ -241,6 +241,17 @@ class TransformerLayer(nn.Module):
                                               sequence_parallel=sp)
         self.mlp = ParallelMLP(options, parallel=parallel)
         self.dropout = nn.Dropout(options.hidden_dropout)  # default stream, or the TP-rank stream under SP
+
+    def own_partition_specs(self) -> dict[str, PartitionSpec]:
+        """The GEMM weights' specs marked ``transposed`` when the keyword form asked for
+        ``checkpoint_transposed`` (they take precedence over the linears' own, see
+        :func:`zoo.parallel.partition.partition_specs`); otherwise none, the linears declare their splits."""
+        if not self.checkpoint_transposed:
+            return {}
+        gemms = {"attn.c_attn": self.attn.c_attn, "attn.c_proj": self.attn.c_proj,
+                 "mlp.c_fc": self.mlp.c_fc, "mlp.c_proj": self.mlp.c_proj}
+        return {f"{name}.weight": replace(gemm.own_partition_specs()["weight"], transposed=True)
+                for name, gemm in gemms.items()}
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, *, causal: bool = False,
                 cache: LayerCache | None = None, sequence_parallel: bool = False,

@@ -5,8 +5,9 @@ for one seed) and keeps only this rank's slice, so a model built at tp = 1, 2 or
 the same merged weights. Sharded parameters carry ``tensor_model_parallel = True``,
 ``partition_dim`` and ``partition_stride`` (read by DeepSpeed's gradient norm); replicated parameters
 carry none of them. Each layer also declares its parameters' :class:`~zoo.parallel.partition.PartitionSpec`
-(``own_partition_specs()``: split dimension, stride, vocabulary rows, and whether merged checkpoints store
-the weight transposed), which is all zoo's checkpoint code knows about how shards merge and split.
+(``own_partition_specs()``: split dimension, stride, vocabulary rows), which is all zoo's checkpoint code
+knows about how shards merge and split. How a file format stores a tensor (transformers' GPT-2 keeps its
+GEMM weights transposed) is the format's business (:mod:`zoo.models.hf_io`), not the layers'.
 
 Sequence parallelism (Korthikanti et al. 2022; see ``zoo.parallel.mappings``): with
 ``sequence_parallel=True`` a column-parallel layer all-gathers its (b, s/p, h) input along the
@@ -211,16 +212,14 @@ class ColumnParallelLinear(nn.Module):
     Only the s/p local tokens are kept for backward, which all-gathers them again for the weight
     gradient (the paper's section 4.2.2), so the GEMM's saved input shrinks with tp too.
 
-    Partition spec: weight and bias split along dim 0 with ``stride``; ``checkpoint_transposed``: merged
-    checkpoints store the weight as (in, out) (GPT-2's Conv1D).
+    Partition spec: weight and bias split along dim 0 with ``stride``.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, gather_output: bool = False,
                  *, parallel: ParallelState | None = None, init_std: float = 0.02, stride: int = 1,
-                 sequence_parallel: bool = False, checkpoint_transposed: bool = False, device=None, dtype=None):
+                 sequence_parallel: bool = False, device=None, dtype=None):
         super().__init__()
         self.parallel = as_state(parallel)
-        self.checkpoint_transposed = checkpoint_transposed
         self.sequence_parallel = sequence_parallel
         self.in_features = in_features
         self.out_features = out_features
@@ -244,7 +243,7 @@ class ColumnParallelLinear(nn.Module):
         self.reset_parameters()
 
     def own_partition_specs(self) -> dict[str, PartitionSpec]:
-        specs = {"weight": PartitionSpec(0, self.stride, transposed=self.checkpoint_transposed)}
+        specs = {"weight": PartitionSpec(0, self.stride)}
         if self.bias is not None:
             specs["bias"] = PartitionSpec(0, self.stride)
         return specs
@@ -282,13 +281,12 @@ class RowParallelLinear(nn.Module):
     Y = RS(sum_i X_i A_i) + b on this rank's s/p tokens; the bias then sees s/p tokens, so it is tagged
     ``sequence_parallel`` and its gradient summed over the TP group.
 
-    Partition spec: the weight split along dim 1, the bias replicated; ``checkpoint_transposed``: merged
-    checkpoints store the weight as (in, out) (GPT-2's Conv1D), so there the split is along the rows.
+    Partition spec: the weight split along dim 1, the bias replicated.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, input_is_parallel: bool = True,
                  *, parallel: ParallelState | None = None, init_std: float = 0.02, sequence_parallel: bool = False,
-                 checkpoint_transposed: bool = False, device=None, dtype=None):
+                 device=None, dtype=None):
         super().__init__()
         if sequence_parallel and not input_is_parallel:
             raise UserError("a row-parallel layer with sequence_parallel=True needs input_is_parallel=True; its input "
@@ -298,7 +296,6 @@ class RowParallelLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.input_is_parallel = input_is_parallel
-        self.checkpoint_transposed = checkpoint_transposed
         self.init_std = init_std
         self.in_features_per_partition = divide(in_features, self.parallel.tp_size, "input features")
         factory = {"device": device, "dtype": dtype}
@@ -313,7 +310,7 @@ class RowParallelLinear(nn.Module):
         self.reset_parameters()
 
     def own_partition_specs(self) -> dict[str, PartitionSpec]:
-        return {"weight": PartitionSpec(1, transposed=self.checkpoint_transposed)}
+        return {"weight": PartitionSpec(1)}
 
     def reset_parameters(self) -> None:
         init_sharded_(self.weight, (self.out_features, self.in_features), self.init_std, 1, self.parallel)

@@ -3,15 +3,19 @@
 A :class:`PartitionSpec` says which dimension of a parameter is split across the TP ranks, with which stride
 (the fused [Q | K | V] projection splits each block on its own, so every rank holds q, k and v of its own
 heads), whether that dimension is the padded vocabulary (``vocab_rows`` real rows, the rest zero padding that
-depends on tp), and whether merged checkpoints store the tensor transposed (GPT-2's Conv1D keeps (in, out)
-where zoo keeps ``nn.Linear``'s (out, in)). It is Megatron's ``sharded_state_dict`` idea reduced to the one
-question every checkpoint reader and writer asks: how does this rank's tensor relate to the merged one?
+depends on tp), and whether a checkpoint format stores the tensor transposed (transformers' GPT-2 keeps its
+Conv1D weights as (in, out) where zoo keeps ``nn.Linear``'s (out, in)); that last fact belongs to the format,
+so layers leave it False and the format's reader and writer set it (:func:`zoo.models.hf_io.hf_params`;
+GPT-2's pipeline stages, which read transformers' files through the specs alone, are the one exception, see
+:class:`zoo.models.transformer.TransformerLayer`). It is Megatron's ``sharded_state_dict`` idea reduced to the one question every checkpoint reader and writer
+asks: how does this rank's tensor relate to the merged one?
 
 Each layer answers for its own parameters (``own_partition_specs()``, a dict from its parameter names to specs);
 :func:`partition_specs` collects them over a model under the model's parameter names, and any parameter no
-layer declares is replicated. Saving and loading Hugging Face directories, exporting DeepSpeed checkpoints and
-resharding them to another tp all go through these specs plus, for transformers' layouts, a small per-model
-table of key *names*; no other table of split rules exists.
+layer declares is replicated. A module may also declare specs of its submodules' parameters; the outermost
+declaration of a parameter wins. Saving and loading Hugging Face directories, exporting DeepSpeed checkpoints
+and resharding them to another tp all go through these specs plus, for transformers' layouts, a small
+per-model table of key *names* (and of the keys stored transposed); no other table of split rules exists.
 
 A further parallel dimension reuses them unchanged: a pipeline stage holds a subset of the layers, so
 :func:`partition_specs` of a stage's module gives exactly the specs of the parameters it owns, under their
@@ -112,11 +116,12 @@ REPLICATED = PartitionSpec()
 
 def partition_specs(model: nn.Module) -> dict[str, PartitionSpec]:
     """Every parameter of ``model`` (``named_parameters`` order and names) with the spec its owning module
-    declares through ``own_partition_specs()``; :data:`REPLICATED` for the parameters nobody declares."""
+    declares through ``own_partition_specs()`` (the outermost module's, where an enclosing module declares it
+    too); :data:`REPLICATED` for the parameters nobody declares."""
     declared: dict[str, PartitionSpec] = {}
     for prefix, module in model.named_modules():
         own = getattr(module, "own_partition_specs", None)
         if callable(own):
             for leaf, spec in own().items():
-                declared[f"{prefix}.{leaf}" if prefix else leaf] = spec
+                declared.setdefault(f"{prefix}.{leaf}" if prefix else leaf, spec)
     return {name: declared.get(name, REPLICATED) for name, _ in model.named_parameters()}
