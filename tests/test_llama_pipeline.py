@@ -101,3 +101,64 @@ def test_a_pipeline_step_equals_the_one_stage_models(tp, pp):
         assert abs(result["loss"] - loss) <= RTOL * loss, (result["loss"], loss)
     for name, grad in grads.items():
         assert rel_err(stage_grads[name][:grad.shape[0]], grad) <= RTOL, name
+
+
+def _pretrain_worker(rank, world_size, argv):
+    from zoo.cli.pretrain import main
+
+    main(argv)
+
+
+def test_llama_tp1_pp2_pretrains_and_its_checkpoint_exports_to_transformers(tmp_path):
+    """launch/pretrain.py's path at tp 1 x pp 2 (the registry's Llama stages, DeepSpeed's pipeline engine, its
+    layer files), then launch/export.py: transformers' LlamaForCausalLM from the export scores the validation
+    batch the run evaluated after its last step as the run did (<= 1e-5 relative, fp32, no dropout), so every
+    stage's weights reached the export under their own names."""
+    import json
+
+    import transformers
+
+    from tests.helpers.corpora import wiki_sample_corpus
+    from tests.helpers.repo import REPO
+    from zoo.cli.export import main as export_main
+    from zoo.data import IndexedDataset
+    from zoo.models import model_config
+    from zoo.training.families import build_dataset
+
+    prefix = wiki_sample_corpus(tmp_path)
+    config = json.loads((REPO / "ds_configs" / "llama_cpu_demo.json").read_text())
+    config["zoo"].pop("sample_prompts")
+    config.pop("scheduler")
+    config["optimizer"]["params"]["lr"] = 0.01   # five-fold the demo's: the weights move well off their init
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    run, seq, split = tmp_path / "run", 64, "80,20,0"
+    spawn(_pretrain_worker, 2, ["--deepspeed_config", str(tmp_path / "ds.json"), "--data-path", prefix, "--save",
+                                str(run), "--seq-length", str(seq), "--split", split, "--tensor-parallel-size", "1",
+                                "--pipeline-model-parallel-size", "2", "--train-iters", "3", "--eval-interval", "3",
+                                "--eval-iters", "1", "--log-interval", "1", "--data-workers", "0",
+                                "--skip-fit-check"])
+    events = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    (valid,) = [e for e in events if e.get("split") == "valid"]
+    export_main(["--load", str(run), "--out", str(tmp_path / "hf")])
+    hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
+    dataset = build_dataset(model_config("llama-tiny"), IndexedDataset(prefix), seq, 1234, split, "valid",
+                            config["train_micro_batch_size_per_gpu"])
+    batch = torch.stack([dataset[i]["input_ids"] for i in range(config["train_micro_batch_size_per_gpu"])])
+    with torch.no_grad():
+        expected = hf(input_ids=batch, labels=batch).loss.item()
+    assert abs(valid["val_loss"] - expected) <= 1e-5 * expected, (valid["val_loss"], expected)
+
+
+def test_the_llama3_8b_3d_config_plans_two_balanced_stages_on_h100s():
+    """ds_configs/llama3_8b_tp8_pp2.json (tp 8 x pp 2 x dp 2 on 4 nodes of 8 H100s): the planner splits the
+    32 decoder layers 16/16 (the embedding on the first stage, norm and untied head on the last) and fits."""
+    from tests.helpers.repo import REPO
+    from zoo.training.planner import plan
+
+    result = plan(REPO / "ds_configs" / "llama3_8b_tp8_pp2.json", 8, num_nodes=4, gpu="H100",
+                  with_deepspeed_estimate=False)
+    assert [stage["layers"] for stage in result.stages] == [16, 16]
+    embedding = 129024 // 8 * 4096   # the padded vocabulary's rows of this TP rank
+    layer = (result.stages[0]["params_per_rank"] - embedding) // 16
+    assert result.stages[1]["params_per_rank"] == 16 * layer + 4096 + embedding   # norm and lm_head
+    assert result.params_total == 8_036_552_704 and result.fits and result.total < 0.2 * result.memory

@@ -48,7 +48,7 @@ from zoo.checkpoint.layout import (
 )
 from zoo.checkpoint.mapped_pages import mapped_ranges, release_pages
 from zoo.errors import MissingInput, UserError
-from zoo.models.families import shape_of
+from zoo.models.families import family_of, shape_of
 from zoo.models.hf_io import (
     DEFAULT_MAX_SHARD_SIZE,
     HFParam,
@@ -192,8 +192,9 @@ def export_pipeline_checkpoint(tag_dir: Path, first: dict, out, dtype: torch.dty
 
     tp_size, pp_size = layout_of_tag(tag_dir)
     first_path = model_states_path(tag_dir, 0)
-    n_layer = shape_of(config_from_dict(first.get("model_config") or {}, first_path)).layers
-    modules = [pipeline_module_states(tag_dir, rank, n_layer) for rank in range(tp_size)]
+    recorded = config_from_dict(first.get("model_config") or {}, first_path)
+    n_layer, entry_name = shape_of(recorded).layers, family_of(recorded).pipeline.entry_name
+    modules = [pipeline_module_states(tag_dir, rank, n_layer, entry_name=entry_name) for rank in range(tp_size)]
     config, source = recover_config({**first, "module": modules[0]}, tp_size, first_path)
     layout = checked_layout_model(config, tp_size, first_path)
     for rank, module in enumerate(modules):

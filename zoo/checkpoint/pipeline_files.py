@@ -11,7 +11,7 @@ memory-mapped, so the exporter and the resharders read a pipeline checkpoint lik
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import torch
@@ -30,11 +30,12 @@ def layer_path(tag_dir: Path, index: int, tp_rank: int) -> Path:
     return Path(tag_dir) / LAYER_FILE.format(index=index, tp_rank=tp_rank)
 
 
-def pipeline_module_states(tag_dir: Path, tp_rank: int, n_layer: int,
-                           entries: Iterable[int] | None = None) -> dict[str, torch.Tensor]:
-    """TP rank ``tp_rank``'s module state dict under ``GPT2LMHeadModel`` names, from the tag's layer files
-    (entries 0 ... n_layer + 2: embeddings, layers, final norm; or only ``entries``), memory-mapped and
-    loaded weights-only."""
+def pipeline_module_states(tag_dir: Path, tp_rank: int, n_layer: int, entries: Iterable[int] | None = None,
+                           entry_name: Callable[[int, str, int], str] = one_stage_name) -> dict[str, torch.Tensor]:
+    """TP rank ``tp_rank``'s module state dict under the one-stage model's names, from the tag's layer files
+    (entries 0 ... n_layer + 2, which hold every weight once; or only ``entries``), memory-mapped and loaded
+    weights-only. ``entry_name``: the family's name of a layer file's key (``PipelineStages.entry_name``;
+    GPT-2's by default)."""
     states: dict[str, torch.Tensor] = {}
     for index in range(n_layer + 3) if entries is None else entries:
         path = layer_path(tag_dir, index, tp_rank)
@@ -50,5 +51,5 @@ def pipeline_module_states(tag_dir: Path, tp_rank: int, n_layer: int,
                              "re-save the checkpoint.") from None
         if not isinstance(layer, dict):
             raise UserError(f"{path} holds no state dict; it is not a DeepSpeed layer file, re-save the checkpoint.")
-        states.update({one_stage_name(index, key, n_layer): tensor for key, tensor in layer.items()})
+        states.update({entry_name(index, key, n_layer): tensor for key, tensor in layer.items()})
     return states

@@ -83,11 +83,12 @@ class ReadAccount:
 
 # --------------------------------------------------------------------------- names
 def one_stage_names(module) -> dict[str, str]:
-    """Each parameter of a run's module -> its ``GPT2LMHeadModel`` name (a stage's mapping, or the identity)."""
-    from zoo.models.gpt2_pipeline import hf_names
+    """Each parameter of a run's module -> its one-stage model's name (a pipeline stage's mapping, which its
+    family's ``PipelineStages.one_stage_names`` gives, or the identity)."""
+    from zoo.models.families import family_of
 
     if hasattr(module, "zoo_config"):
-        return hf_names(module)
+        return family_of(module.zoo_config).pipeline.one_stage_names(module)
     return {name: name for name, _ in module.named_parameters()}
 
 

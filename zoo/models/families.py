@@ -25,10 +25,14 @@ from zoo.errors import UserError
 from zoo.models.bert import BertForPreTraining
 from zoo.models.config import BertConfig, GPT2Config, check_hf_config_values
 from zoo.models.gpt2 import GPT2LMHeadModel
+from zoo.models.gpt2_pipeline import entry_parameters as gpt2_entry_parameters
 from zoo.models.gpt2_pipeline import gpt2_pipeline_module, hf_names, load_stage_weights, one_stage_name
+from zoo.models.gpt2_pipeline import layer_entries as gpt2_layer_entries
 from zoo.models.hf_io import read_config_json
 from zoo.models.llama import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, llama_config
 from zoo.models.llama.config import check_llama_config_values
+from zoo.models.llama.pipeline import entry_parameters as llama_entry_parameters
+from zoo.models.llama.pipeline import layer_entries as llama_layer_entries
 from zoo.models.llama.pipeline import llama_pipeline_module, load_llama_stage_weights
 from zoo.models.llama.pipeline import one_stage_name as llama_one_stage_name
 from zoo.models.llama.pipeline import one_stage_names as llama_one_stage_names
@@ -58,12 +62,16 @@ class PipelineStages:
     replay_init)`` gives this rank's stage module, ``load_weights(module, directory, parallel)`` fills it from
     a transformers directory (this stage's tensors, this rank's slices). ``one_stage_names(module)`` maps a
     stage's parameters to the one-stage model's names, and ``entry_name(index, key, layers)`` a key of the
-    checkpoint file of layer-sequence entry ``index`` (entries 0 ... layers + 2 hold every weight once)."""
+    checkpoint file of layer-sequence entry ``index`` (entries 0 ... layers + 2 hold every weight once). For
+    the planner: ``entry_parameters(config, tp)``, each entry's parameters per TP rank, and
+    ``layer_entries(config)``, the indices of the layers (what ``uniform`` partitioning balances)."""
 
     build: Callable[..., torch.nn.Module]
     load_weights: Callable[[torch.nn.Module, str, ParallelState], None]
     one_stage_names: Callable[[torch.nn.Module], dict[str, str]]
     entry_name: Callable[[int, str, int], str]
+    entry_parameters: Callable[[Any, int], list[int]]
+    layer_entries: Callable[[Any], range]
 
 
 @dataclass(frozen=True)
@@ -103,8 +111,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("gpt2", "GPT-2", GPT2Config, GPT2LMHeadModel, ("gpt2",), "transformer.wte.weight",
                 lambda c: ModelShape(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.n_positions),
                 GPT2_PRESETS, gpt2_config, GPT2Config.from_dict, check_hf_config_values, CAUSAL_LM,
-                generates_text=True, pipeline=PipelineStages(gpt2_pipeline_module, load_stage_weights, hf_names,
-                                                                 one_stage_name)),
+                generates_text=True, pipeline=PipelineStages(
+                    gpt2_pipeline_module, load_stage_weights, hf_names, one_stage_name, gpt2_entry_parameters,
+                    gpt2_layer_entries)),
     ModelFamily("bert", "BERT", BertConfig, BertForPreTraining, ("bert", "megatron-bert"),
                 "bert.embeddings.word_embeddings.weight",
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
@@ -115,8 +124,9 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
                                      c.max_position_embeddings),
                 LLAMA_PRESETS, llama_config, LlamaConfig.from_hf_dict, check_llama_config_values, CAUSAL_LM,
-                generates_text=True, pipeline=PipelineStages(llama_pipeline_module, load_llama_stage_weights,
-                                                             llama_one_stage_names, llama_one_stage_name)),
+                generates_text=True, pipeline=PipelineStages(
+                    llama_pipeline_module, load_llama_stage_weights, llama_one_stage_names, llama_one_stage_name,
+                    llama_entry_parameters, llama_layer_entries)),
 )
 
 

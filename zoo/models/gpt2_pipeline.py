@@ -34,6 +34,7 @@ from torch import nn
 
 from zoo.errors import UserError
 from zoo.models.config import GPT2Config, recompute_mode
+from zoo.models.gpt2 import GPT2LMHeadModel
 from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard
 from zoo.models.transformer import TransformerLayer, lm_loss, recomputed, region_dropout
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std
@@ -278,3 +279,23 @@ def load_stage_weights(module, directory, parallel: ParallelState) -> None:
             raise UserError(f"checkpoint {directory} has no tensor {key!r} (needed by pipeline stage "
                              f"{parallel.pp_rank}); it was not written for a GPT-2 model.")
         param.copy_(read_local_shard(files, HFParam((key,), specs[name]), param, parallel).to(param.dtype))
+
+
+def layer_entries(config: GPT2Config) -> range:
+    """The indices of the transformer layers in the layer sequence (what ``uniform`` partitioning balances)."""
+    return range(2, config.n_layer + 2)
+
+
+def entry_parameters(config: GPT2Config, tp: int) -> list[int]:
+    """Parameters per TP rank of each entry of the layer sequence (its heaviest rank: rank 0), counted on the
+    meta device: wte, wpe, the layers, ln_f, and the tied head, which counts wte again on the last stage."""
+    grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
+                         world_size=tp, rank=0)
+    with torch.device("meta"):
+        model = GPT2LMHeadModel(config, grid).transformer
+
+    def count(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    embedding = count(model.wte)
+    return [embedding, count(model.wpe), *([count(model.h[0])] * config.n_layer), count(model.ln_f), embedding]

@@ -46,12 +46,14 @@ def entry_parameters(embedding: int, position: int, layer: int, final_norm: int,
     return [embedding, position, *([layer] * n_layer), final_norm, embedding]
 
 
-def stage_bounds(entries: list[int], pp: int, method: str) -> list[int]:
-    """The P + 1 entry offsets of the stages, as DeepSpeed's PipelineModule computes them."""
+def stage_bounds(entries: list[int], pp: int, method: str, layers: range | None = None) -> list[int]:
+    """The P + 1 entry offsets of the stages, as DeepSpeed's PipelineModule computes them. ``layers``: the
+    indices of the layer entries (by default GPT-2's: all but two entries at each end)."""
     from deepspeed.runtime.utils import partition_balanced  # local: DeepSpeed costs seconds to import
 
+    layers = range(2, len(entries) - 2) if layers is None else layers
     if method == "uniform":
-        weights = [0, 0, *([1] * (len(entries) - 4)), 0, 0]
+        weights = [1 if index in layers else 0 for index in range(len(entries))]
     elif method == "parameters":
         weights = list(entries)
     else:
@@ -74,28 +76,17 @@ def plan_stages(model_config, method: str, tp: int, pp: int, m: int, s: int, b: 
     """Each pipeline stage's layers, parameters and bytes per rank. ``layer_bytes(mode)``: one layer's activation
     bytes per micro-batch under recomputation ``mode``; ``model_state_bytes(params)``: (weights, gradients,
     optimizer) bytes of ``params`` parameters (the planner's formulas)."""
-    import torch  # local: torch import cost; the planner's arithmetic and plan --help run without torch
+    from zoo.models.families import family_of, shape_of  # local: torch and transformers import cost
 
-    from zoo.models import GPT2LMHeadModel  # local: torch and transformers import cost
-    from zoo.parallel.state import ParallelState  # local: torch import cost
-
-    grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
-                         world_size=tp, rank=0)
-    with torch.device("meta"):
-        model = GPT2LMHeadModel(model_config, grid).transformer
-
-    def count(module):
-        return sum(p.numel() for p in module.parameters())
-
-    entries = entry_parameters(count(model.wte), count(model.wpe), count(model.h[0]), count(model.ln_f),
-                               model_config.n_layer)
-    bounds = stage_bounds(entries, pp, method)
-    h, v, mask = model_config.n_embd, widths["value_bytes"], widths["mask_bytes"]
+    stages = family_of(model_config).pipeline
+    entries, layer_range = stages.entry_parameters(model_config, tp), stages.layer_entries(model_config)
+    bounds = stage_bounds(entries, pp, method, layer_range)
+    h, v, mask = shape_of(model_config).hidden, widths["value_bytes"], widths["mask_bytes"]
     split = tp if sequence_parallel else 1
     plans = []
     for stage in range(pp):
         first, last = bounds[stage], bounds[stage + 1]
-        layers = sum(1 for index in range(first, last) if 2 <= index < len(entries) - 2)
+        layers = sum(1 for index in range(first, last) if index in layer_range)
         params = sum(entries[first:last])
         weights, gradients, optimizer = model_state_bytes(params)
         in_flight = micro_batches_in_flight(stage, pp, m)

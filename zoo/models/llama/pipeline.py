@@ -32,7 +32,7 @@ from zoo.errors import UserError
 from zoo.models.config import recompute_mode
 from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.layers import LlamaDecoderLayer, LlamaRMSNorm
-from zoo.models.llama.model import VocabParallelLMHead
+from zoo.models.llama.model import LlamaForCausalLM, VocabParallelLMHead
 from zoo.models.llama.rope import rotary_cos_sin
 from zoo.models.transformer import lm_loss, recomputed
 from zoo.parallel import VocabParallelEmbedding
@@ -240,3 +240,23 @@ def load_llama_stage_weights(module, directory, parallel: ParallelState) -> None
     """Llama stages do not read a transformers directory yet: one sentence instead of a wrong start."""
     raise UserError(f"--pretrained {directory} with pipeline stages is not supported for Llama yet; run it with "
                     "--pipeline-model-parallel-size 1 (any tp), or start the pipeline run from its random init.")
+
+
+def layer_entries(config: LlamaConfig) -> range:
+    """The indices of the decoder layers in the layer sequence (what ``uniform`` partitioning balances)."""
+    return range(1, config.num_hidden_layers + 1)
+
+
+def entry_parameters(config: LlamaConfig, tp: int) -> list[int]:
+    """Parameters per TP rank of each entry of the layer sequence (its heaviest rank: rank 0), counted on the
+    meta device: embed_tokens, the layers, norm, lm_head (untied: a matrix of its own)."""
+    grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
+                         world_size=tp, rank=0)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config, grid)
+
+    def count(module: nn.Module) -> int:
+        return sum(p.numel() for p in module.parameters())
+
+    return [count(model.model.embed_tokens), *([count(model.model.layers[0])] * config.num_hidden_layers),
+            count(model.model.norm), count(model.lm_head)]
