@@ -1,11 +1,12 @@
 """The weights of a pipeline-stage checkpoint, read as the one-stage model's.
 
 DeepSpeed's pipeline engine saves each entry of the layer sequence in its own file per TP rank,
-``layer_XX-model_YY-model_states.pt`` (XX the entry's index in :mod:`zoo.models.gpt2_pipeline`'s sequence,
-YY the TP rank), written by the stage that holds the entry; the LM head, the tied word embedding again,
-is not saved twice. The ``mp_rank_XX_model_states.pt`` files (one per stage and TP rank) hold the
+``layer_XX-model_YY-model_states.pt`` (XX the entry's index in the family's sequence:
+:mod:`zoo.models.gpt2_pipeline`, :mod:`zoo.models.llama.pipeline`; YY the TP rank), written by the stage that
+holds the entry; entries 0 ... layers + 2 hold every weight once (GPT-2's LM head, the tied word embedding
+again, is not saved twice). The ``mp_rank_XX_model_states.pt`` files (one per stage and TP rank) hold the
 optimizer, the LR schedule and zoo's client state, with no module weights. :func:`pipeline_module_states`
-puts a TP rank's layer files together into the state dict ``GPT2LMHeadModel`` of that TP rank would have,
+puts a TP rank's layer files together into the state dict the one-stage model of that TP rank would have,
 memory-mapped, so the exporter and the resharders read a pipeline checkpoint like any other.
 """
 
