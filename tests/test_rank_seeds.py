@@ -44,7 +44,7 @@ def restored_at_new_layout(tmp_path, ps: ParallelState, tracker) -> tuple[torch.
 
     checkpointer = single_rank_checkpointer(tmp_path, seed=SEED)
     payload = checkpointer.payload(LoopState(iteration=ITERATION, consumed_samples=8))
-    checkpointer.ps = ps
+    checkpointer.parallel = ps
     checkpointer.restore({**payload, "resharded_from": {"tensor_parallel_size": 1,
                                                         "pipeline_model_parallel_size": 1}})
     return streams(tracker)

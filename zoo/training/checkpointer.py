@@ -97,9 +97,9 @@ class Checkpointer:
     ``hf_config_dict()``: recorded with each save and required of the checkpoint a run resumes from.
     """
 
-    def __init__(self, engine, config: RunConfig, ds_config: dict[str, Any], ps, model_config: dict[str, Any],
+    def __init__(self, engine, config: RunConfig, ds_config: dict[str, Any], parallel, model_config: dict[str, Any],
                  is_writer: bool):
-        self.engine, self.config, self.ds_config, self.ps = engine, config, ds_config, ps
+        self.engine, self.config, self.ds_config, self.parallel = engine, config, ds_config, parallel
         self.model_config, self.is_writer = model_config, is_writer
         self.directory = Path(config.save) / CHECKPOINT_SUBDIR
 
@@ -118,8 +118,8 @@ class Checkpointer:
         """The checkpoint's client state (:meth:`restore` reads it back)."""
         config = self.config
         return {**state.state_dict(), "rng": rng_state(), "zoo_model": config.model,
-                "model_config": self.model_config, "tensor_parallel_size": self.ps.tp_size,
-                "pipeline_model_parallel_size": self.ps.pp_size, "data_parallel_size": self.ps.dp_size,
+                "model_config": self.model_config, "tensor_parallel_size": self.parallel.tp_size,
+                "pipeline_model_parallel_size": self.parallel.pp_size, "data_parallel_size": self.parallel.dp_size,
                 # DeepSpeed's stage bounds over the layer sequence: a run at another layout reads only the stages
                 # that held its parameters (zoo.training.layout_change.SourceCheckpoint)
                 "pipeline_parts": [int(bound) for bound in getattr(self.engine.module, "parts", None) or []] or None,
@@ -149,7 +149,7 @@ class Checkpointer:
             source_dp = (moved or {}).get("data_parallel_size") or client.get("data_parallel_size") or client.get(
                 "dp_world_size") or getattr(self.engine, "loaded_checkpoint_dp_world_size", None)
             print(resumed_line(tag_dir.name, state, (source_tp, source_pp, source_dp),
-                               (self.ps.tp_size, self.ps.pp_size, self.ps.dp_size), moved), flush=True)
+                               (self.parallel.tp_size, self.parallel.pp_size, self.parallel.dp_size), moved), flush=True)
         return state
 
     def restore(self, client: dict[str, Any]) -> LoopState:
@@ -162,7 +162,7 @@ class Checkpointer:
         set_rng_state(client["rng"])
         if "resharded_from" in client:   # no stream of the checkpoint belongs to this rank's new place
             model_parallel_seed(seed_after_layout_change(client.get("seed", self.config.seed), state.iteration),
-                                self.ps)
+                                self.parallel)
         change = schedule_change_warning(client.get("lr_schedule"), lr_schedule(self.ds_config), state.iteration)
         if self.is_writer and "lr_schedule" in client and change:
             print(f"warning: {change}", file=sys.stderr)
@@ -183,12 +183,12 @@ class Checkpointer:
             check_rank_states(tag_dir, 0, self.model_config, load)
             states = read_model_states(model_states_path(tag_dir, 0))
             check_precision(precision_of(states.get("ds_config")), engine_precision(engine), f"--load {load}")
-            return needs_layout_change(source, self.ps, partition_files(tag_dir), engine_optimizer_files(engine),
+            return needs_layout_change(source, self.parallel, partition_files(tag_dir), engine_optimizer_files(engine),
                                        zero_stage_of(states.get("ds_config")))
 
         if first_rank_result(check_first_rank):
-            return load_at_new_layout(engine, tag_dir, source, self.ps, load)
-        load_dir, tag = checkpoint_to_load(load, self.ps, self.model_config)
+            return load_at_new_layout(engine, tag_dir, source, self.parallel, load)
+        load_dir, tag = checkpoint_to_load(load, self.parallel, self.model_config)
 
         def load_here() -> dict[str, Any]:
             with weights_only_loads(engine):   # DeepSpeed's own reads use the weights-only unpickler too

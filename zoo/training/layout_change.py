@@ -67,16 +67,16 @@ def engine_optimizer_files(engine) -> str | None:
     return None
 
 
-def needs_layout_change(source: tuple[int, int], ps, partitions=None, engine_files: str | None = None,
+def needs_layout_change(source: tuple[int, int], parallel, partitions=None, engine_files: str | None = None,
                         source_stage: int = 0) -> bool:
     """Whether a checkpoint of (tp, pp) ``source``, with ZeRO/BF16 partition files ``partitions``
     (:func:`zoo.checkpoint.zero_reshard.partition_files`, None without) written at ZeRO stage ``source_stage``, is
-    resumed through this module by a run at ``ps`` whose engine reads ``engine_files``
+    resumed through this module by a run at ``parallel`` whose engine reads ``engine_files``
     (:func:`engine_optimizer_files`): at another tp or pp, with the optimizer state in other files (another ZeRO
     stage, or none), or partitioned over another dp (DeepSpeed refuses a new dp for partitioned state). ZeRO-3
     on one side only is such a change too (and :func:`check_layout_change` refuses it in one sentence); data
     parallelism alone without partitions, and ZeRO-3 on both sides at one layout, are DeepSpeed's own load."""
-    if tuple(source) != (ps.tp_size, getattr(ps, "pp_size", 1)):
+    if tuple(source) != (parallel.tp_size, getattr(parallel, "pp_size", 1)):
         return True
     if (engine_files == "stage3") != (source_stage >= 3):
         return True
@@ -85,7 +85,7 @@ def needs_layout_change(source: tuple[int, int], ps, partitions=None, engine_fil
     have = None if partitions is None else f"{partitions.prefix}zero_pp_rank"
     if have != engine_files:
         return True
-    return partitions is not None and partitions.dp_size != ps.dp_size
+    return partitions is not None and partitions.dp_size != parallel.dp_size
 
 
 def engine_precision(engine) -> str:
@@ -306,7 +306,7 @@ def held_bytes(module) -> tuple[int, int]:
 
 
 @torch.no_grad()
-def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load: str) -> dict[str, Any]:
+def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], parallel, load: str) -> dict[str, Any]:
     """Fill the engine's module and optimizer state from a checkpoint written at (tp, pp) ``source``; returns its
     client state, marked ``resharded_from`` (:func:`move_record`: source layout and precision, seconds, and each
     rank's peak held bytes, files opened and bytes read, with the largest over ranks). Collective: every rank
@@ -321,8 +321,8 @@ def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load:
     started = time.perf_counter()
     precision, files = engine_precision(engine), engine_optimizer_files(engine)
     stage = engine.zero_optimization_stage()
-    raise_on_any_rank(lambda: check_layout_change(tag_dir, source, ps.tp_size, precision, stage, f"--load {load}"))
-    raise_on_any_rank(lambda: check_tag_files(tag_dir, ps.rank, ps.world_size))
+    raise_on_any_rank(lambda: check_layout_change(tag_dir, source, parallel.tp_size, precision, stage, f"--load {load}"))
+    raise_on_any_rank(lambda: check_tag_files(tag_dir, parallel.rank, parallel.world_size))
     names = one_stage_names(engine.module)
     state = raise_on_any_rank(lambda: CheckpointTrainingState(tag_dir, *source, wanted=set(names.values())))
     target = raise_on_any_rank(lambda: optimizer_target(engine))
@@ -336,7 +336,7 @@ def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load:
             name, spec = names[local_name], specs[local_name]
             pieces = {}
             for key in ("master",) + MOMENTS:   # this rank's slice, straight out of the source's shards
-                pieces[key], merged_bytes = state.local(name, spec, key, param.shape, ps.tp_rank, ps.tp_size,
+                pieces[key], merged_bytes = state.local(name, spec, key, param.shape, parallel.tp_rank, parallel.tp_size,
                                                         param.device)
                 largest = max(largest, merged_bytes)
             master = pieces.pop("master")
@@ -365,19 +365,19 @@ def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], ps, load:
                                 "data_parallel_size": state.dp_size, "precision": state.precision,
                                 "zero_stage": state.zero_stage, "layout": state.describe(),
                                 "to_precision": precision, "to_zero_stage": stage if files else 0,
-                                **mine, **move_record(mine, ps)}
+                                **mine, **move_record(mine, parallel)}
     return client
 
 
 RECORDED = ("seconds", "peak_bytes", "bound_bytes", "files", "bytes_read")
 
 
-def move_record(mine: dict[str, Any], ps) -> dict[str, Any]:
+def move_record(mine: dict[str, Any], parallel) -> dict[str, Any]:
     """Every rank's ``seconds``, ``peak_bytes``, ``bound_bytes`` (its share + the largest tensor it merged),
     ``files`` and ``bytes_read`` of the move (``ranks``: one list per rank in global rank order, in that key
     order) and the largest of each (``max_seconds``, ``max_peak_bytes`` with ``peak_rank`` and that rank's
     ``peak_rank_bound``, ``max_files``, ``max_bytes_read``). Collective: one all-reduce of 5 integers per rank."""
-    world, rank = ps.world_size, ps.rank
+    world, rank = parallel.world_size, parallel.rank
     values = [0] * (len(RECORDED) * world)
     for i, key in enumerate(RECORDED):
         values[i * world + rank] = round(mine[key] * 1e6) if key == "seconds" else int(mine[key])

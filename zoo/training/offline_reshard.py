@@ -156,20 +156,20 @@ def convert_checkpoint(conversion: Conversion) -> dict[str, Any]:
 
     config, (tp, pp, _) = conversion.config, conversion.layout
     with library_noise_silenced():
-        ps = join(tp, config.seed, config.distributed_timeout_minutes, pp)
+        parallel = join(tp, config.seed, config.distributed_timeout_minutes, pp)
         gas = validate_for_world(config, dist.get_world_size())
         is_writer = dist.get_rank() == 0
-        engine, model, model_config, _, ds_config, _ = build_engine(config, ps, gas, is_writer=False)
-        recorded_config = model_config.to_hf_dict() if ps.pp_size > 1 else model.hf_config_dict()
-        checkpointer = Checkpointer(engine, config, ds_config, ps, recorded_config, is_writer)
+        engine, model, model_config, _, ds_config, _ = build_engine(config, parallel, gas, is_writer=False)
+        recorded_config = model_config.to_hf_dict() if parallel.pp_size > 1 else model.hf_config_dict()
+        checkpointer = Checkpointer(engine, config, ds_config, parallel, recorded_config, is_writer)
         first_rank_result(lambda: check_rank_states(conversion.tag_dir, 0, recorded_config, conversion.load))
-        client = load_at_new_layout(engine, conversion.tag_dir, conversion.source[:2], ps, conversion.load)
+        client = load_at_new_layout(engine, conversion.tag_dir, conversion.source[:2], parallel, conversion.load)
         state = checkpointer.restore(client)
         payload = {**checkpointer.payload(state), "converted_from": client["resharded_from"]}
         staging = first_rank_result(lambda: make_staging(conversion.output) if is_writer else None)
         try:
             save_checkpoint(engine, Path(staging) / CHECKPOINT_SUBDIR, conversion.tag_dir.name, payload)
-            settings = run_config_file(config, ps.world_size, gas)
+            settings = run_config_file(config, parallel.world_size, gas)
             raise_on_any_rank(lambda: publish(Path(staging), conversion.output, settings) if is_writer else None)
         finally:
             if is_writer and Path(staging).exists():

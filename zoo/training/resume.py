@@ -81,7 +81,7 @@ def check_latest_files(load: str | os.PathLike) -> None:
                                 f"older complete tag into {root / LATEST_FILE}.")
 
 
-def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any] | None = None) -> tuple[Path, str]:
+def checkpoint_to_load(load: str | os.PathLike, parallel, model_config: dict[str, Any] | None = None) -> tuple[Path, str]:
     """The (DeepSpeed load directory, tag) a run at the checkpoint's own (tp, pp) resumes from (found by the first
     rank, handed to all), checked on every rank.
 
@@ -102,12 +102,12 @@ def checkpoint_to_load(load: str | os.PathLike, ps, model_config: dict[str, Any]
     # Every .pt of the tag loads with the weights-only unpickler (each rank a share, agreed) before
     # DeepSpeed's load_checkpoint, which unpickles with weights_only=False, reads any of them.
     raise_on_any_rank(lambda: check_tag_files(tag_dir, *rank_and_world()))
-    pp_size = getattr(ps, "pp_size", 1)
-    if (source_tp, source_pp) != (ps.tp_size, pp_size):
+    pp_size = getattr(parallel, "pp_size", 1)
+    if (source_tp, source_pp) != (parallel.tp_size, pp_size):
         raise UserError(f"--load {load} holds a checkpoint written at tp={source_tp} x pp={source_pp} and this run "
-                         f"is tp={ps.tp_size} x pp={pp_size}; resume it through zoo's pretraining (launch/pretrain.py "
+                         f"is tp={parallel.tp_size} x pp={pp_size}; resume it through zoo's pretraining (launch/pretrain.py "
                          "--load), which moves it to the new layout.")
-    model_parallel_rank = getattr(ps, "pp_rank", 0) * ps.tp_size + ps.tp_rank   # DeepSpeed's mp_rank_XX
+    model_parallel_rank = getattr(parallel, "pp_rank", 0) * parallel.tp_size + parallel.tp_rank   # DeepSpeed's mp_rank_XX
     raise_on_any_rank(lambda: check_rank_states(tag_dir, model_parallel_rank, model_config, load))
     return root, tag_dir.name
 
