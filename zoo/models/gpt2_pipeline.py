@@ -34,10 +34,10 @@ from torch import nn
 
 from zoo.errors import UserError
 from zoo.models.config import GPT2Config, recompute_mode
-from zoo.models.gpt2 import GPT2LMHeadModel
-from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard
+from zoo.models.gpt2 import GPT2LMHeadModel, gpt2_layer_options
+from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard, stored_spec
 from zoo.models.transformer import TransformerLayer, lm_loss, recomputed, region_dropout
-from zoo.parallel import VocabParallelEmbedding, scaled_init_std
+from zoo.parallel import VocabParallelEmbedding
 from zoo.parallel.layers import SequenceParallelLayerNorm, uses_sequence_parallel
 from zoo.parallel.mappings import scatter_to_sequence_parallel_region
 from zoo.parallel.partition import partition_specs
@@ -151,12 +151,7 @@ class GPT2BlockPipe(TransformerLayer):
 
     def __init__(self, config: GPT2Config, parallel: ParallelState, index: int, replay: InitReplay | None = None):
         announce(replay, index)
-        std = config.initializer_range
-        super().__init__(config.n_embd, config.n_head, config.ffn_hidden_size,
-                         layer_norm_eps=config.layer_norm_epsilon, attn_dropout=config.attn_pdrop,
-                         hidden_dropout=config.resid_pdrop, gelu_approximate=config.gelu_approximate,
-                         parallel=parallel, init_std=std, output_init_std=scaled_init_std(std, config.n_layer),
-                         pre_norm=True, sequence_parallel=config.sequence_parallel, checkpoint_transposed=True)
+        super().__init__(gpt2_layer_options(config), parallel=parallel)
         self.config = config
         self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
 
@@ -278,7 +273,8 @@ def load_stage_weights(module, directory, parallel: ParallelState) -> None:
         if key not in available:
             raise UserError(f"checkpoint {directory} has no tensor {key!r} (needed by pipeline stage "
                              f"{parallel.pp_rank}); it was not written for a GPT-2 model.")
-        param.copy_(read_local_shard(files, HFParam((key,), specs[name]), param, parallel).to(param.dtype))
+        spec = stored_spec(specs[name], key, GPT2LMHeadModel.hf_transposed_keys)
+        param.copy_(read_local_shard(files, HFParam((key,), spec), param, parallel).to(param.dtype))
 
 
 def layer_entries(config: GPT2Config) -> range:

@@ -31,7 +31,7 @@ attend to past + new keys; without one (training, BERT) nothing is cached.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -40,7 +40,6 @@ from torch import nn
 from zoo.errors import UserError
 from zoo.parallel import ColumnParallelLinear, RowParallelLinear, tp_rng_fork, vocab_parallel_cross_entropy
 from zoo.parallel.layers import SequenceParallelLayerNorm
-from zoo.parallel.partition import PartitionSpec
 from zoo.parallel.random import region_rng
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide
@@ -215,21 +214,12 @@ class TransformerLayer(nn.Module):
         pre-norm:   x = x + drop(attn(ln_1(x)));   x = x + drop(mlp(ln_2(x)))
         post-norm:  x = ln_1(x + drop(attn(x)));   x = ln_2(x + drop(mlp(x)))
 
-    Every setting comes from one :class:`LayerOptions`, built once per model from its config. The keyword
-    form (``TransformerLayer(hidden_size, num_heads, ffn_hidden_size, **settings)``, the fields of
-    :class:`LayerOptions`) builds that object in place, for callers that do not build one themselves; it also
-    takes ``checkpoint_transposed``, which makes the layer declare its GEMM weights as stored transposed
-    (GPT-2's Conv1D) in its partition specs, for pipeline stages that read transformers' files through the
-    specs alone (:mod:`zoo.models.gpt2_pipeline`). Built from a :class:`LayerOptions` the layer declares
-    no file layout.
+    Every setting comes from one :class:`LayerOptions`, built once per model from its config; the layer
+    declares no file layout (how a format stores its weights is the format's reader's business).
     """
 
-    def __init__(self, options: LayerOptions | int, *sizes: int, parallel: ParallelState | None = None,
-                 **settings):
+    def __init__(self, options: LayerOptions, *, parallel: ParallelState | None = None):
         super().__init__()
-        self.checkpoint_transposed = bool(settings.pop("checkpoint_transposed", False))
-        if not isinstance(options, LayerOptions):
-            options = LayerOptions(options, *sizes, **settings)
         self.options = options
         self.pre_norm = options.pre_norm
         self.parallel = parallel = as_state(parallel)
@@ -241,17 +231,6 @@ class TransformerLayer(nn.Module):
                                               sequence_parallel=sp)
         self.mlp = ParallelMLP(options, parallel=parallel)
         self.dropout = nn.Dropout(options.hidden_dropout)  # default stream, or the TP-rank stream under SP
-
-    def own_partition_specs(self) -> dict[str, PartitionSpec]:
-        """The GEMM weights' specs marked ``transposed`` when the keyword form asked for
-        ``checkpoint_transposed`` (they take precedence over the linears' own, see
-        :func:`zoo.parallel.partition.partition_specs`); otherwise none, the linears declare their splits."""
-        if not self.checkpoint_transposed:
-            return {}
-        gemms = {"attn.c_attn": self.attn.c_attn, "attn.c_proj": self.attn.c_proj,
-                 "mlp.c_fc": self.mlp.c_fc, "mlp.c_proj": self.mlp.c_proj}
-        return {f"{name}.weight": replace(gemm.own_partition_specs()["weight"], transposed=True)
-                for name, gemm in gemms.items()}
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, *, causal: bool = False,
                 cache: LayerCache | None = None, sequence_parallel: bool = False,

@@ -5,9 +5,8 @@ A :class:`PartitionSpec` says which dimension of a parameter is split across the
 heads), whether that dimension is the padded vocabulary (``vocab_rows`` real rows, the rest zero padding that
 depends on tp), and whether a checkpoint format stores the tensor transposed (transformers' GPT-2 keeps its
 Conv1D weights as (in, out) where zoo keeps ``nn.Linear``'s (out, in)); that last fact belongs to the format,
-so layers leave it False and the format's reader and writer set it (:func:`zoo.models.hf_io.hf_params`;
-GPT-2's pipeline stages, which read transformers' files through the specs alone, are the one exception, see
-:class:`zoo.models.transformer.TransformerLayer`). It is Megatron's ``sharded_state_dict`` idea reduced to the one question every checkpoint reader and writer
+so layers leave it False and the format's reader and writer set it (:func:`zoo.models.hf_io.stored_spec`).
+It is Megatron's ``sharded_state_dict`` idea reduced to the one question every checkpoint reader and writer
 asks: how does this rank's tensor relate to the merged one?
 
 Each layer answers for its own parameters (``own_partition_specs()``, a dict from its parameter names to specs);
