@@ -124,7 +124,7 @@ def batch_of(args) -> torch.Tensor:
 # ---------------------------------------------------------------- the models
 def zoo_model(args, parallel, sequence_parallel: bool = False):
     from zoo.models.config import GPT2Config
-    from zoo.models.gpt2 import GPT2LMHeadModel
+    from zoo.models.gpt2.model import GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,
                         n_layer=args.layers, n_head=args.heads,

@@ -69,7 +69,7 @@ def worker(rank, world, port, args, m, results):
         import deepspeed
 
         from zoo.models.families import param_groups
-        from zoo.models.gpt2_pipeline import gpt2_pipeline_module
+        from zoo.models.gpt2.pipeline import gpt2_pipeline_module
         from zoo.parallel import ParallelState, model_parallel_seed
 
         deepspeed.init_distributed(dist_backend="gloo")

@@ -106,7 +106,7 @@ def unmasked(batch: dict) -> dict:
 def encoder_classifier(encoder_dir: str, train, valid, steps: int, batch_size: int, lr: float) -> dict:
     from tqdm import tqdm
 
-    from zoo.models.bert_heads import BertForSequenceClassification
+    from zoo.models.bert.heads import BertForSequenceClassification
 
     torch.manual_seed(0)
     model = BertForSequenceClassification.from_pretrained(encoder_dir, num_labels=2, head_seed=0)

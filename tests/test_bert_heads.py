@@ -86,7 +86,7 @@ def head_batch(head: str):
 
 
 def _zoo_class(head: str):
-    import zoo.models.bert_heads as heads
+    import zoo.models.bert.heads as heads
 
     return getattr(heads, "Bert" + head)
 
@@ -120,7 +120,7 @@ def _parity(ps, directory: str, layout: str, head: str) -> dict[str, float]:
 
 def _new_head(ps, directory: str, layout: str) -> dict[str, object]:
     """A classifier added to a pretraining checkpoint: encoder weights from the file, head from the seed."""
-    from zoo.models.bert_heads import BertForSequenceClassification
+    from zoo.models.bert.heads import BertForSequenceClassification
 
     model = BertForSequenceClassification.from_pretrained(directory, parallel=ps, num_labels=3, head_seed=4).eval()
     batch = head_batch("ForSequenceClassification")

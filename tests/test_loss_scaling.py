@@ -170,7 +170,7 @@ def test_fp16_models_return_an_fp32_loss_that_carries_the_scale(head):
     from zoo.models import bert_config
 
     config = bert_config("bert-tiny", hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-    cls = getattr(zoo.models, head, None) or getattr(__import__("zoo.models.bert_heads", fromlist=[head]), head)
+    cls = getattr(zoo.models, head, None) or getattr(__import__("zoo.models.bert.heads", fromlist=[head]), head)
     if head == "BertForSequenceClassification":
         config = cls.configure_head(config, 3, None)
     torch.manual_seed(0)

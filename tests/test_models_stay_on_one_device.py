@@ -88,7 +88,9 @@ def _gpt2():
 
 
 def _bert(cls_name: str):
-    from zoo.models import bert, bert_config, bert_heads
+    from zoo.models import bert_config
+    from zoo.models.bert import heads as bert_heads
+    from zoo.models.bert import model as bert
 
     cls = getattr(bert, cls_name, None) or getattr(bert_heads, cls_name)
     return build_on_meta(cls, bert_config("bert-tiny", **NO_DROPOUT_BERT))

@@ -65,7 +65,7 @@ def _stage(rank, world_size, tp, pp, dtype, step, method="uniform", extra=None):
     import deepspeed
 
     from zoo.models.families import param_groups
-    from zoo.models.gpt2_pipeline import gpt2_pipeline_module, hf_names
+    from zoo.models.gpt2.pipeline import gpt2_pipeline_module, hf_names
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.parallel.partition import partition_specs
     from zoo.training.pipeline import pipeline_ds_dict
@@ -198,7 +198,7 @@ def _pretrained_stage(rank, world_size, tp, pp, directory):
     os.environ["LOCAL_RANK"] = str(rank)
     import deepspeed
 
-    from zoo.models.gpt2_pipeline import gpt2_pipeline_module, hf_names, load_stage_weights
+    from zoo.models.gpt2.pipeline import gpt2_pipeline_module, hf_names, load_stage_weights
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.parallel.partition import partition_specs
 
@@ -259,7 +259,7 @@ def _fp16_step(rank, world_size):
     from deepspeed.accelerator import get_accelerator
 
     from zoo.models.families import param_groups
-    from zoo.models.gpt2_pipeline import gpt2_pipeline_module
+    from zoo.models.gpt2.pipeline import gpt2_pipeline_module
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.training.grad_norm import current_loss_scale
     from zoo.training.pipeline import pipeline_ds_dict

@@ -96,7 +96,7 @@ def _one_step_updates(rank, world_size, tp, cases):
     import deepspeed
     from deepspeed.accelerator import get_accelerator
 
-    from zoo.models.gpt2_pipeline import gpt2_pipeline_module
+    from zoo.models.gpt2.pipeline import gpt2_pipeline_module
     from zoo.parallel import ParallelState
     from zoo.training.grad_norm import current_loss_scale
     from zoo.training.pipeline import pipeline_grad_norm, setup_pipeline_engine, stage_pairs

@@ -184,7 +184,7 @@ def _train_losses(ps, recompute, steps: int = 5):
 
 def _heads_with_and_without_sp(ps, directory):
     """The finetuning heads on an SP encoder: float64 loss and every gradient as without SP."""
-    from zoo.models.bert_heads import BertForQuestionAnswering, BertForSequenceClassification
+    from zoo.models.bert.heads import BertForQuestionAnswering, BertForSequenceClassification
 
     ids, token_types, mask, _, _ = bert_batch()
     inputs = dict(attention_mask=mask, token_type_ids=token_types)

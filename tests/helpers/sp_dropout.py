@@ -47,7 +47,7 @@ def injected_fault(fault: str):
     """Patch zoo's region dropout for the duration: ``same-mask`` draws SP-region dropout from the
     default stream, identical on every TP rank (the bug of forgetting the TP-rank stream);
     ``no-sp-dropout`` skips dropout on SP regions (embedding and residual dropout)."""
-    import zoo.models.gpt2 as gpt2
+    import zoo.models.gpt2.model as gpt2
     import zoo.models.transformer as transformer
 
     saved = (transformer.region_rng, transformer.region_dropout, gpt2.region_dropout)

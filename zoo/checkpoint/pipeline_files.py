@@ -2,7 +2,7 @@
 
 DeepSpeed's pipeline engine saves each entry of the layer sequence in its own file per TP rank,
 ``layer_XX-model_YY-model_states.pt`` (XX the entry's index in the family's sequence:
-:mod:`zoo.models.gpt2_pipeline`, :mod:`zoo.models.llama.pipeline`; YY the TP rank), written by the stage that
+:mod:`zoo.models.gpt2.pipeline`, :mod:`zoo.models.llama.pipeline`; YY the TP rank), written by the stage that
 holds the entry; entries 0 ... layers + 2 hold every weight once (GPT-2's LM head, the tied word embedding
 again, is not saved twice). The ``mp_rank_XX_model_states.pt`` files (one per stage and TP rank) hold the
 optimizer, the LR schedule and zoo's client state, with no module weights. :func:`pipeline_module_states`
@@ -20,7 +20,7 @@ import torch
 from zoo.checkpoint.files import first_line
 from zoo.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
 from zoo.errors import MissingInput, UserError
-from zoo.models.gpt2_pipeline import one_stage_name
+from zoo.models.gpt2.pipeline import one_stage_name
 
 __all__ = ["LAYER_FILE", "layer_path", "pipeline_module_states"]
 

@@ -120,7 +120,7 @@ def local_shapes(model_config: dict[str, Any], tp: int, path: Path) -> dict[str,
 
 
 def entry_of(name: str, n_layer: int) -> int:
-    """The index, in the pipeline's layer sequence (:mod:`zoo.models.gpt2_pipeline`: wte, wpe, the layers,
+    """The index, in the pipeline's layer sequence (:mod:`zoo.models.gpt2.pipeline`: wte, wpe, the layers,
     ln_f, the tied head), of the entry that holds ``GPT2LMHeadModel`` parameter ``name``."""
     parts = name.split(".")
     if parts[:2] == ["transformer", "h"]:

@@ -37,7 +37,7 @@ from zoo.finetune.dev_curve import DEV_CURVE_FILE, baseline_metric, plot_dev_cur
 from zoo.finetune.task_catalog import Task, get_task
 from zoo.finetune.task_evaluation import BestTracker, DevValidator, write_file
 from zoo.finetune.task_training import FinetuneTask
-from zoo.models.bert import BertConfig
+from zoo.models.bert.model import BertConfig
 from zoo.models.hf_io import read_config_json
 from zoo.training import loop as training_loop
 from zoo.training.loop import LoopState, TrainingLoop, setup_engine

@@ -19,7 +19,7 @@ import torch
 from zoo.errors import UserError
 from zoo.finetune import demo_task, glue, race, squad
 from zoo.finetune.squad_metrics import squad_scores
-from zoo.models import bert_heads
+from zoo.models.bert import heads as bert_heads
 
 
 @dataclass

@@ -22,12 +22,12 @@ from typing import Any
 import torch
 
 from zoo.errors import UserError
-from zoo.models.bert import BertForPreTraining
+from zoo.models.bert.model import BertForPreTraining
 from zoo.models.config import BertConfig, GPT2Config, check_hf_config_values
-from zoo.models.gpt2 import GPT2LMHeadModel
-from zoo.models.gpt2_pipeline import entry_parameters as gpt2_entry_parameters
-from zoo.models.gpt2_pipeline import gpt2_pipeline_module, hf_names, load_stage_weights, one_stage_name
-from zoo.models.gpt2_pipeline import layer_entries as gpt2_layer_entries
+from zoo.models.gpt2.model import GPT2LMHeadModel
+from zoo.models.gpt2.pipeline import entry_parameters as gpt2_entry_parameters
+from zoo.models.gpt2.pipeline import gpt2_pipeline_module, hf_names, load_stage_weights, one_stage_name
+from zoo.models.gpt2.pipeline import layer_entries as gpt2_layer_entries
 from zoo.models.hf_io import read_config_json
 from zoo.models.llama import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, llama_config
 from zoo.models.llama.config import check_llama_config_values

@@ -12,7 +12,7 @@ Two random streams per rank:
 The pipeline stage's offset (Megatron's ``100 * pp_rank``) gives every stage its own streams; with one
 stage it is 0. Both seeds come from :func:`rank_seeds`, at the start of a run and after a resume at another
 layout (:func:`seed_after_layout_change`), so no two stages or TP ranks ever share a TP stream. Weight init does not draw from these streams on a pipeline stage: the stage replays the
-init sequence of the whole model from the run's seed (:mod:`zoo.models.gpt2_pipeline`).
+init sequence of the whole model from the run's seed (:mod:`zoo.models.gpt2.pipeline`).
 
 Under sequence parallelism (Korthikanti et al. 2022) the regions between the TP GEMMs hold each
 rank's own s/p tokens, so their dropout (embedding, residual) is a TP-region dropout too: it draws

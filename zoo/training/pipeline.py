@@ -1,5 +1,5 @@
 """Pretraining with pipeline stages (``--pipeline-model-parallel-size P > 1``): the GPT-2 stage module
-(:mod:`zoo.models.gpt2_pipeline`), DeepSpeed's pipeline engine over it, the task that runs an iteration as
+(:mod:`zoo.models.gpt2.pipeline`), DeepSpeed's pipeline engine over it, the task that runs an iteration as
 one ``engine.train_batch`` (the 1F1B schedule over the iteration's m micro-batches), and validation through
 ``engine.eval_batch``.
 

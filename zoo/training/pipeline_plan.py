@@ -1,6 +1,6 @@
 """The planner's pipeline arithmetic: which layers each stage holds, what each stage keeps, and the bubble.
 
-* **Stages.** The layer sequence of :mod:`zoo.models.gpt2_pipeline` (word embedding, position embedding,
+* **Stages.** The layer sequence of :mod:`zoo.models.gpt2.pipeline` (word embedding, position embedding,
   the L layers, final norm, LM head) is split as DeepSpeed splits it: ``uniform`` balances the transformer
   layers (DeepSpeed's ``type:`` method, a linear partition of 0/1 weights), ``parameters`` balances each
   entry's parameter count (the tied word embedding counts on the first and on the last stage); both with

@@ -34,7 +34,7 @@ from torch import nn
 
 from zoo.errors import UserError
 from zoo.models.config import GPT2Config, recompute_mode
-from zoo.models.gpt2 import GPT2LMHeadModel, gpt2_layer_options
+from zoo.models.gpt2.model import GPT2LMHeadModel, gpt2_layer_options
 from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard, stored_spec
 from zoo.models.transformer import TransformerLayer, lm_loss, recomputed, region_dropout
 from zoo.parallel import VocabParallelEmbedding
