@@ -268,7 +268,7 @@ def test_squad_contexts_and_glue_rows_over_the_limit_are_skipped(tmp_path, monke
 # ------------------------------------------------------------------ pipeline layouts
 PIPELINE_CASES = {
     "bert": ({"model": "bert-tiny", "pipeline_model_parallel_size": 2, "sample_prompts": [], "model_overrides": {}},
-             "pipeline stages are built for GPT-2 only, and model 'bert-tiny' is not GPT-2 (model_type 'megatron-bert')"),
+             "pipeline stages are built for GPT-2 and Llama only, and model 'bert-tiny' is BERT (model_type 'megatron-bert')"),
     "more-stages-than-layers": ({"pipeline_model_parallel_size": 3},
                                 "--pipeline-model-parallel-size 3 asks for more stages than the 2 transformer layers"),
     "uniform-not-dividing": ({"pipeline_model_parallel_size": 2, "pipeline_partition_method": "uniform",

@@ -26,6 +26,7 @@ import torch
 
 from tests.helpers.pretraining import train_events
 from tests.helpers.zero_launch import ITERS, PARITY, SAVED_AT, assert_matches, one_node_launch, rel
+from zoo.checkpoint.safe_load import safe_torch_load
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +89,7 @@ def test_bf16_with_and_without_zero1(runs):
 
 def optimizer_bytes(path: Path) -> int:
     """Bytes of optimizer tensors (fp32 masters and Adam moments) in a partition or model-states file."""
-    states = torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    states = safe_torch_load(path)
     found = states.get("optimizer_state_dict") or states.get("optimizer")
 
     def walk(value) -> int:
@@ -109,8 +110,7 @@ def test_optimizer_memory_per_rank_is_one_over_dp(runs):
     figures = {}
     for name, tp, dp in (("zero1", 2, 2), ("tp1", 1, 4)):
         tag = runs / name / "checkpoints" / f"iter_{ITERS:07d}"
-        param_bytes = sum(t.numel() * 4 for t in torch.load(tag / "mp_rank_00_model_states.pt", weights_only=False,
-                                                             mmap=True)["module"].values())
+        param_bytes = sum(t.numel() * 4 for t in safe_torch_load(tag / "mp_rank_00_model_states.pt")["module"].values())
         full = 3 * param_bytes   # what a non-ZeRO fp32 rank holds: master (the weights) and two moments
         for d in range(dp):
             share = optimizer_bytes(tag / f"zero_pp_rank_{d}_mp_rank_00_optim_states.pt") / full
@@ -133,7 +133,7 @@ def test_zero_reader_gives_back_every_partition_bit_exactly(runs):
     source = runs / "saved" / "checkpoints" / f"iter_{SAVED_AT:07d}"
     state = CheckpointTrainingState(source, 2, 1, wanted=set())
     for t in (0, 1):
-        groups = torch.load(source / f"mp_rank_{t:02d}_model_states.pt", weights_only=False)["param_names"]
+        groups = safe_torch_load(source / f"mp_rank_{t:02d}_model_states.pt")["param_names"]
         reader = state.rank_source(state.read_states(source / f"mp_rank_{t:02d}_model_states.pt"), groups,
                                    state_shapes(source, t), source / f"mp_rank_{t:02d}_model_states.pt", t, 2, [])
         for g, group in enumerate(groups):
@@ -141,8 +141,8 @@ def test_zero_reader_gives_back_every_partition_bit_exactly(runs):
                 flat = torch.cat([reader.tensor(name, key)[0].reshape(-1) for name in group])
                 size, paddings = partition_bounds(flat.numel(), 2)
                 for d in (0, 1):
-                    saved = torch.load(source / f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt",
-                                       weights_only=False)["optimizer_state_dict"]
+                    saved = safe_torch_load(source / f"zero_pp_rank_{d}_mp_rank_{t:02d}_optim_states.pt")[
+                        "optimizer_state_dict"]
                     keep = size - paddings[d]
                     if file_key is None:
                         assert torch.equal(saved["single_partition_of_fp32_groups"][g], flat[d * size:d * size + keep])
@@ -155,7 +155,7 @@ def test_zero_reader_gives_back_every_partition_bit_exactly(runs):
 
 def state_shapes(tag_dir: Path, tp_rank: int) -> dict[str, torch.Size]:
     """Every parameter's local shape on TP rank ``tp_rank``, from its model-states file."""
-    module = torch.load(tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt", weights_only=False)["module"]
+    module = safe_torch_load(tag_dir / f"mp_rank_{tp_rank:02d}_model_states.pt")["module"]
     return {name: tensor.shape for name, tensor in module.items()}
 
 

@@ -444,8 +444,8 @@ def check_pipeline(config: RunConfig, family_config) -> None:
     family = family_of(family_config)
     if family.pipeline is None:
         staged = " and ".join(f.display_name for f in FAMILIES if f.pipeline is not None)
-        raise UserError(f"pipeline stages are built for {staged} only, and model {config.model!r} is not "
-                         f"{staged} (model_type {family_config.model_type!r}); train it with "
+        raise UserError(f"pipeline stages are built for {staged} only, and model {config.model!r} is "
+                         f"{family.display_name} (model_type {family_config.model_type!r}); train it with "
                          "--pipeline-model-parallel-size 1 (tensor, sequence and data parallelism).")
     layers = family.shape(family_config).layers
     if config.pretrained is None and layers < pp:
