@@ -16,7 +16,7 @@ micro-batch: the hidden states (b, s, h), or this rank's (b, s/t, h) under seque
 
 **Init equal to the one-stage model.** A stage's layers are drawn exactly as :class:`GPT2LMHeadModel`
 draws them from the run's seed: before its first layer a stage replays the draws of every earlier layer
-(built one at a time and dropped, :class:`InitReplay`), so a P-stage model starts from the same weights as
+(built one at a time and dropped, :class:`zoo.models.pipeline_init.InitReplay`), so a P-stage model starts from the same weights as
 the one-stage model of the same seed, at every tp (the layers draw full masters and keep their slice).
 
 **Names.** :func:`hf_names` maps each parameter of a stage to its ``GPT2LMHeadModel`` name, so the
@@ -26,8 +26,6 @@ zoo's checkpoint tools read a stage as a subset of the one model.
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -36,6 +34,7 @@ from zoo.errors import UserError
 from zoo.models.config import GPT2Config, recompute_mode
 from zoo.models.gpt2.model import GPT2LMHeadModel, gpt2_layer_options
 from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard, stored_spec
+from zoo.models.pipeline_init import InitReplay, announce
 from zoo.models.transformer import TransformerLayer, lm_loss, recomputed, region_dropout
 from zoo.parallel import VocabParallelEmbedding
 from zoo.parallel.layers import SequenceParallelLayerNorm, uses_sequence_parallel
@@ -43,7 +42,7 @@ from zoo.parallel.mappings import scatter_to_sequence_parallel_region
 from zoo.parallel.partition import partition_specs
 from zoo.parallel.state import ParallelState
 
-__all__ = ["gpt2_pipeline_module", "GPT2PipelineLoss", "InitReplay", "hf_names", "layer_count", "load_stage_weights",
+__all__ = ["gpt2_pipeline_module", "GPT2PipelineLoss", "hf_names", "layer_count", "load_stage_weights",
            "one_stage_name", "PARTITION_METHODS", "TIED_KEY"]
 
 TIED_KEY = "word_embeddings"
@@ -55,53 +54,6 @@ PARTITION_METHODS = {"uniform": "type:GPT2BlockPipe", "parameters": "parameters"
 def layer_count(config: GPT2Config) -> int:
     """Entries of the pipeline's layer sequence: 2 embedding entries, the layers, the final norm, the head."""
     return config.n_layer + 4
-
-
-class InitReplay:
-    """Draws each stage's layers as the one-stage model draws them.
-
-    :class:`GPT2LMHeadModel` draws, from the seed, wte, wpe, then layer 0, 1, ... (the final LayerNorm draws
-    nothing). :meth:`before` is called by every pipeline layer at the start of its construction with its
-    index; it reseeds the default generators where the draw order restarts (a first build, an index below
-    the last one built, DeepSpeed's counting pass before the real build, the tied head that repeats wte) and
-    builds and drops the layers between the last one built and this one, so their draws are consumed.
-    """
-
-    def __init__(self, config: GPT2Config, parallel: ParallelState, seed: int):
-        self.config, self.parallel, self.seed = config, parallel, seed
-        self.next_index: int | None = None
-        self.replaying = False
-
-    def before(self, index: int) -> None:
-        if self.replaying:
-            return
-        target = 0 if index == layer_count(self.config) - 1 else index   # the head draws what wte draws
-        if self.next_index is None or target < self.next_index:
-            self.reseed()
-            self.next_index = 0
-        with self.replay():
-            for skipped in range(self.next_index, target):
-                layer_class(skipped, self.config)(self.config, self.parallel, skipped, self)   # drawn, dropped
-        self.next_index = target + 1
-
-    def reseed(self) -> None:
-        from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
-
-        torch.manual_seed(self.seed)
-        get_accelerator().manual_seed(self.seed)
-
-    @contextlib.contextmanager
-    def replay(self):
-        self.replaying = True
-        try:
-            yield
-        finally:
-            self.replaying = False
-
-
-def announce(replay: InitReplay | None, index: int) -> None:
-    if replay is not None:
-        replay.before(index)
 
 
 class WordEmbeddingPipe(nn.Module):
@@ -219,7 +171,9 @@ def gpt2_pipeline_module(config: GPT2Config, parallel: ParallelState, seed: int,
         raise UserError(f"pipeline partition method {partition_method!r} is not one of {sorted(PARTITION_METHODS)}; "
                          "pass --pipeline-partition-method uniform (transformer layers) or parameters.")
     config.validate(parallel.tp_size)
-    replay = InitReplay(config, parallel, seed) if replay_init else None
+    head = layer_count(config) - 1            # the tied head repeats wte's draws
+    replay = (InitReplay(config, parallel, seed, layer_class, draw_index=lambda index: 0 if index == head else index)
+              if replay_init else None)
     specs = []
     for index in range(layer_count(config)):
         cls = layer_class(index, config)

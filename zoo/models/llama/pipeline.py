@@ -14,15 +14,13 @@ Nothing is tied, so no weight travels between stages; one tensor travels per mic
 **Init equal to the one-stage model.** :class:`~zoo.models.llama.model.LlamaForCausalLM` draws, from the seed,
 embed_tokens, layer 0, 1, ..., L-1, then lm_head (the norm draws nothing): the order of the sequence above.
 Before its first entry a stage replays the draws of every earlier entry (built one at a time and dropped,
-:class:`LlamaInitReplay`), so a P-stage model starts from the one-stage model's weights at every tp.
+:class:`zoo.models.pipeline_init.InitReplay`), so a P-stage model starts from the one-stage model's weights at every tp.
 
 **Names.** :func:`one_stage_names` maps each parameter of a stage to its ``LlamaForCausalLM`` parameter name,
 so a stage reads as a subset of the one model.
 """
 
 from __future__ import annotations
-
-import contextlib
 
 import torch
 import torch.nn.functional as F
@@ -34,13 +32,14 @@ from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.layers import LlamaDecoderLayer, LlamaRMSNorm
 from zoo.models.llama.model import LlamaForCausalLM, VocabParallelLMHead
 from zoo.models.llama.rope import rotary_cos_sin
+from zoo.models.pipeline_init import InitReplay, announce
 from zoo.models.transformer import lm_loss, recomputed
 from zoo.parallel import VocabParallelEmbedding
 from zoo.parallel.layers import uses_sequence_parallel
 from zoo.parallel.mappings import scatter_to_sequence_parallel_region
 from zoo.parallel.state import ParallelState
 
-__all__ = ["llama_pipeline_module", "LlamaPipelineLoss", "LlamaInitReplay", "one_stage_names", "entry_count",
+__all__ = ["llama_pipeline_module", "LlamaPipelineLoss", "one_stage_names", "entry_count",
            "load_llama_stage_weights", "PARTITION_METHODS"]
 
 # zoo's --pipeline-partition-method -> DeepSpeed's partition_method: "uniform" balances the decoder layers
@@ -53,53 +52,11 @@ def entry_count(config: LlamaConfig) -> int:
     return config.num_hidden_layers + 3
 
 
-class LlamaInitReplay:
-    """Draws each stage's entries as the one-stage model draws them: :meth:`before` is called by every entry at
-    the start of its construction with its index; it reseeds the default generators where the draw order
-    restarts (a first build, an index at or below the last one built: DeepSpeed's counting pass, a second
-    module) and builds and drops the entries between the last one built and this one."""
-
-    def __init__(self, config: LlamaConfig, parallel: ParallelState, seed: int):
-        self.config, self.parallel, self.seed = config, parallel, seed
-        self.next_index: int | None = None
-        self.replaying = False
-
-    def before(self, index: int) -> None:
-        if self.replaying:
-            return
-        if self.next_index is None or index < self.next_index:
-            self.reseed()
-            self.next_index = 0
-        with self.replay():
-            for skipped in range(self.next_index, index):
-                entry_class(skipped, self.config)(self.config, self.parallel, skipped, self)   # drawn, dropped
-        self.next_index = index + 1
-
-    def reseed(self) -> None:
-        from deepspeed.accelerator import get_accelerator  # local: DeepSpeed costs seconds to import
-
-        torch.manual_seed(self.seed)
-        get_accelerator().manual_seed(self.seed)
-
-    @contextlib.contextmanager
-    def replay(self):
-        self.replaying = True
-        try:
-            yield
-        finally:
-            self.replaying = False
-
-
-def announce(replay: LlamaInitReplay | None, index: int) -> None:
-    if replay is not None:
-        replay.before(index)
-
-
 class LlamaEmbeddingPipe(nn.Module):
     """(b, s) token ids -> (b, s, h) embeddings (g all-reduces the vocab shards), (b, s/t, h) under SP."""
 
     def __init__(self, config: LlamaConfig, parallel: ParallelState, index: int,
-                 replay: LlamaInitReplay | None = None):
+                 replay: InitReplay | None = None):
         super().__init__()
         announce(replay, index)
         self.parallel = parallel
@@ -120,7 +77,7 @@ class LlamaDecoderPipe(LlamaDecoderLayer):
     rotary angles of positions 0 ... s-1 itself (s the full sequence: t times its tokens under SP)."""
 
     def __init__(self, config: LlamaConfig, parallel: ParallelState, index: int,
-                 replay: LlamaInitReplay | None = None):
+                 replay: InitReplay | None = None):
         announce(replay, index)
         super().__init__(config, parallel)
         self.config, self.tp_size = config, parallel.tp_size
@@ -141,7 +98,7 @@ class LlamaNormPipe(nn.Module):
     """The final RMSNorm (``norm``), on this rank's tokens under SP."""
 
     def __init__(self, config: LlamaConfig, parallel: ParallelState, index: int,
-                 replay: LlamaInitReplay | None = None):
+                 replay: InitReplay | None = None):
         super().__init__()
         announce(replay, index)
         self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
@@ -156,7 +113,7 @@ class LlamaHeadPipe(nn.Module):
     """The untied LM head: (b, s or s/t, h) -> (b, s, V_padded / t), this rank's logits."""
 
     def __init__(self, config: LlamaConfig, parallel: ParallelState, index: int,
-                 replay: LlamaInitReplay | None = None):
+                 replay: InitReplay | None = None):
         super().__init__()
         announce(replay, index)
         self.sequence_parallel = uses_sequence_parallel(parallel, bool(config.sequence_parallel))
@@ -207,7 +164,7 @@ def llama_pipeline_module(config: LlamaConfig, parallel: ParallelState, seed: in
         raise UserError(f"pipeline partition method {partition_method!r} is not one of {sorted(PARTITION_METHODS)}; "
                         "pass --pipeline-partition-method uniform (decoder layers) or parameters.")
     config.validate(parallel.tp_size)
-    replay = LlamaInitReplay(config, parallel, seed) if replay_init else None
+    replay = InitReplay(config, parallel, seed, entry_class) if replay_init else None
     specs = [LayerSpec(entry_class(index, config), config, parallel, index, replay)
              for index in range(entry_count(config))]
     module = PipelineModule(specs, topology=parallel.topology, loss_fn=LlamaPipelineLoss(parallel, config.vocab_size),
