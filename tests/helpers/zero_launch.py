@@ -51,6 +51,8 @@ for name, tp in (("same", 2), ("tp4", 4), ("tp1", 1)):
 run("zero2-tp1", 1, 2, load=str(root / "saved2"))
 run("bf16-0", 2, 0, iters=3, bf16=True)
 run("bf16-1", 2, 1, iters=3, bf16=True)
+dist.barrier()
+dist.destroy_process_group()   # torch's threads end before the interpreter does
 """
 
 
@@ -73,14 +75,25 @@ def deepspeed_cmd() -> str:
 def one_node_launch(factory) -> tuple[Path, str]:
     """(runs root, corpus prefix) of the one 4-rank launch, run once per session whichever test module asks
     first (keyed by the session's base temporary directory)."""
-    return _launch_once(str(factory.getbasetemp()))
+    outcome = _launch_once(str(factory.getbasetemp()))
+    if isinstance(outcome, AssertionError):
+        raise outcome
+    return outcome
 
 
 @functools.cache
-def _launch_once(basetemp: str) -> tuple[Path, str]:
+def _launch_once(basetemp: str) -> tuple[Path, str] | AssertionError:
+    """The launch's result, or its failure (returned, so that every test asking again sees the same failure
+    instead of launching into the directory the failed launch left)."""
+    try:
+        return _launch(Path(basetemp) / "zero_launch")
+    except AssertionError as failure:
+        return failure
+
+
+def _launch(root: Path) -> tuple[Path, str]:
     from tests.spawn import free_port
 
-    root = Path(basetemp) / "zero_launch"
     root.mkdir()
     corpus = make_corpus(root / "random")
     driver = root / "driver.py"
