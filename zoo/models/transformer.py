@@ -38,7 +38,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.errors import UserError
-from zoo.parallel import ColumnParallelLinear, RowParallelLinear, tp_rng_fork, vocab_parallel_cross_entropy
+from zoo.parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    gather_from_tp_region,
+    tp_rng_fork,
+    vocab_parallel_cross_entropy,
+)
 from zoo.parallel.layers import SequenceParallelLayerNorm
 from zoo.parallel.random import region_rng
 from zoo.parallel.state import ParallelState, as_state
@@ -124,6 +130,22 @@ def lm_loss(local_logits: torch.Tensor, targets: torch.Tensor, parallel: Paralle
     ignored, without gathering the logits (the fused vocab-parallel cross-entropy); 0 when nothing counts."""
     token_loss = vocab_parallel_cross_entropy(local_logits, targets, parallel, vocab_size=vocab_size)   # (b, s)
     return token_loss.sum() / (targets != -100).sum().clamp(min=1)
+
+
+def causal_lm_head_outputs(local_logits: torch.Tensor, labels: torch.Tensor | None, parallel: ParallelState,
+                           vocab_size: int, gather_output: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
+    """(loss, logits) of a causal LM from this rank's vocab-parallel logits (b, s, V_padded / p): the loss
+    of position t predicting label t+1 (the labels are shifted, not the logits: no logits-sized copy), None
+    without labels; the logits gathered over TP and cut to the real vocabulary (b, s, V) with
+    ``gather_output``, else this rank's shard."""
+    loss = None
+    if labels is not None:
+        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)   # (b, s)
+        loss = lm_loss(local_logits, targets, parallel, vocab_size)
+    logits = local_logits
+    if gather_output:
+        logits = gather_from_tp_region(local_logits, parallel)[..., :vocab_size]   # (b, s, V)
+    return loss, logits
 
 
 class ParallelSelfAttention(nn.Module):

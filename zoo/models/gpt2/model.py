@@ -15,11 +15,11 @@ from zoo.models.transformer import (
     LayerOptions,
     TransformerLayer,
     attention_bias,
-    lm_loss,
+    causal_lm_head_outputs,
     region_dropout,
     run_layers,
 )
-from zoo.parallel import VocabParallelEmbedding, gather_from_tp_region, scaled_init_std
+from zoo.parallel import VocabParallelEmbedding, scaled_init_std
 from zoo.parallel.layers import SequenceParallelLayerNorm, uses_sequence_parallel
 from zoo.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from zoo.parallel.state import ParallelState, as_state
@@ -162,14 +162,8 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
                 hidden, sp = self.transformer.gather_sequence(hidden), False        # (b, s, h)
             hidden = hidden[:, -logits_to_keep:]                                    # (b, n, h)
         local_logits = self.transformer.wte.lm_logits(hidden, sequence_parallel=sp)  # (b, s, V_pad/p)
-        loss = None
-        if labels is not None:
-            # Shift the labels, not the logits (no logits-sized copy): position t predicts t+1.
-            targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)   # (b, s)
-            loss = lm_loss(local_logits, targets, self.parallel, self.config.vocab_size)
-        logits = local_logits
-        if gather_output:
-            logits = gather_from_tp_region(local_logits, self.parallel)[..., :self.config.vocab_size]
+        loss, logits = causal_lm_head_outputs(local_logits, labels, self.parallel, self.config.vocab_size,
+                                              gather_output)                     # (b, s, V) gathered
         presents = cache.presents() if use_cache else None
         return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=presents)
 

@@ -20,8 +20,8 @@ from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.hf_names import LlamaCheckpointMixin
 from zoo.models.llama.layers import LlamaDecoderLayer, LlamaRMSNorm
 from zoo.models.llama.rope import rotary_cos_sin
-from zoo.models.transformer import KVCache, attention_bias, lm_loss, recomputed
-from zoo.parallel import VocabParallelEmbedding, gather_from_tp_region
+from zoo.models.transformer import KVCache, attention_bias, causal_lm_head_outputs, recomputed
+from zoo.parallel import VocabParallelEmbedding
 from zoo.parallel.layers import uses_sequence_parallel
 from zoo.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from zoo.parallel.state import ParallelState, as_state
@@ -141,12 +141,6 @@ class LlamaForCausalLM(LlamaCheckpointMixin, nn.Module):
                 hidden, sp = self.model.gather_sequence(hidden), False             # (b, s, h)
             hidden = hidden[:, -logits_to_keep:]                                    # (b, n, h)
         local_logits = self.lm_head(hidden, sequence_parallel=sp)                  # (b, s, V_pad/p)
-        loss = None
-        if labels is not None:
-            # Shift the labels, not the logits (no logits-sized copy): position t predicts t+1.
-            targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)   # (b, s)
-            loss = lm_loss(local_logits, targets, self.parallel, self.config.vocab_size)
-        logits = local_logits
-        if gather_output:
-            logits = gather_from_tp_region(local_logits, self.parallel)[..., :self.config.vocab_size]  # (b, s, V)
+        loss, logits = causal_lm_head_outputs(local_logits, labels, self.parallel, self.config.vocab_size,
+                                              gather_output)                     # (b, s, V) gathered
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache.presents() if use_cache else None)
