@@ -123,7 +123,7 @@ def batch_of(args) -> torch.Tensor:
 
 # ---------------------------------------------------------------- the models
 def zoo_model(args, parallel, sequence_parallel: bool = False):
-    from zoo.models.config import GPT2Config
+    from zoo.models.gpt2.config import GPT2Config
     from zoo.models.gpt2.model import GPT2LMHeadModel
 
     config = GPT2Config(vocab_size=args.vocab, n_positions=args.seq, n_embd=args.hidden,

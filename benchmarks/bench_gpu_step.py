@@ -52,7 +52,7 @@ def measure(build, args, shape: argparse.Namespace, dtype: torch.dtype) -> float
 
 
 def main() -> None:
-    from zoo.models.presets import GPT2_PRESETS
+    from zoo.models.gpt2.presets import GPT2_PRESETS
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--presets", nargs="+", default=["gpt2-medium", "gpt2-1.2b"], choices=sorted(GPT2_PRESETS))

@@ -10,7 +10,7 @@ from packaging.version import Version
 
 from zoo.cli import pretrain as pretraining
 from zoo.errors import USER_ERRORS, MissingInput, UserError, error_kind, error_line, report_error
-from zoo.models.presets import gpt2_config
+from zoo.models.gpt2.presets import gpt2_config
 
 
 def _raised_by_a_library() -> ValueError:

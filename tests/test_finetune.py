@@ -228,7 +228,7 @@ def test_vocab_file_larger_than_the_checkpoint_vocab_is_refused(tiny_bert_dir, t
     from zoo.data.tokenizers import load_bert_tokenizer
     from zoo.finetune.config import FinetuneConfig
     from zoo.finetune.finetune_job import check_inputs_fit
-    from zoo.models.config import BertConfig
+    from zoo.models.bert.config import BertConfig
 
     config = FinetuneConfig(task="qqp", pretrained=str(tiny_bert_dir), data_dir="-", ds_config={}, max_seq_length=64)
     with pytest.raises(ValueError, match="has 30522 tokens but the checkpoint's vocab_size is 1000"):

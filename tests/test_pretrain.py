@@ -378,7 +378,7 @@ def test_pretraining_starts_from_a_transformers_directory_at_tp2(corpus_prefix, 
 
 def test_pretrained_of_another_family_is_one_sentence(tmp_path):
     from zoo.models import BertConfig
-    from zoo.models.presets import gpt2_config
+    from zoo.models.gpt2.presets import gpt2_config
     from zoo.training.families import pretrained_model
 
     (tmp_path / "bert").mkdir()
@@ -395,7 +395,7 @@ def test_pretrained_bert_takes_its_layer_order_from_the_directory(tmp_path):
     fresh; asking for pre_norm=True on it is refused in one sentence."""
     import transformers
 
-    from zoo.models.presets import bert_config
+    from zoo.models.bert.presets import bert_config
     from zoo.training.families import pretrained_model
 
     torch.manual_seed(0)

@@ -40,7 +40,7 @@ BOUND = 3.0
 def dropout_masks(parallel, sequence_parallel: bool) -> dict[str, torch.Tensor]:
     """The keep-masks of every nn.Dropout in one training forward of gpt2-tiny (dropout 0.1, seed 1)."""
     from zoo.models import GPT2LMHeadModel
-    from zoo.models.presets import gpt2_config
+    from zoo.models.gpt2.presets import gpt2_config
     from zoo.parallel import model_parallel_seed
 
     config = gpt2_config("gpt2-tiny", vocab_size=256, n_positions=SEQ, resid_pdrop=0.1, embd_pdrop=0.1,

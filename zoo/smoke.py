@@ -47,7 +47,8 @@ from zoo.errors import UserError
 from zoo.inference import GenerationConfig, generate
 from zoo.models import GPT2LMHeadModel
 from zoo.models import gpt2_config as preset_config
-from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS, bert_config
+from zoo.models.bert.presets import BERT_PRESETS, bert_config
+from zoo.models.gpt2.presets import GPT2_PRESETS
 from zoo.parallel import ParallelState, model_parallel_seed
 from zoo.training.families import forward_with_metrics
 from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm

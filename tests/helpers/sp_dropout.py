@@ -70,7 +70,7 @@ def train_losses(parallel, batches, sequence_parallel: bool, seed: int, lr: floa
     import torch
 
     from zoo.models import GPT2LMHeadModel
-    from zoo.models.presets import gpt2_config
+    from zoo.models.gpt2.presets import gpt2_config
     from zoo.parallel import model_parallel_seed
 
     config = gpt2_config("gpt2-tiny", n_positions=batches.shape[-1], resid_pdrop=0.1, embd_pdrop=0.1,

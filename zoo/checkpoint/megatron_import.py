@@ -47,7 +47,7 @@ import torch
 from zoo.atomic import check_output_directory
 from zoo.checkpoint.safe_load import is_refused_global, refused_global
 from zoo.errors import MissingInput, UserError
-from zoo.models.config import GPT2Config
+from zoo.models.gpt2.config import GPT2Config
 from zoo.models.gpt2.model import GPT2LMHeadModel
 from zoo.models.hf_io import DEFAULT_MAX_SHARD_SIZE, OutputTensor, stream_pretrained
 from zoo.models.pretrained import tokenizer_files, with_dtype

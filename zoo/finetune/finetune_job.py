@@ -37,8 +37,8 @@ from zoo.finetune.dev_curve import DEV_CURVE_FILE, baseline_metric, plot_dev_cur
 from zoo.finetune.task_catalog import Task, get_task
 from zoo.finetune.task_evaluation import BestTracker, DevValidator, write_file
 from zoo.finetune.task_training import FinetuneTask
-from zoo.models.bert.model import BertConfig
-from zoo.models.hf_io import read_config_json
+from zoo.models.bert.config import BertConfig
+from zoo.models.families import read_checked_config_json
 from zoo.training import loop as training_loop
 from zoo.training.loop import LoopState, TrainingLoop, setup_engine
 from zoo.training.metrics import MetricsLogger, plot_loss
@@ -79,7 +79,7 @@ def read_inputs(config: FinetuneConfig, task: Task):
     """(model config, encoded task data) of ``--pretrained`` and ``--data-dir``, checked: the tokenizer
     and the sequences fit the model's tables, the training split exists when there are epochs to train,
     and the split of the main metric exists."""
-    model_config = BertConfig.from_dict(read_config_json(config.pretrained))
+    model_config = BertConfig.from_dict(read_checked_config_json(config.pretrained))
     tokenizer_dir = Path(config.pretrained) if (Path(config.pretrained) / "vocab.txt").is_file() else None
     tokenizer = load_bert_tokenizer(tokenizer_dir)
     check_inputs_fit(config, model_config, tokenizer, tokenizer_dir or "the bundled bert-base-uncased vocab")

@@ -15,19 +15,24 @@ training side, which is above this package: a family names its pretraining ``obj
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from zoo.errors import UserError
+from zoo.models.bert.config import BertConfig, check_bert_config_values
 from zoo.models.bert.model import BertForPreTraining
-from zoo.models.config import BertConfig, GPT2Config, check_hf_config_values
+from zoo.models.bert.presets import BERT_PRESETS, bert_config
+from zoo.models.gpt2.config import GPT2Config, check_gpt2_config_values
 from zoo.models.gpt2.model import GPT2LMHeadModel
 from zoo.models.gpt2.pipeline import entry_parameters as gpt2_entry_parameters
 from zoo.models.gpt2.pipeline import gpt2_pipeline_module, hf_names, load_stage_weights, one_stage_name
 from zoo.models.gpt2.pipeline import layer_entries as gpt2_layer_entries
+from zoo.models.gpt2.presets import GPT2_PRESETS, gpt2_config
 from zoo.models.hf_io import read_config_json
 from zoo.models.llama import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, llama_config
 from zoo.models.llama.config import check_llama_config_values
@@ -36,7 +41,6 @@ from zoo.models.llama.pipeline import layer_entries as llama_layer_entries
 from zoo.models.llama.pipeline import llama_pipeline_module, load_llama_stage_weights
 from zoo.models.llama.pipeline import one_stage_name as llama_one_stage_name
 from zoo.models.llama.pipeline import one_stage_names as llama_one_stage_names
-from zoo.models.presets import BERT_PRESETS, GPT2_PRESETS, bert_config, gpt2_config
 from zoo.parallel.state import ParallelState
 
 ModelConfig = GPT2Config | BertConfig | LlamaConfig
@@ -110,7 +114,7 @@ class ModelFamily:
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("gpt2", "GPT-2", GPT2Config, GPT2LMHeadModel, ("gpt2",), "transformer.wte.weight",
                 lambda c: ModelShape(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.n_positions),
-                GPT2_PRESETS, gpt2_config, GPT2Config.from_dict, check_hf_config_values, CAUSAL_LM,
+                GPT2_PRESETS, gpt2_config, GPT2Config.from_dict, check_gpt2_config_values, CAUSAL_LM,
                 generates_text=True, pipeline=PipelineStages(
                     gpt2_pipeline_module, load_stage_weights, hf_names, one_stage_name, gpt2_entry_parameters,
                     gpt2_layer_entries)),
@@ -118,7 +122,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 "bert.embeddings.word_embeddings.weight",
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
                                      c.max_position_embeddings),
-                BERT_PRESETS, bert_config, BertConfig.from_dict, check_hf_config_values, MLM_SOP,
+                BERT_PRESETS, bert_config, BertConfig.from_dict, check_bert_config_values, MLM_SOP,
                 generates_text=False, lm_head_transform=True, layout_fields=("pre_norm",)),
     ModelFamily("llama", "Llama", LlamaConfig, LlamaForCausalLM, ("llama",), "model.embed_tokens.weight",
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
@@ -160,6 +164,18 @@ def family_of_preset(preset: str) -> ModelFamily:
 def model_config(preset: str, **overrides) -> ModelConfig:
     """The config of any zoo preset with optional field overrides; the family follows from the name."""
     return family_of_preset(preset).make_config(preset, **overrides)
+
+
+def read_checked_config_json(directory: str | os.PathLike) -> dict:
+    """config.json of a model directory, whose shape fields its family checked (one sentence naming the file and
+    the field), so every reader of a model directory (loading, export, generation, evaluation, finetuning,
+    planning) refuses a bad one before anything is allocated. A ``model_type`` zoo does not build is left to
+    the reader, which names the type it expects."""
+    values = read_config_json(directory)
+    family = family_of_model_type(values.get("model_type"))
+    if family is not None:
+        family.check_hf_config(values, Path(directory) / "config.json")
+    return values
 
 
 def pretrained_config(directory: str, family: ModelFamily | None = None) -> ModelConfig:

@@ -34,7 +34,7 @@ from safetensors import SafetensorError, safe_open
 
 from zoo.atomic import check_output_directory
 from zoo.errors import MissingInput, UserError
-from zoo.models.config import check_hf_config_values
+from zoo.models.config import check_json_object
 from zoo.parallel.gather import gather_to_first
 from zoo.parallel.partition import PartitionSpec, partition_specs
 from zoo.parallel.state import ParallelState, as_state
@@ -470,12 +470,10 @@ def local_block(local: torch.Tensor, hf: HFParam, entry: OutputTensor) -> torch.
     return local.chunk(len(hf.keys), dim=hf.spec.block_dim)[entry.block]
 
 
-def read_config_json(directory: str | os.PathLike, check_values: bool = True) -> dict:
-    """config.json of a checkpoint directory, with one-sentence errors: it must be a JSON object, and a GPT-2
-    or BERT one must state its shape fields within bounds (:func:`zoo.models.config.check_hf_config_values`),
-    so every reader of a model directory (loading, export, generation, evaluation, finetuning, planning)
-    refuses a bad one before anything is allocated. ``check_values=False`` leaves the fields to a caller
-    that first checks the ``model_type`` it expects, then calls that check itself."""
+def read_config_json(directory: str | os.PathLike) -> dict:
+    """config.json of a checkpoint directory as a JSON object, with one-sentence errors. Its fields are the
+    family's to check (:func:`zoo.models.families.read_checked_config_json`, or a model class's
+    ``check_hf_config`` after it has named the ``model_type`` it expects)."""
     path = Path(directory) / "config.json"
     if not Path(directory).is_dir():
         raise MissingInput(f"checkpoint directory {directory} does not exist; pass the directory that "
@@ -490,6 +488,5 @@ def read_config_json(directory: str | os.PathLike, check_values: bool = True) ->
                          "fix or re-save the checkpoint.") from None
     except json.JSONDecodeError as err:
         raise UserError(f"{path} is not valid JSON ({err}); fix or re-save the checkpoint.") from None
-    if not isinstance(values, dict) or check_values:
-        check_hf_config_values(values, path)
+    check_json_object(values, path)
     return values

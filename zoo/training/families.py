@@ -22,8 +22,14 @@ import torch.nn.functional as F
 from zoo.data import BertDataset, GPTDataset, default_bert_corpus_prefix, default_corpus_prefix
 from zoo.errors import UserError
 from zoo.models.config import ZOO_RUN_FIELDS
-from zoo.models.families import CAUSAL_LM, MLM_SOP, ModelConfig, family_of, family_of_model_type
-from zoo.models.hf_io import read_config_json
+from zoo.models.families import (
+    CAUSAL_LM,
+    MLM_SOP,
+    ModelConfig,
+    family_of,
+    family_of_model_type,
+    read_checked_config_json,
+)
 
 Metrics = dict[str, torch.Tensor]
 
@@ -121,7 +127,7 @@ def pretrained_overrides(directory: str, run_config: ModelConfig, preset: str,
     """The config fields a run sets on ``--pretrained`` weights (dropout, zoo's run fields, the family's
     ``layout_fields`` such as BERT's explicit ``pre_norm``), after checking that the directory holds the run's
     family and that no other override contradicts its config.json."""
-    values = read_config_json(directory)
+    values = read_checked_config_json(directory)
     stored, family = values.get("model_type"), family_of(run_config)
     if family_of_model_type(stored) is not family:
         raise UserError(f"--pretrained {directory} holds a model_type {stored!r} model but the run's preset "

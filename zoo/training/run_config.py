@@ -72,7 +72,7 @@ class RunConfig:
         "parameters", group="parallelism",
         help="how the layers are split over the stages: 'parameters' (balanced parameter counts, DeepSpeed's "
              "default) or 'uniform' (the same number of transformer layers per stage)")
-    model: str = option("gpt2-tiny", group="model", help="model preset (zoo.models.presets), e.g. gpt2-345m, bert-tiny")
+    model: str = option("gpt2-tiny", group="model", help="model preset (zoo.models.families.model_config), e.g. gpt2-345m, bert-tiny")
     seq_length: int = option(1024, group="model", help="tokens per training sample")
     train_iters: int = option(1000, group="training", help="optimizer steps of the whole run")
     data_path: list[str] | None = option(
@@ -334,16 +334,16 @@ def data_warnings(config: RunConfig) -> list[str]:
 def check_input_paths(config: RunConfig) -> RunConfig:
     """Every file the run reads exists, checked before a process group, a model or an engine is built: the
     ``.bin`` and ``.idx`` of every ``data_path`` prefix (one, or each corpus of a blend), the ``pretrained``
-    directory and its config.json (read and checked, see :func:`zoo.models.hf_io.read_config_json`), and ``load`` when it exists (a ``load`` not
+    directory and its config.json (read and checked, see :func:`zoo.models.families.read_checked_config_json`), and ``load`` when it exists (a ``load`` not
     there yet is a run to start, so a job script can always pass ``--save X --load X``)."""
     from zoo.data.blending import parse_data_path  # local: torch import cost (the parser is built without torch)
     from zoo.data.indexed_dataset import check_dataset_files  # local: torch import cost
-    from zoo.models.hf_io import read_config_json  # local: torch import cost
+    from zoo.models.families import read_checked_config_json  # local: torch import cost
 
     for _, prefix in parse_data_path(config.data_path) or ():
         check_dataset_files(prefix)
     if config.pretrained is not None:
-        read_config_json(config.pretrained)
+        read_checked_config_json(config.pretrained)
     if config.load is not None and Path(config.load).exists() and not Path(config.load).is_dir():
         raise MissingInput(f"--load {config.load} is a file, not a directory; pass the run directory (or its "
                                 "checkpoints/ directory) to resume from.")

@@ -27,8 +27,8 @@ from transformers.modeling_outputs import (
 )
 
 from zoo.errors import UserError
+from zoo.models.bert.config import BertConfig
 from zoo.models.bert.model import BertModel, _BertCheckpoints, at_least_fp32, init_head_params
-from zoo.models.config import BertConfig
 from zoo.models.hf_io import read_config_json
 from zoo.parallel.state import ParallelState, as_state
 

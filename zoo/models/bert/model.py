@@ -11,7 +11,8 @@ from transformers.models.bert.modeling_bert import BertForPreTrainingOutput
 
 from zoo.assets import BERT_TOKENIZER_DIR
 from zoo.errors import UserError
-from zoo.models.config import BertConfig, recompute_mode
+from zoo.models.bert.config import BertConfig, check_bert_config_values
+from zoo.models.config import recompute_mode
 from zoo.models.pretrained import HFPretrainedMixin
 from zoo.models.transformer import (
     LayerOptions,
@@ -121,6 +122,8 @@ class _BertCheckpoints(HFPretrainedMixin):
     @classmethod
     def config_from_hf(cls, values: dict) -> BertConfig:
         return BertConfig.from_dict(values)
+
+    check_hf_config = staticmethod(check_bert_config_values)
 
     @classmethod
     def check_overrides(cls, directory, values: dict, overrides: dict) -> None:

@@ -8,7 +8,8 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from zoo.assets import GPT2_TOKENIZER_DIR
 from zoo.errors import UserError
-from zoo.models.config import GPT2Config, recompute_mode
+from zoo.models.config import recompute_mode
+from zoo.models.gpt2.config import GPT2Config, check_gpt2_config_values
 from zoo.models.pretrained import HFPretrainedMixin
 from zoo.models.transformer import (
     KVCache,
@@ -174,6 +175,8 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
             raise UserError(f"checkpoint has model_type {values.get('model_type')!r}, not 'gpt2'; load it with "
                              "the zoo class for that model type.")
         return GPT2Config.from_dict(values)
+
+    check_hf_config = staticmethod(check_gpt2_config_values)
 
     def hf_config_dict(self) -> dict:
         return self.config.to_hf_dict()

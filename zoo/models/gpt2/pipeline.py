@@ -31,7 +31,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from zoo.errors import UserError
-from zoo.models.config import GPT2Config, recompute_mode
+from zoo.models.config import recompute_mode
+from zoo.models.gpt2.config import GPT2Config
 from zoo.models.gpt2.model import GPT2LMHeadModel, gpt2_layer_options
 from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard, stored_spec
 from zoo.models.pipeline_init import InitReplay, announce
