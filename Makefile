@@ -43,8 +43,8 @@ $(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
 	touch $@
 
 # The rendezvous port: $$MASTER_PORT when set, else one free now, below the kernel's ephemeral range
-# (zoo.launcher.free_port; a busy 29500, DeepSpeed's default, would otherwise fail the run).
-FREE_PORT := $(PY) -c "from zoo.launcher import free_port; print(free_port())"
+# (zoo.operations.launcher.free_port; a busy 29500, DeepSpeed's default, would otherwise fail the run).
+FREE_PORT := $(PY) -c "from zoo.operations.launcher import free_port; print(free_port())"
 MASTER_PORT_FLAG = --master_port $${MASTER_PORT:-$$($(FREE_PORT))}
 
 # One node on CPU: gloo talks over loopback (left to itself it probes interfaces, ~45 s here). The demo owns

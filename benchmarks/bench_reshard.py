@@ -107,7 +107,7 @@ def launcher_env(pythonpath: Path | None = None) -> dict[str, str]:
 
 def launcher(ranks: int) -> list[str]:
     """``deepspeed --num_gpus N`` on a free port (other jobs on the machine may hold DeepSpeed's default)."""
-    from zoo.launcher import free_port
+    from zoo.operations.launcher import free_port
 
     return [str(Path(sys.executable).parent / "deepspeed"), "--num_gpus", str(ranks), "--master_port", str(free_port())]
 

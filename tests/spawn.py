@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from zoo.launcher import free_port
+from zoo.operations.launcher import free_port
 
 DEFAULT_TIMEOUT_S = 240
 

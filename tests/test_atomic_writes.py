@@ -25,13 +25,13 @@ import torch
 import zoo.checkpoint.deepspeed_export as export
 import zoo.eval.zero_shot as zero_shot
 from zoo.atomic import staged_directory
-from zoo.checkpoint import export_checkpoint
+from zoo.checkpoint.deepspeed_export import export_checkpoint
+from zoo.checkpoint.hf.hf_io import is_hf_export
 from zoo.checkpoint.layout import layout_only_state
 from zoo.cli.evaluate import main as evaluate_main
 from zoo.cli.export import main as export_main
 from zoo.eval.zero_shot import export_cache_path, make_private_directory, transformers_directory
 from zoo.models import GPT2LMHeadModel, gpt2_config
-from zoo.models.hf_io import is_hf_export
 from zoo.training.metrics import plot_loss
 
 TINY = dict(vocab_size=300, n_layer=1, n_embd=32, n_head=2, n_positions=16)

@@ -151,7 +151,7 @@ def test_bert_samples_with_negative_ids_are_refused(tmp_path):
 # ----------------------------------------------------------------------------- `latest` naming a missing tag
 def test_latest_naming_a_missing_tag_says_the_callers_fix(tmp_path):
     from zoo.checkpoint.files import tag_directory
-    from zoo.training.resume import LATEST_FIX
+    from zoo.checkpoint.resume import LATEST_FIX
 
     root = tmp_path / "checkpoints"
     (root / "iter_0000002").mkdir(parents=True)
@@ -197,7 +197,7 @@ def test_schedule_change_names_old_and_new():
 
 
 def test_model_config_differences_ignore_dropout():
-    from zoo.training.resume import model_config_differences
+    from zoo.checkpoint.resume import model_config_differences
 
     recorded = {"n_layer": 2, "n_embd": 64, "resid_pdrop": 0.1, "model_type": "gpt2"}
     assert model_config_differences(recorded, dict(recorded, resid_pdrop=0.0)) == []

@@ -98,7 +98,7 @@ def _parity(ps, directory: str, layout: str, head: str) -> dict[str, float]:
     rounding reaches 1e-5 of a tensor's own size, and 4e-6 of the largest gradient of its layer (pre-norm
     multiple choice, layer 1), so no float32 gradient measure keeps a safe margin. The heads use
     F.cross_entropy in both dtypes, so the float64 run exercises the same code as a float32 one."""
-    from zoo.models.hf_io import hf_state_dict
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
 
     batch = head_batch(head)
     ref = _hf_class(layout, head).from_pretrained(directory).eval()

@@ -84,7 +84,7 @@ def test_run_killed_during_its_first_save_is_not_resumed(real_run, tmp_path):
 
 
 def test_newest_complete_tag_is_resumed_and_said(real_run, tmp_path, capsys):
-    from zoo.training.resume import checkpoint_to_load
+    from zoo.checkpoint.resume import checkpoint_to_load
 
     run = copied(real_run, tmp_path)
     checkpoints = run / "checkpoints"
@@ -104,7 +104,7 @@ def test_newest_complete_tag_is_resumed_and_said(real_run, tmp_path, capsys):
     (checkpoints / "iter_0000001" / COMPLETE).unlink()
     assert checkpoint_to_load(run, two_rank_view())[1] == "iter_0000002"
     assert capsys.readouterr().out == ""
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
 
     assert export_checkpoint(run, tmp_path / "hf").tag_dir.name == "iter_0000002"
 
@@ -118,7 +118,7 @@ def two_rank_view():
 
 
 def test_export_refuses_an_incomplete_tag(real_run, tmp_path):
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
 
     run = copied(real_run, tmp_path)
     (run / "checkpoints" / "iter_0000002" / COMPLETE).unlink()

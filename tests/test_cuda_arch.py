@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from zoo.training.cuda_arch import fit_cuda_arch_list_for_deepspeed, parsable_arch_list
+from zoo.operations.cuda_arch import fit_cuda_arch_list_for_deepspeed, parsable_arch_list
 
 
 @pytest.mark.parametrize("value, expected", [

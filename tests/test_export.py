@@ -145,7 +145,7 @@ def trained_run(random_corpus_prefix, bert_corpus_prefix, tmp_path_factory):
 def test_export_of_tp2_run_equals_deepspeed_loaded_model(trained_run, tmp_path):
     import transformers
 
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
     from zoo.models import GPT2LMHeadModel
 
     out = tmp_path / "hf"
@@ -168,7 +168,7 @@ def test_export_of_tp2_bert_run_equals_deepspeed_loaded_model(trained_run, tmp_p
 
     import transformers
 
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
 
     out = tmp_path / "hf"
     result = export_checkpoint(trained_run["bert_run_dir"], out)
@@ -188,7 +188,7 @@ def test_post_norm_bert_at_tp4_exports_bert_for_pretraining(tmp_path):
     models shards of one master) -> transformers.BertForPreTraining with the tp=1 model's logits."""
     import transformers
 
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
     from zoo.models import BertForPreTraining, bert_config
 
     config = bert_config("bert-tiny", **BERT_MODEL, pre_norm=False, hidden_dropout_prob=0.0,
@@ -217,7 +217,7 @@ def test_export_main_writes_requested_dtype(trained_run, tmp_path, capsys):
     """The CLI's main in-process (a subprocess would pay the imports again; the exit-2 test runs one)."""
     from safetensors.torch import load_file
 
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
     from zoo.cli.export import main
 
     export_checkpoint(trained_run["run_dir"] / "checkpoints", tmp_path / "fp32", tag="iter_0000002")
@@ -231,8 +231,8 @@ def test_export_main_writes_requested_dtype(trained_run, tmp_path, capsys):
 
 # ----------------------------------------------------------------------------- a tp=4 checkpoint in DeepSpeed's layout
 def tp1_reference(dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
     from zoo.models import GPT2LMHeadModel, gpt2_config
-    from zoo.models.hf_io import hf_state_dict
 
     torch.manual_seed(99)
     model = GPT2LMHeadModel(gpt2_config("gpt2-tiny", **FAKE_MODEL))
@@ -245,7 +245,7 @@ def test_tp4_checkpoint_exports_the_tp1_weights(tmp_path, dtype):
 
     from safetensors.torch import load_file
 
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
 
     write_tp_checkpoint(tmp_path / "run", 4, dtype)
     result = export_checkpoint(tmp_path / "run", tmp_path / "hf", max_shard_size=1_000_000)
@@ -269,7 +269,7 @@ def fake_run(tmp_path):
 
 
 def expect_error(kind, pattern, load, out, **kwargs) -> str:
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
 
     with pytest.raises(kind, match=pattern) as err:
         export_checkpoint(load, out, **kwargs)
@@ -347,7 +347,7 @@ def test_evaluate_reads_a_deepspeed_checkpoint_directly(trained_run, tmp_path):
     the same weights exported by hand."""
     import json
 
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
     from zoo.cli.evaluate import main
 
     texts = ["The quick brown fox jumps over the lazy dog", "Tensor parallel layers split the heads"]

@@ -45,7 +45,7 @@ def test_save_pretrained_writes_transformers_generation_config(tmp_path):
 
 
 def test_export_writes_generation_config(tmp_path):
-    from zoo.checkpoint import export_checkpoint
+    from zoo.checkpoint.deepspeed_export import export_checkpoint
 
     write_tp_checkpoint(tmp_path / "run", 2, torch.float32)
     export_checkpoint(tmp_path / "run", tmp_path / "hf")

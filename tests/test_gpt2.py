@@ -54,8 +54,8 @@ def hf_gpt2_dir(tmp_path_factory):
 def _parity_worker(rank, world_size, directory, padded):
     import transformers
 
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
     from zoo.models import GPT2LMHeadModel
-    from zoo.models.hf_io import hf_state_dict
     from zoo.parallel import ParallelState
 
     ps = ParallelState.initialize(world_size)
@@ -131,8 +131,8 @@ def test_gpt2_equals_transformers(hf_gpt2_dir, tp, request):
 
 
 def _train_losses(parallel, steps: int = 20):
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
     from zoo.models import GPT2LMHeadModel
-    from zoo.models.hf_io import hf_state_dict
 
     torch.manual_seed(42)
     model = GPT2LMHeadModel(tiny_zoo_config(), parallel=parallel)
@@ -168,8 +168,8 @@ def test_training_tp2_matches_tp1_and_init_is_tp_invariant():
 
 
 def _init_worker(rank, world_size):
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
     from zoo.models import GPT2LMHeadModel
-    from zoo.models.hf_io import hf_state_dict
     from zoo.parallel import ParallelState
 
     ps = ParallelState.initialize(world_size)
@@ -180,8 +180,8 @@ def _init_worker(rank, world_size):
 
 
 def test_init_is_tp_invariant_at_tp4(tp4_run):
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
     from zoo.models import GPT2LMHeadModel
-    from zoo.models.hf_io import hf_state_dict
 
     torch.manual_seed(42)
     model = GPT2LMHeadModel(tiny_zoo_config())

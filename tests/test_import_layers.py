@@ -5,13 +5,14 @@ only waits for the function to be called. The layers, lowest first (a package ma
 layer's package and any package of a lower layer; packages of one layer are independent):
 
     zoo.errors                                   (imports nothing from zoo: every layer raises its errors)
-    zoo.atomic | zoo.dtypes | zoo.assets | zoo.output_guard | zoo.stop_report | zoo.options
-    zoo.parallel | zoo.launcher_watch | zoo.safetensors_io
+    zoo.atomic | zoo.dtypes | zoo.assets | zoo.options
+    zoo.parallel | zoo.operations                (launching, the ranks' watch on it, stop reports, the run lock)
     zoo.distributed
+    zoo.checkpoint.hf                            (transformers' directories, which the models read and write)
     zoo.models | zoo.data
-    zoo.checkpoint
+    zoo.checkpoint                               (every other checkpoint kind; its __init__ imports nothing)
     zoo.training | zoo.eval | zoo.inference
-    zoo.finetune | zoo.smoke | zoo.launcher
+    zoo.finetune | zoo.smoke
     zoo.cli                                      (every entry point's parse-and-run)
     scripts: launch/, finetune/, benchmarks/     (nothing in zoo imports them)
 
@@ -30,13 +31,14 @@ ROOT = Path(__file__).resolve().parents[1]
 
 LAYERS: list[set[str]] = [
     {"zoo.errors"},
-    {"zoo.atomic", "zoo.dtypes", "zoo.assets", "zoo.output_guard", "zoo.stop_report", "zoo.options"},
-    {"zoo.parallel", "zoo.launcher_watch", "zoo.safetensors_io"},
+    {"zoo.atomic", "zoo.dtypes", "zoo.assets", "zoo.options"},
+    {"zoo.parallel", "zoo.operations"},
     {"zoo.distributed"},
+    {"zoo.checkpoint.hf"},
     {"zoo.models", "zoo.data"},
     {"zoo.checkpoint"},
     {"zoo.training", "zoo.eval", "zoo.inference"},
-    {"zoo.finetune", "zoo.smoke", "zoo.launcher"},
+    {"zoo.finetune", "zoo.smoke"},
     {"zoo.cli"},
 ]
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from zoo.cli.run import main
-from zoo.launcher import runner_arguments
+from zoo.operations.launcher import runner_arguments
 
 REPO = Path(__file__).resolve().parent.parent
 DEEPSPEED_DEFAULT_PORT = 29500

@@ -1,6 +1,6 @@
 """Ranks do not outlive their launcher, and zoo's launcher waits for every rank's clean stop.
 
-* the launcher watch (:mod:`zoo.launcher_watch`): a process that loses a launcher it was started under
+* the launcher watch (:mod:`zoo.operations.launcher_watch`): a process that loses a launcher it was started under
   (even to SIGKILL) is told so within a few checks, or sends itself SIGTERM with no one listening; a
   process whose parent is no launcher watches nothing;
 * through the real ``deepspeed`` launcher: ``kill -9`` of the runner alone during a tp=2 pretraining;
@@ -37,7 +37,7 @@ STOPPED_AND_CHECKPOINTED = 75
 
 CHILD = """
 import os, signal, sys, time
-from zoo.launcher_watch import LauncherWatch
+from zoo.operations.launcher_watch import LauncherWatch
 
 def write_and_exit(reason):
     with open(sys.argv[2], "w") as marker:
@@ -95,7 +95,7 @@ def test_a_watch_without_listener_ends_its_process_with_sigterm(tmp_path):
 GUARDED = """
 import os, sys, time
 from tqdm import tqdm
-from zoo.output_guard import guard_output, keep_output_in
+from zoo.operations.output_guard import guard_output, keep_output_in
 guard_output()
 keep_output_in(sys.argv[1])
 print("before", flush=True)
@@ -132,7 +132,7 @@ def test_a_rank_survives_losing_its_stdout_and_stderr(tmp_path):
 def test_pdsh_and_ssh_are_no_per_node_launchers():
     """pdsh and ssh carry the per-node launcher's command line as arguments; only the interpreter running
     the module is the launcher (zoo's rank finder signalled the ssh clients as ranks)."""
-    from zoo.launcher_watch import runs_module
+    from zoo.operations.launcher_watch import runs_module
 
     python = "/venv/bin/python"
     launch = [python, "-u", "-m", "deepspeed.launcher.launch", "--world_info=x", "--node_rank=%n"]
@@ -144,10 +144,10 @@ def test_pdsh_and_ssh_are_no_per_node_launchers():
 
 
 def test_a_process_under_no_launcher_watches_nothing():
-    from zoo.launcher_watch import LAUNCHER_PID_VARIABLE, is_launcher
+    from zoo.operations.launcher_watch import LAUNCHER_PID_VARIABLE, is_launcher
 
     env = {key: value for key, value in os.environ.items() if key != LAUNCHER_PID_VARIABLE}
-    found = subprocess.run([sys.executable, "-c", "from zoo.launcher_watch import launcher_ancestors, "
+    found = subprocess.run([sys.executable, "-c", "from zoo.operations.launcher_watch import launcher_ancestors, "
                             "watch_launchers; print(launcher_ancestors(), watch_launchers())"],
                            env=env, cwd=REPO, capture_output=True, text=True, timeout=60)
     assert found.stdout.split() == ["[]", "None"], found.stderr   # its parent, pytest, is no launcher
@@ -267,12 +267,12 @@ def test_zoo_launcher_returns_75_after_every_rank_stopped_on_sigterm(corpus_pref
 
 LAUNCHER = """
 import sys
-from zoo.launcher import run
+from zoo.operations.launcher import run
 print("code", run([], runner_command=[sys.executable, "-c", sys.argv[1]], orphan_grace_s=float(sys.argv[2])),
       flush=True)
 """
 REPORT = ("import os, signal, sys\n"
-          "from zoo.stop_report import report_stop\n"
+          "from zoo.operations.stop_report import report_stop\n"
           "assert report_stop('signal SIGTERM', 7)\n")
 
 
@@ -371,7 +371,7 @@ def test_a_stop_report_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch
     from tests.spawn import free_port
 
     monkeypatch.setenv("ZOO_LAUNCHER_STORE", f"127.0.0.1:{free_port()}")    # no launcher listens there
-    monkeypatch.setattr("zoo.stop_report.CONNECT_TIMEOUT_S", 0.5)
+    monkeypatch.setattr("zoo.operations.stop_report.CONNECT_TIMEOUT_S", 0.5)
     state = LoopState(iteration=5, stopped_by="signal SIGTERM")
     TrainingLoop(None, None, None, checkpointer=RecordingCheckpointer(), stop=StopConditions(),
                  is_writer=True).maybe_save(state)

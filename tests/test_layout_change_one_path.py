@@ -1,4 +1,4 @@
-"""Every layout change on resume is one path: the new run's ranks move the checkpoint (zoo.training.layout_change),
+"""Every layout change on resume is one path: the new run's ranks move the checkpoint (zoo.checkpoint.layout_change),
 each rank reading only the files of the names it holds and holding at most its share plus the largest tensor.
 
 One spawn of 4 ranks (dropout off):
@@ -125,7 +125,7 @@ def runs(tmp_path_factory):
 # ----------------------------------------------------------------------------- what each rank read and held
 def within_bound(record: dict) -> bool:
     """No rank held more than its share plus the largest merged tensor (``ranks``: per rank, in order, the
-    seconds, peak bytes, share + largest tensor bytes, files, bytes read; zoo.training.layout_change.move_record)."""
+    seconds, peak bytes, share + largest tensor bytes, files, bytes read; zoo.checkpoint.layout_change.move_record)."""
     return all(peak <= bound for _, peak, bound, _, _ in record["ranks"])
 
 
@@ -178,7 +178,7 @@ def test_bert_tp2_resumes_at_tp1_and_continues_the_run(runs):
 
 # ----------------------------------------------------------------------------- bad cases on resume
 def test_bad_cases_on_resume_are_the_offline_sentences_and_write_nothing(runs):
-    from zoo.training.layout_change import check_layout_change
+    from zoo.checkpoint.layout_change import check_layout_change
 
     root, per_rank, _ = runs
     refused = per_rank[0]["refused"]
@@ -223,8 +223,8 @@ def test_which_resumes_move():
     without partitions, and for ZeRO-3 on both sides at one layout."""
     from types import SimpleNamespace
 
+    from zoo.checkpoint.layout_change import needs_layout_change
     from zoo.checkpoint.zero_reshard import PartitionFiles
-    from zoo.training.layout_change import needs_layout_change
 
     at = SimpleNamespace(tp_size=2, pp_size=1, dp_size=2)
     zero, bf16 = PartitionFiles("", 2, 2), PartitionFiles("bf16_", 2, 2)

@@ -1,6 +1,6 @@
 """bf16 + ZeRO-1 (DeepSpeed's BF16_Optimizer, fp32 gradient accumulation, as ds_configs/gpt2_20b_tp8_pp4.json)
 and fp16 (FP16_UnfusedOptimizer and FP16_Optimizer) checkpoints with pipeline stages on either side resume at
-another layout (zoo.training.layout_change through the layout-free reader, zoo.checkpoint.training_state).
+another layout (zoo.checkpoint.layout_change through the layout-free reader, zoo.checkpoint.training_state).
 
 One spawn of 2 ranks trains each source run 4 iterations (dropout off, checkpoint at iteration 2), then resumes
 the iteration-2 checkpoint at the new layout:

@@ -114,8 +114,8 @@ def parity_errors(directory: str, ps, padded: bool, **overrides) -> dict[str, fl
     """zoo (loaded at ps's tp) against transformers on one batch: fp32 with each model's own loss, then fp64."""
     import transformers
 
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
     from zoo.models import LlamaForCausalLM
-    from zoo.models.hf_io import hf_state_dict
 
     ids, mask, labels = batch(seed=7, padded=padded)
     ref = transformers.LlamaForCausalLM.from_pretrained(directory, attn_implementation="sdpa").eval()
@@ -189,8 +189,8 @@ def greedy_tokens(directory: str, ps) -> dict[bool, list[list[int]]]:
 
 def initial_weights(ps) -> dict[str, torch.Tensor]:
     """Merged weights of a freshly built (seeded) llama at ps's tp."""
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
     from zoo.models import LlamaForCausalLM, llama_config
-    from zoo.models.hf_io import hf_state_dict
 
     torch.manual_seed(42)
     config = llama_config("llama-tiny", vocab_size=VOCAB, num_attention_heads=8, num_key_value_heads=4,

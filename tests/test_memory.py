@@ -85,8 +85,8 @@ def memory_config():
 
 
 def _load_and_save_at_tp(rank, world_size, source: Path, out: Path, reference: Path, tiny: Path):
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
     from zoo.models import GPT2LMHeadModel
-    from zoo.models.hf_io import hf_state_dict
     from zoo.parallel import ParallelState
 
     ps = ParallelState.initialize(world_size)
@@ -149,8 +149,8 @@ def test_header_is_byte_for_byte_safetensors_save_file(tmp_path):
     """Every dtype zoo writes, mixed in one file, odd key order and shapes: header and data equal save_file's."""
     from safetensors.torch import save_file
 
-    from zoo.models.hf_io import OutputTensor
-    from zoo.safetensors_io import SAFETENSORS_DTYPES, safetensors_header, safetensors_order, write_rows
+    from zoo.checkpoint.hf.hf_io import OutputTensor
+    from zoo.checkpoint.hf.safetensors_io import SAFETENSORS_DTYPES, safetensors_header, safetensors_order, write_rows
 
     generator = torch.Generator().manual_seed(0)
     tensors = {}
@@ -172,14 +172,14 @@ def test_header_is_byte_for_byte_safetensors_save_file(tmp_path):
 
 
 def test_stream_directory_writes_save_file_bytes_and_leaves_nothing_on_failure(tmp_path):
-    """zoo.safetensors_io.stream_directory: a file produced row block by row block equals save_file's bytes,
+    """zoo.checkpoint.hf.safetensors_io.stream_directory: a file produced row block by row block equals save_file's bytes,
     beside its text files; a producer's failure is returned after the failed entry and every later one were
     asked for again (collective producers stay in step), and no directory (nor temporary one) remains."""
     from dataclasses import dataclass
 
     from safetensors.torch import save_file
 
-    from zoo.safetensors_io import safetensors_order, stream_directory
+    from zoo.checkpoint.hf.safetensors_io import safetensors_order, stream_directory
 
     @dataclass(frozen=True)
     class Entry:
@@ -225,9 +225,9 @@ def test_export_streams_byte_identical_bf16_with_shards(tmp_path):
     """Export of a tp = 2 checkpoint, cast to bf16 and sharded: the same bytes as the in-memory writer's,
     built here from the merged masters."""
     from zoo.checkpoint.deepspeed_export import export_checkpoint
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
     from zoo.checkpoint.layout import layout_only_state
     from zoo.models import BertConfig, BertForPreTraining
-    from zoo.models.hf_io import hf_state_dict
 
     config = BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=128, max_position_embeddings=32)
@@ -303,7 +303,7 @@ def test_released_pages_read_back_from_the_file_and_foreign_byte_order_is_left_a
 
 # --------------------------------------------------------------------------- a failing writer
 def _save_with_failing_writer(rank, world_size, out: Path, kind: str):
-    import zoo.safetensors_io as safetensors_io
+    import zoo.checkpoint.hf.safetensors_io as safetensors_io
     from zoo.models import GPT2Config, GPT2LMHeadModel
     from zoo.parallel import ParallelState
 

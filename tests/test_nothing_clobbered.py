@@ -39,7 +39,7 @@ def _not_a_regular_file(run: Path, what: str) -> str:
 def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path, monkeypatch, flock_works):
     import fcntl
 
-    from zoo.training.run_directory import RunDirectoryLock
+    from zoo.operations.run_lock import RunDirectoryLock
 
     if not flock_works:
         def no_flock(fd, operation):
@@ -66,7 +66,7 @@ def test_a_symlinked_lock_file_is_refused_and_its_target_untouched(tmp_path, mon
 
 
 def test_a_lock_path_that_is_a_directory_is_refused(tmp_path):
-    from zoo.training.run_directory import RunDirectoryLock
+    from zoo.operations.run_lock import RunDirectoryLock
 
     run = tmp_path / "run"
     (run / ".zoo.lock").mkdir(parents=True)

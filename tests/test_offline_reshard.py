@@ -3,7 +3,7 @@ there with exactly the state the on-resume move gives, and without a second move
 exit code 2 and nothing written.
 
 One spawn of 2 ranks trains bf16 + ZeRO-1 (BF16_Optimizer) at tp1 x pp2 for 2 iterations (dropout off), then
-  (a) resumes that checkpoint at tp2 x pp1 (the on-resume move, zoo.training.layout_change) for iterations 3, 4;
+  (a) resumes that checkpoint at tp2 x pp1 (the on-resume move, zoo.checkpoint.layout_change) for iterations 3, 4;
   (b) converts it offline to tp2 x pp1 x dp1 (into the default <run>-tp2pp1dp1 beside it);
   (c) resumes the converted run at tp2 x pp1 for iterations 3 and 4;
 then, one stage on both sides, converts that run's iteration-4 checkpoint (tp2 x dp1) to tp1 x dp2 and resumes it,

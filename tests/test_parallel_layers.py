@@ -306,8 +306,8 @@ def test_layers_declare_their_partition_specs():
     """Each layer states how its parameters split; GPT-2's transformers name map marks the Conv1D weights as
     stored transposed; the model-wide collection names every parameter, agrees with the tags DeepSpeed reads,
     and marks the rest replicated."""
+    from zoo.checkpoint.hf.hf_io import hf_params
     from zoo.models import GPT2Config, GPT2LMHeadModel
-    from zoo.models.hf_io import hf_params
     from zoo.parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
     from zoo.parallel.partition import PartitionSpec, partition_specs
 

@@ -218,7 +218,7 @@ def test_stages_load_transformers_weights(tmp_path):
     slices exactly, both copies of the tied embedding included."""
     import transformers
 
-    from zoo.models.hf_io import hf_state_dict
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
 
     model, _ = reference(torch.float32)
     with torch.no_grad():

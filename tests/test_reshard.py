@@ -1,5 +1,5 @@
 """Resuming a zoo DeepSpeed checkpoint at another tensor-parallel degree: the run's ranks move it
-(zoo.training.layout_change), reading it in its layout-free form (zoo.checkpoint.training_state, over the
+(zoo.checkpoint.layout_change), reading it in its layout-free form (zoo.checkpoint.training_state, over the
 non-ZeRO optimizer readers of zoo.checkpoint.reshard).
 
 * End to end: a tp=2 (x dp=2) run saved at iteration 2 resumes at tp=4 (x dp=1) and at tp=1 (x dp=4)
@@ -223,7 +223,7 @@ def one_sentence(err: pytest.ExceptionInfo) -> str:
 
 
 def test_impossible_layout_is_one_sentence(tmp_path):
-    from zoo.training.layout_change import check_layout_change
+    from zoo.checkpoint.layout_change import check_layout_change
 
     synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
     with pytest.raises(ValueError, match=r"cannot be laid out at tp=8 \(n_head=4 is not divisible by tensor-parallel "
@@ -234,7 +234,7 @@ def test_impossible_layout_is_one_sentence(tmp_path):
 
 
 def test_missing_rank_file_and_zero_partitions_are_refused(tmp_path):
-    from zoo.training.layout_change import check_layout_change
+    from zoo.checkpoint.layout_change import check_layout_change
 
     synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
     (tmp_path / "tp2" / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"")
@@ -255,8 +255,8 @@ def test_zero_checkpoint_with_reordering_options_is_not_resharded(tmp_path, opti
     """DeepSpeed records the run's ds_config in the model states: a ZeRO checkpoint written with
     round_robin_gradients (parameters reordered across ranks) or elastic_checkpoint (optimizer state saved per
     parameter) is refused in one sentence before anything is moved."""
+    from zoo.checkpoint.layout_change import check_layout_change
     from zoo.checkpoint.safe_load import safe_torch_load  # the loader zoo itself reads states with
-    from zoo.training.layout_change import check_layout_change
 
     synthetic_checkpoint(tmp_path / "tp2", 2, "torch")
     for rank in range(2):

@@ -312,7 +312,7 @@ def test_where_flock_is_refused_an_exclusive_lock_file_names_the_holder(tmp_path
     import fcntl
     import socket
 
-    from zoo.training.run_directory import Holder, RunDirectoryLock
+    from zoo.operations.run_lock import Holder, RunDirectoryLock
 
     def no_flock(fd, operation):
         raise OSError(errno.ENOLCK, os.strerror(errno.ENOLCK))
@@ -345,7 +345,7 @@ def test_where_flock_is_refused_an_exclusive_lock_file_names_the_holder(tmp_path
 
 KILLED_HOLDER = """
 import sys, time
-from zoo.training.run_directory import RunDirectoryLock
+from zoo.operations.run_lock import RunDirectoryLock
 RunDirectoryLock(sys.argv[1]).acquire()
 print("held", flush=True)
 time.sleep(120)
@@ -353,7 +353,7 @@ time.sleep(120)
 
 
 def test_a_killed_holders_lock_vanishes_with_it(tmp_path):
-    from zoo.training.run_directory import RunDirectoryLock
+    from zoo.operations.run_lock import RunDirectoryLock
 
     run = tmp_path / "run"
     holder = subprocess.Popen([sys.executable, "-c", KILLED_HOLDER, str(run)], cwd=REPO, stdout=subprocess.PIPE,

@@ -129,8 +129,8 @@ def test_generate_refuses_a_planted_pickle(real_run, tmp_path, capsys, monkeypat
 def test_resume_refuses_a_planted_optimizer_file(real_run, tmp_path):
     """checkpoint_to_load loads every .pt of the tag weights-only before DeepSpeed reads any: a planted
     file that zoo itself never reads (here an extra states file) is refused too."""
+    from zoo.checkpoint.resume import checkpoint_to_load
     from zoo.parallel import ParallelState
-    from zoo.training.resume import checkpoint_to_load
 
     run, _, marker = planted_copy(real_run, tmp_path)
     tag = (run / "checkpoints" / "latest").read_text().strip()

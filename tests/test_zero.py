@@ -10,7 +10,7 @@ unless said:
          pipeline engine refuses ZeRO-2)
   bf16-0 / bf16-1  bf16 without ZeRO (DeepSpeed's BF16_Optimizer) and with ZeRO-1, 3 iterations
 Claims: ZeRO-1/2 losses and grad norms equal the non-ZeRO run <= 1e-5 (fp32); the same-layout resume
-is identical; the new-layout resumes (moved by the new run's ranks, zoo.training.layout_change) match the
+is identical; the new-layout resumes (moved by the new run's ranks, zoo.checkpoint.layout_change) match the
 uninterrupted ZeRO-1/ZeRO-2 run <= 1e-5 for iterations 3..5 and write nothing beside the source;
 each rank's optimizer partition holds ~1/dp of its TP rank's optimizer state (measured at dp = 2 and 4).
 No-process tests: the layout-free reader gives back a real partition set bit-exactly (laid out again as
@@ -160,7 +160,7 @@ def state_shapes(tag_dir: Path, tp_rank: int) -> dict[str, torch.Size]:
 
 
 def test_impossible_zero_layout_is_one_sentence(runs, tmp_path):
-    from zoo.training.layout_change import check_layout_change
+    from zoo.checkpoint.layout_change import check_layout_change
 
     source = runs / "saved" / "checkpoints" / f"iter_{SAVED_AT:07d}"
     with pytest.raises(ValueError, match=r"cannot be laid out at tp=8") as err:

@@ -96,6 +96,6 @@ def hf_grads(model) -> dict[str, torch.Tensor]:
 
 def zoo_grads(model, ps) -> dict[str, torch.Tensor]:
     """zoo's gradients merged over the TP ranks under transformers' names (a collective)."""
-    from zoo.models.hf_io import hf_state_dict
+    from zoo.checkpoint.hf.hf_io import hf_state_dict
 
     return hf_state_dict(model, ps, {n: p.grad for n, p in model.named_parameters()})

@@ -35,7 +35,7 @@ def engine_state(engine) -> dict[str, dict[str, torch.Tensor]]:
     DeepSpeed's optimizer holds them (read through DeepSpeed's own accessors where it has them)."""
     from deepspeed.utils import safe_get_full_fp32_param, safe_get_full_optimizer_state
 
-    from zoo.training.layout_change import one_stage_names
+    from zoo.checkpoint.layout_change import one_stage_names
 
     names = one_stage_names(engine.module)
     by_id = {id(p): names[n] for n, p in engine.module.named_parameters()}

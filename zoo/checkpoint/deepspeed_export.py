@@ -8,10 +8,10 @@ One process does it, whatever number of processes trained the model. The exporte
 2. recovers the model config (:mod:`zoo.checkpoint.layout`) and builds the training model on the meta
    device with a layout-only :class:`ParallelState` of that tp degree, which tells each parameter's
    partition spec (split dimension, stride, vocab rows, transposition, declared by its layer) and
-   transformers key (:func:`zoo.models.hf_io.hf_params`, BERT's fused QKV naming three) without
+   transformers key (:func:`zoo.checkpoint.hf.hf_io.hf_params`, BERT's fused QKV naming three) without
    allocating or communicating,
 3. streams, one output tensor at a time, with the same writer as ``save_pretrained``
-   (:func:`zoo.models.hf_io.stream_pretrained`): each tensor's shards are read from the rank files,
+   (:func:`zoo.checkpoint.hf.hf_io.stream_pretrained`): each tensor's shards are read from the rank files,
    which stay memory-mapped (``torch.load(..., mmap=True)``: the optimizer states are never read),
    merged (:meth:`zoo.parallel.partition.PartitionSpec.merge`; rows split along the file's first dimension are
    written as they are, never merged), the vocab padding cut, GPT-2's Conv1D weights transposed,
@@ -39,17 +39,7 @@ from zoo.checkpoint.files import (
     tag_directory,
     tp_size_of_states,
 )
-from zoo.checkpoint.layout import (
-    check_layout,
-    checked_layout_model,
-    config_from_dict,
-    embedding_key,
-    recover_config,
-)
-from zoo.checkpoint.mapped_pages import mapped_ranges, release_pages
-from zoo.errors import MissingInput, UserError
-from zoo.models.families import family_of, shape_of
-from zoo.models.hf_io import (
+from zoo.checkpoint.hf.hf_io import (
     DEFAULT_MAX_SHARD_SIZE,
     HFParam,
     OutputTensor,
@@ -60,6 +50,16 @@ from zoo.models.hf_io import (
     output_tensors,
     stream_pretrained,
 )
+from zoo.checkpoint.layout import (
+    check_layout,
+    checked_layout_model,
+    config_from_dict,
+    embedding_key,
+    recover_config,
+)
+from zoo.checkpoint.mapped_pages import mapped_ranges, release_pages
+from zoo.errors import MissingInput, UserError
+from zoo.models.families import family_of, shape_of
 from zoo.models.pretrained import tokenizer_files, with_dtype
 from zoo.parallel.partition import partition_specs
 from zoo.parallel.state import ParallelState

@@ -21,7 +21,7 @@ Each file holds ``args`` (the run's argparse Namespace: the model's shape and pa
    then cut to the real vocabulary; the fused QKV is put back from Megatron's per-rank interleaving, which
    depends on ``checkpoint_version``), transposes the linear weights to GPT-2's Conv1D layout,
 5. streams the tensors, one merged tensor at a time (the rank files stay memory-mapped), through the writer
-   of ``save_pretrained`` and ``launch/export.py`` (:func:`zoo.models.hf_io.stream_pretrained`): config.json,
+   of ``save_pretrained`` and ``launch/export.py`` (:func:`zoo.checkpoint.hf.hf_io.stream_pretrained`): config.json,
    safetensors, generation_config.json and the GPT-2 tokenizer files, atomically, into a new or empty
    directory only.
 
@@ -45,11 +45,11 @@ import numpy as np
 import torch
 
 from zoo.atomic import check_output_directory
+from zoo.checkpoint.hf.hf_io import DEFAULT_MAX_SHARD_SIZE, OutputTensor, stream_pretrained
 from zoo.checkpoint.safe_load import is_refused_global, refused_global
 from zoo.errors import MissingInput, UserError
 from zoo.models.gpt2.config import GPT2Config
 from zoo.models.gpt2.model import GPT2LMHeadModel
-from zoo.models.hf_io import DEFAULT_MAX_SHARD_SIZE, OutputTensor, stream_pretrained
 from zoo.models.pretrained import tokenizer_files, with_dtype
 
 try:

@@ -11,7 +11,7 @@ layouts, which :func:`optimizer_state_by_name` reads as ``{parameter name: Adam'
   parameter group, cut into per-parameter views by the group's shapes.
 
 Every tensor handed out is a view of the (memory-mapped) file's tensors. :mod:`zoo.checkpoint.training_state`
-builds the layout-free form of a checkpoint from this, and :mod:`zoo.training.layout_change` moves it into a run
+builds the layout-free form of a checkpoint from this, and :mod:`zoo.checkpoint.layout_change` moves it into a run
 at another layout on that run's ranks.
 
 :data:`RESHARDED_SUBDIR` and :data:`SOURCE_RECORD` name the resharded copies a one-process resharder wrote under

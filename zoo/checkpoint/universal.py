@@ -6,7 +6,7 @@ source's ``mp_rank_XX_model_states.pt``, and names it in ``latest_universal`` be
 ``"checkpoint": {"load_universal": true}`` makes ``engine.load_checkpoint`` read such a folder (from
 ``latest_universal``) instead of a checkpoint, slicing each tensor for the new layout by patterns the model
 publishes. zoo needs neither: every zoo checkpoint resumes at any (tp, pp, dp) from the files the run saved
-(the ranks of the new layout read their own byte ranges, zoo.training.layout_change, or once offline with
+(the ranks of the new layout read their own byte ranges, zoo.checkpoint.layout_change, or once offline with
 launch/reshard.py), and a zoo checkpoint written at tp > 1 does not convert to a right universal checkpoint
 (its fused QKV, row-parallel weights and padded vocabulary are merged wrongly unless the model publishes their
 layout, and pipeline checkpoints do not convert at all; docs/design-notes.md, "DeepSpeed's universal

@@ -13,7 +13,7 @@ supported").
 :class:`PartitionedState` reads one model-parallel rank's files per parameter: a parameter's fp32 master or
 moment is cut out of the one or two partitions that hold it, memory-mapped, without assembling its group.
 :mod:`zoo.checkpoint.training_state` builds the layout-free form of the whole checkpoint from it, and the
-ranks of a run at another layout fill their engines from that (:mod:`zoo.training.layout_change`).
+ranks of a run at another layout fill their engines from that (:mod:`zoo.checkpoint.layout_change`).
 
 Layouts it cannot read are refused in one sentence: ZeRO stage 3, a checkpoint written with
 ``zero_optimization.parameter_alignment`` (per-parameter padding), ``round_robin_gradients`` or

@@ -45,8 +45,8 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
     def work() -> None:
+        from zoo.checkpoint.hf.hf_io import max_shard_size_of  # local: torch import cost, after parsing
         from zoo.checkpoint.megatron_import import import_megatron  # local: torch import cost, after parsing
-        from zoo.models.hf_io import max_shard_size_of  # local: torch import cost, after parsing
 
         size = max_shard_size_of(args.max_shard_size)
         result = import_megatron(args.load, args.out, args.iteration, args.vocab_size, torch_dtype(args.dtype), size)

@@ -9,7 +9,7 @@ not DeepSpeed's 29500; over a hostfile the port is the one given, or DeepSpeed's
 
 Exit code 75 means the run stopped early (SIGTERM, a first Ctrl-C, --exit-interval, ...) and ``latest``
 names its checkpoint: run the same command with --load to go on. Any other code is DeepSpeed's runner's
-(see zoo.launcher). ``deepspeed --help`` lists the arguments.
+(see zoo.operations.launcher). ``deepspeed --help`` lists the arguments.
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ from __future__ import annotations
 import sys
 
 from zoo.cli.command import run_command
-from zoo.launcher import run, runner_arguments
+from zoo.operations.launcher import run, runner_arguments
 
 HELP_FLAGS = ("-h", "--help")
 
 
 def main(argv: list[str] | None = None) -> None:
     """Exit with the job's code (128 + N when the runner was killed by signal N), or 2 with one sentence
-    for arguments that start nothing the user meant (``--num_gpus 0``: :func:`zoo.launcher.runner_arguments`).
+    for arguments that start nothing the user meant (``--num_gpus 0``: :func:`zoo.operations.launcher.runner_arguments`).
     ``--help`` before the script prints this command's description; after it, the script's own ``--help``
     runs under the launcher."""
     argv = sys.argv[1:] if argv is None else argv

@@ -23,7 +23,7 @@ from zoo.distributed.extension_locks import take_over_dead_extension_locks
 from zoo.distributed.local_rank import launcher_local_rank
 from zoo.distributed.shared_memory import unlink_shared_memory_buffer
 from zoo.errors import UserError
-from zoo.launcher_watch import watch_launchers
+from zoo.operations.launcher_watch import watch_launchers
 from zoo.parallel.host_all_reduce import adopt_deepspeed_kernel, deepspeed_backend_exists
 
 
@@ -73,7 +73,7 @@ def join_process_group(local_rank: int | None = None, timeout: timedelta | None 
 
     Started without a launcher, or on a rendezvous port another job holds, it raises one sentence
     (:func:`check_launched`, :func:`master_port_named`). From here on the rank watches its launchers
-    (:mod:`zoo.launcher_watch`): it does not outlive them."""
+    (:mod:`zoo.operations.launcher_watch`): it does not outlive them."""
     from deepspeed.accelerator import get_accelerator  # local: deepspeed's import cost, paid when joining
 
     check_launched()

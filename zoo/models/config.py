@@ -5,9 +5,9 @@ in a transformers config.json, as one-sentence errors. Each family's config clas
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
+from zoo.checkpoint.hf.hf_io import check_json_object, json_kind, shown_json
 from zoo.errors import UserError
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
@@ -60,7 +60,7 @@ def shape_field_problem(value: Any, maximum: int, nullable: bool) -> str | None:
     if value is None and nullable:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        return f"is {_shown(value)} ({_json_kind(value)}), not an integer"
+        return f"is {shown_json(value)} ({json_kind(value)}), not an integer"
     if value < 1:
         return f"is {value}, not a positive integer"
     if value > maximum:
@@ -72,7 +72,7 @@ def shape_field_problem(value: Any, maximum: int, nullable: bool) -> str | None:
 def probability_problem(value: Any) -> str | None:
     """What is wrong with a dropout probability, or None when it is a number in [0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"is {_shown(value)} ({_json_kind(value)}), not a number"
+        return f"is {shown_json(value)} ({json_kind(value)}), not a number"
     if not 0 <= value <= 1:
         return f"is {value}, not a probability in [0, 1]"
     return None
@@ -89,13 +89,6 @@ def check_field_values(config: Any, shape_fields: dict[str, tuple[int, bool]],
         problem = probability_problem(getattr(config, name))
         if problem:
             raise UserError(f"{what} field {name} {problem}; set it to a dropout probability such as 0.1.")
-
-
-def check_json_object(values: Any, path: Any) -> None:
-    """config.json holds a JSON object, else one sentence naming the file."""
-    if not isinstance(values, dict):
-        raise UserError(f"{path} holds {_json_kind(values)}, not a JSON object; pass a model directory whose "
-                         "config.json is the model's configuration as save_pretrained writes it.")
 
 
 def check_hf_fields(values: dict, path: Any, required: tuple[str, ...], shape_fields: dict[str, tuple[int, bool]],
@@ -116,17 +109,3 @@ def check_hf_fields(values: dict, path: Any, required: tuple[str, ...], shape_fi
         problem = probability_problem(values[name]) if name in values else None
         if problem:
             raise UserError(f"{path} field {name} {problem}; write a dropout probability such as 0.1.")
-
-
-def _shown(value: Any) -> str:
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def _json_kind(value: Any) -> str:
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a JSON list",
-            dict: "a JSON object"}.get(type(value), type(value).__name__)

@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from zoo.checkpoint.hf.hf_io import read_config_json
 from zoo.errors import UserError
 from zoo.models.bert.config import BertConfig, check_bert_config_values
 from zoo.models.bert.model import BertForPreTraining
@@ -33,7 +34,6 @@ from zoo.models.gpt2.pipeline import entry_parameters as gpt2_entry_parameters
 from zoo.models.gpt2.pipeline import gpt2_pipeline_module, hf_names, load_stage_weights, one_stage_name
 from zoo.models.gpt2.pipeline import layer_entries as gpt2_layer_entries
 from zoo.models.gpt2.presets import GPT2_PRESETS, gpt2_config
-from zoo.models.hf_io import read_config_json
 from zoo.models.llama import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, llama_config
 from zoo.models.llama.config import check_llama_config_values
 from zoo.models.llama.pipeline import entry_parameters as llama_entry_parameters

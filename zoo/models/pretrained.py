@@ -1,13 +1,13 @@
 """``from_pretrained`` / ``save_pretrained`` in transformers' own layouts, shared by zoo's models.
 
 A model class provides ``config_from_hf(values)``, ``hf_names()`` (each parameter's transformers key or
-keys; how it is split and stored comes from its layer's partition spec, see :func:`zoo.models.hf_io.hf_params`)
+keys; how it is split and stored comes from its layer's partition spec, see :func:`zoo.checkpoint.hf.hf_io.hf_params`)
 and the class attributes below. Loading builds the model on torch's meta device (``with torch.device("meta")``: no memory, no
 init; accelerate's ``init_empty_weights`` does the same but accelerate is not a dependency), then
 ``to_empty`` allocates this rank's shards only and each is filled from its slices of the file, one
 tensor at a time: a rank's peak is its own shard plus one tensor. zoo's models hold no buffers
 (position ids and causal masks are made in ``forward``), so nothing else needs recreating. Saving
-streams tensor by tensor to one writer (:func:`zoo.models.hf_io.stream_pretrained`).
+streams tensor by tensor to one writer (:func:`zoo.checkpoint.hf.hf_io.stream_pretrained`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from zoo.assets import ASSETS_DIR
-from zoo.models.hf_io import (
+from zoo.checkpoint.hf.hf_io import (
     DEFAULT_MAX_SHARD_SIZE,
     TOKENIZER_FILE_NAMES,
     CheckpointFiles,

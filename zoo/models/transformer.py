@@ -63,7 +63,7 @@ class LayerOptions:
     row-parallel ones (scaled by depth). ``pre_norm``: Figure 7b (True) or 7a (False) of Shoeybi et al.
     ``sequence_parallel``: the layer may run sequence-parallel (its LayerNorm and row-parallel bias
     gradients are then summed over the TP group); each call still decides. How a checkpoint file stores
-    the weights is no layer setting: the model's transformers name map says it (:mod:`zoo.models.hf_io`).
+    the weights is no layer setting: the model's transformers name map says it (:mod:`zoo.checkpoint.hf.hf_io`).
     """
 
     hidden_size: int

@@ -7,7 +7,7 @@ the same merged weights. Sharded parameters carry ``tensor_model_parallel = True
 carry none of them. Each layer also declares its parameters' :class:`~zoo.parallel.partition.PartitionSpec`
 (``own_partition_specs()``: split dimension, stride, vocabulary rows), which is all zoo's checkpoint code
 knows about how shards merge and split. How a file format stores a tensor (transformers' GPT-2 keeps its
-GEMM weights transposed) is the format's business (:mod:`zoo.models.hf_io`), not the layers'.
+GEMM weights transposed) is the format's business (:mod:`zoo.checkpoint.hf.hf_io`), not the layers'.
 
 Sequence parallelism (Korthikanti et al. 2022; see ``zoo.parallel.mappings``): with
 ``sequence_parallel=True`` a column-parallel layer all-gathers its (b, s/p, h) input along the

@@ -5,7 +5,7 @@ A :class:`PartitionSpec` says which dimension of a parameter is split across the
 heads), whether that dimension is the padded vocabulary (``vocab_rows`` real rows, the rest zero padding that
 depends on tp), and whether a checkpoint format stores the tensor transposed (transformers' GPT-2 keeps its
 Conv1D weights as (in, out) where zoo keeps ``nn.Linear``'s (out, in)); that last fact belongs to the format,
-so layers leave it False and the format's reader and writer set it (:func:`zoo.models.hf_io.stored_spec`).
+so layers leave it False and the format's reader and writer set it (:func:`zoo.checkpoint.hf.hf_io.stored_spec`).
 It is Megatron's ``sharded_state_dict`` idea reduced to the one question every checkpoint reader and writer
 asks: how does this rank's tensor relate to the merged one?
 

@@ -6,9 +6,9 @@ random generator the run draws from (Python, NumPy, torch, the accelerator and D
 tracker), and the run's identity (preset, model config, tp, seed, split, sequence length, LR schedule),
 which resuming checks and warns about. Writing goes through :func:`zoo.checkpoint.save.save_checkpoint`
 (a tag counts only once every rank finished it); reading through
-:func:`zoo.training.resume.checkpoint_to_load` (located and checked on every rank) and DeepSpeed's loader under
+:func:`zoo.checkpoint.resume.checkpoint_to_load` (located and checked on every rank) and DeepSpeed's loader under
 the weights-only unpickler at the checkpoint's own layout; at any other layout, the run's ranks move it into the
-engine (:mod:`zoo.training.layout_change`), and the resume line says what the move did.
+engine (:mod:`zoo.checkpoint.layout_change`), and the resume line says what the move did.
 """
 
 from __future__ import annotations
@@ -22,14 +22,7 @@ import numpy as np
 import torch
 
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR, model_states_path, read_model_states
-from zoo.checkpoint.safe_load import weights_only_loads
-from zoo.checkpoint.save import save_checkpoint
-from zoo.checkpoint.training_state import precision_of, zero_stage_of
-from zoo.checkpoint.zero_reshard import partition_files
-from zoo.distributed import first_rank_result, raise_on_any_rank
-from zoo.errors import MissingInput
-from zoo.parallel.random import model_parallel_seed, seed_after_layout_change
-from zoo.training.layout_change import (
+from zoo.checkpoint.layout_change import (
     check_precision,
     engine_optimizer_files,
     engine_precision,
@@ -38,14 +31,21 @@ from zoo.training.layout_change import (
     needs_layout_change,
     param_names_by_group,
 )
-from zoo.training.loop import LoopState
-from zoo.training.resume import (
+from zoo.checkpoint.resume import (
     check_latest_files,
     check_rank_states,
     checkpoint_to_load,
     has_checkpoint,
     resume_tag_and_layout,
 )
+from zoo.checkpoint.safe_load import weights_only_loads
+from zoo.checkpoint.save import save_checkpoint
+from zoo.checkpoint.training_state import precision_of, zero_stage_of
+from zoo.checkpoint.zero_reshard import partition_files
+from zoo.distributed import first_rank_result, raise_on_any_rank
+from zoo.errors import MissingInput
+from zoo.parallel.random import model_parallel_seed, seed_after_layout_change
+from zoo.training.loop import LoopState
 from zoo.training.run_config import RunConfig, lr_schedule, schedule_change_warning
 
 __all__ = ["Checkpointer", "resumed_line", "rng_state", "set_rng_state"]
@@ -59,8 +59,8 @@ def resumed_line(tag: str, state: LoopState, source: tuple[int, int, int | None]
                  moved: dict[str, Any] | None = None) -> str:
     """``resumed from iter_0000020 (iteration 20, 160 samples consumed) at tp2×pp1×dp1``, with the layout the
     checkpoint was written at first (``tp1×pp2×dp1 → tp2×pp1×dp1``) when it differs, and, after a move
-    (``moved``: the record of :func:`zoo.training.layout_change.load_at_new_layout`), its precision, seconds, peak
-    bytes held per rank (the largest, and which rank) and reads (:func:`zoo.training.layout_change.move_line`).
+    (``moved``: the record of :func:`zoo.checkpoint.layout_change.load_at_new_layout`), its precision, seconds, peak
+    bytes held per rank (the largest, and which rank) and reads (:func:`zoo.checkpoint.layout_change.move_line`).
     A checkpoint that does not record its dp shows ``dp?``."""
     now = layout_name(*layout)
     changed = source[:2] != layout[:2] or source[2] not in (None, layout[2]) or moved is not None
@@ -121,7 +121,7 @@ class Checkpointer:
                 "model_config": self.model_config, "tensor_parallel_size": self.parallel.tp_size,
                 "pipeline_model_parallel_size": self.parallel.pp_size, "data_parallel_size": self.parallel.dp_size,
                 # DeepSpeed's stage bounds over the layer sequence: a run at another layout reads only the stages
-                # that held its parameters (zoo.training.layout_change.SourceCheckpoint)
+                # that held its parameters (zoo.checkpoint.layout_change.SourceCheckpoint)
                 "pipeline_parts": [int(bound) for bound in getattr(self.engine.module, "parts", None) or []] or None,
                 "param_names": param_names_by_group(self.engine.module),   # the optimizer state's order, by name
                 "seed": config.seed, "split": config.split, "seq_length": config.seq_length,
@@ -173,7 +173,7 @@ class Checkpointer:
         precision; by the first rank where every rank would read the same files), then loaded; its client state
         is returned. A failure on any rank is raised on all. A checkpoint written at another layout (tp, pp, a
         ZeRO/BF16 partitioning over another dp, another ZeRO stage) is moved into the engine by every rank
-        (:mod:`zoo.training.layout_change`); at its own layout DeepSpeed loads it. ``located``: the (tag
+        (:mod:`zoo.checkpoint.layout_change`); at its own layout DeepSpeed loads it. ``located``: the (tag
         directory, (tp, pp)) already found."""
         # one rank looks through the tags and reads the first rank's states; every rank gets what it found
         tag_dir, source = located or first_rank_result(lambda: resume_tag_and_layout(load))

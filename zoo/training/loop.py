@@ -48,11 +48,11 @@ from zoo.distributed import (
     loop_run_number,
     ranks_that_did_not_arrive,
 )
-from zoo.launcher_watch import CHECK_INTERVAL_S, current_watch
 from zoo.models.families import param_groups
+from zoo.operations.cuda_arch import fit_cuda_arch_list_for_deepspeed
+from zoo.operations.launcher_watch import CHECK_INTERVAL_S, current_watch
+from zoo.operations.stop_report import report_stop
 from zoo.parallel import ParallelState, model_parallel_seed
-from zoo.stop_report import report_stop
-from zoo.training.cuda_arch import fit_cuda_arch_list_for_deepspeed
 from zoo.training.engine import refresh_fp32_master_weights
 from zoo.training.loss_scaling import backward
 
@@ -324,7 +324,7 @@ class StopConditions:
       DeepSpeed's launcher forwards to every rank) only set a flag here; the loop stops at the next
       iteration boundary. So does a first SIGINT (Ctrl-C reaches every process of the foreground group);
       a second SIGINT raises KeyboardInterrupt, the immediate stop without checkpoint;
-    * the launcher's exit (:mod:`zoo.launcher_watch`: the ``deepspeed`` runner or the per-node launcher
+    * the launcher's exit (:mod:`zoo.operations.launcher_watch`: the ``deepspeed`` runner or the per-node launcher
       killed, even with SIGKILL) is the same stop, for the reason "the exit of the launcher (pid N, ...)".
 
     ``received`` holds the reasons this rank saw, first first ("signal SIGTERM", ...).
@@ -494,7 +494,7 @@ class TrainingLoop:
 
     def maybe_save(self, state: LoopState) -> None:
         """The save of a save step, and of an early stop; after the stop's save (its ``latest`` written),
-        every rank tells zoo's launcher of its node that the run stopped with a checkpoint (:mod:`zoo.stop_report`)."""
+        every rank tells zoo's launcher of its node that the run stopped with a checkpoint (:mod:`zoo.operations.stop_report`)."""
         if self.checkpointer is None:
             return
         if self.checkpointer.is_save_step(state.iteration) or state.stopped_by is not None:

@@ -3,7 +3,7 @@ without moving it again (``launch/reshard.py``).
 
 The conversion is the on-resume move itself: the ranks of the new layout build the run's engine at that layout
 (the source run's ``config.json`` with the new tp and pp), fill it from the source checkpoint with
-:func:`zoo.training.layout_change.load_at_new_layout` (each rank reading only the byte ranges of the names it
+:func:`zoo.checkpoint.layout_change.load_at_new_layout` (each rank reading only the byte ranges of the names it
 holds), restore the loop state and random streams as a resume would, and save it with
 :func:`zoo.checkpoint.save.save_checkpoint` into a staging directory beside the output. Once every rank has
 finished, rank 0 renames the staging directory to the output in one step, so the output is either absent or a
@@ -13,7 +13,7 @@ exactly that layout, with no second move. The source is only read.
 Everything a user can get wrong is checked before the process group is joined and before anything is written
 (:func:`plan_conversion`): a source missing a rank's files, a model shape the new tp cannot split, ZeRO-3 on
 either side, a precision other than the checkpoint's (the same check and sentences as a resume at another
-layout, :func:`zoo.training.layout_change.check_layout_change`), a world size that is not tp x pp x dp, an
+layout, :func:`zoo.checkpoint.layout_change.check_layout_change`), a world size that is not tp x pp x dp, an
 output that exists and is not empty.
 """
 
@@ -29,11 +29,11 @@ from typing import Any
 
 from zoo.atomic import check_output_directory, give_default_modes, write_text_atomic
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR, checkpoints_root
+from zoo.checkpoint.layout_change import check_layout_change
+from zoo.checkpoint.resume import check_latest_files, has_checkpoint, resume_tag_and_layout
 from zoo.checkpoint.safe_load import check_tag_files
 from zoo.checkpoint.training_state import precision_of, zero_stage_of
 from zoo.errors import MissingInput, UserError
-from zoo.training.layout_change import check_layout_change
-from zoo.training.resume import check_latest_files, has_checkpoint, resume_tag_and_layout
 from zoo.training.run_config import RunConfig
 
 __all__ = ["Conversion", "default_output", "plan_conversion", "convert_checkpoint"]
@@ -144,14 +144,14 @@ def convert_checkpoint(conversion: Conversion) -> dict[str, Any]:
     A failure on any rank is raised on every rank, and the staging directory is removed."""
     import torch.distributed as dist
 
+    from zoo.checkpoint.layout_change import load_at_new_layout
+    from zoo.checkpoint.resume import check_rank_states
     from zoo.checkpoint.save import save_checkpoint
     from zoo.distributed import first_rank_result, raise_on_any_rank
     from zoo.training.checkpointer import Checkpointer
     from zoo.training.effective_settings import run_config_file
-    from zoo.training.layout_change import load_at_new_layout
     from zoo.training.loop import join, library_noise_silenced
     from zoo.training.pretrain import build_engine
-    from zoo.training.resume import check_rank_states
     from zoo.training.run_config import validate_for_world
 
     config, (tp, pp, _) = conversion.config, conversion.layout

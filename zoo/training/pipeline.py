@@ -111,7 +111,7 @@ def setup_pipeline_engine(module, ds_config: dict[str, Any], ps, weight_decay: f
     import deepspeed  # local: DeepSpeed costs seconds to import
 
     from zoo.models.families import param_groups
-    from zoo.training.cuda_arch import fit_cuda_arch_list_for_deepspeed
+    from zoo.operations.cuda_arch import fit_cuda_arch_list_for_deepspeed
     from zoo.training.engine import refresh_fp32_master_weights
 
     ds, clip = pipeline_ds_dict(ds_config, sequence_parallel)

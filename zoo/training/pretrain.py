@@ -23,7 +23,7 @@ from zoo.distributed import host_group, raise_on_any_rank
 from zoo.errors import UserError
 from zoo.models import model_config as build_model_config
 from zoo.models.families import build_model, shape_of
-from zoo.output_guard import keep_output_in
+from zoo.operations.output_guard import keep_output_in
 from zoo.training.baselines import unigram_perplexity, validation_summary
 from zoo.training.checkpointer import Checkpointer
 from zoo.training.effective_settings import record_effective_settings

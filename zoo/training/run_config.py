@@ -17,7 +17,7 @@ string is one indexed-dataset prefix, a list Megatron's blend ``[W1, P1, W2, P2,
 ``save_pretrained`` or ``launch/export.py``) whose weights replace the random init, at any tp; the
 preset then only names the family, the shapes come from the directory. ``load`` resumes a zoo
 DeepSpeed checkpoint, also one written at another layout (the new run's ranks move it, see
-zoo.training.layout_change; nothing is written beside it);
+zoo.checkpoint.layout_change; nothing is written beside it);
 a ``load`` with no checkpoint yet starts the run from iteration 0, so a job script can always pass
 ``--save X --load X``.
 

@@ -26,10 +26,10 @@ from transformers.modeling_outputs import (
     SequenceClassifierOutput,
 )
 
+from zoo.checkpoint.hf.hf_io import read_config_json
 from zoo.errors import UserError
 from zoo.models.bert.config import BertConfig
 from zoo.models.bert.model import BertModel, _BertCheckpoints, at_least_fp32, init_head_params
-from zoo.models.hf_io import read_config_json
 from zoo.parallel.state import ParallelState, as_state
 
 _PRETRAINING_HEAD_PREFIXES = ("cls.",)

@@ -30,11 +30,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.checkpoint.hf.hf_io import CheckpointFiles, HFParam, read_local_shard, stored_spec
 from zoo.errors import UserError
 from zoo.models.config import recompute_mode
 from zoo.models.gpt2.config import GPT2Config
 from zoo.models.gpt2.model import GPT2LMHeadModel, gpt2_layer_options
-from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard, stored_spec
 from zoo.models.pipeline_init import InitReplay, announce
 from zoo.models.transformer import TransformerLayer, lm_loss, recomputed, region_dropout
 from zoo.parallel import VocabParallelEmbedding

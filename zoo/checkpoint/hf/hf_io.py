@@ -11,7 +11,7 @@ it is closed), so a rank's peak is about its own shard plus one tensor.
 
 Saving streams: the plan of files (huggingface_hub's split rules) is made from shapes alone, then
 each tensor is gathered to the writer only (TP rank 0 of DP rank 0), cast, appended to its
-safetensors file and freed (:mod:`zoo.safetensors_io`). The writer holds one merged tensor at a time,
+safetensors file and freed (:mod:`zoo.checkpoint.hf.safetensors_io`). The writer holds one merged tensor at a time,
 the other ranks their own shards plus the piece in flight. :func:`hf_state_dict` (every merged tensor
 on every rank) serves comparisons in tests.
 """
@@ -26,6 +26,7 @@ from collections.abc import Callable, Iterable
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -33,13 +34,12 @@ from huggingface_hub import split_state_dict_into_shards_factory
 from safetensors import SafetensorError, safe_open
 
 from zoo.atomic import check_output_directory
+from zoo.checkpoint.hf.safetensors_io import safetensors_order, stream_directory
 from zoo.errors import MissingInput, UserError
-from zoo.models.config import check_json_object
 from zoo.parallel.gather import gather_to_first
 from zoo.parallel.partition import PartitionSpec, partition_specs
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import shard_index
-from zoo.safetensors_io import safetensors_order, stream_directory
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -371,7 +371,7 @@ def plan_files(outputs: list[OutputTensor], max_shard_size: int | str = DEFAULT_
 def stream_pretrained(directory: str | os.PathLike, config_dict: dict, outputs: list[OutputTensor],
                       produce: Callable[[OutputTensor], list[torch.Tensor] | None], tokenizer_files: Iterable[Path],
                       max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE, is_writer: bool = True) -> Exception | None:
-    """Write a transformers directory tensor by tensor (:func:`zoo.safetensors_io.stream_directory`):
+    """Write a transformers directory tensor by tensor (:func:`zoo.checkpoint.hf.safetensors_io.stream_directory`):
     ``produce(entry)`` returns the entry's data on the writer and is called in the same order on every rank
     (it may be a collective that returns None off the writer). An existing ``directory`` is replaced only if
     it is itself a Hugging Face export (:func:`is_hf_export`).
@@ -490,3 +490,26 @@ def read_config_json(directory: str | os.PathLike) -> dict:
         raise UserError(f"{path} is not valid JSON ({err}); fix or re-save the checkpoint.") from None
     check_json_object(values, path)
     return values
+
+
+def check_json_object(values: Any, path: Any) -> None:
+    """config.json holds a JSON object, else one sentence naming the file."""
+    if not isinstance(values, dict):
+        raise UserError(f"{path} holds {json_kind(values)}, not a JSON object; pass a model directory whose "
+                         "config.json is the model's configuration as save_pretrained writes it.")
+
+
+def shown_json(value: Any) -> str:
+    """``value`` as the JSON a user wrote, else its repr (for messages)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def json_kind(value: Any) -> str:
+    """What JSON value ``value`` is, in words (for messages)."""
+    if value is None:
+        return "null"
+    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a JSON list",
+            dict: "a JSON object"}.get(type(value), type(value).__name__)

@@ -17,7 +17,7 @@ it adds is what a scheduler that waits on the job's first process needs:
 * a SIGTERM, SIGINT or SIGUSR1 sent to this process (or its group, or a Ctrl-C: the runner's own group
   does not get it) reaches exactly this job's ranks: those on this node (the processes DeepSpeed's
   per-node launcher started) as that signal (SIGINT as SIGINT, so a second Ctrl-C is the immediate stop),
-  and every rank on every node as a stop request through the launcher's store (:mod:`zoo.stop_report`).
+  and every rank on every node as a stop request through the launcher's store (:mod:`zoo.operations.stop_report`).
   They stop at the next iteration boundary with a checkpoint. The runner itself is never sent SIGTERM or
   SIGINT once it started pdsh: its handler would run DeepSpeed's kill command, ``pdsh ... pkill -f
   '<python> -u -m deepspeed.launcher.launch'``, which kills every DeepSpeed launcher of that Python on
@@ -46,7 +46,7 @@ The ranks find the launcher's store in ``$ZOO_LAUNCHER_STORE`` (``host:port``; t
 name), which reaches other nodes through DeepSpeed's environment file: the launcher points ``DS_ENV_FILE``
 at a copy of the user's ``.deepspeed_env`` files (``~`` and ``.``) with that variable added. Every rank
 reports a stop with a checkpoint there once ``latest`` names it; ``$ZOO_LAUNCHER_PID`` names this process
-to the ranks of this node (:mod:`zoo.launcher_watch`), so that killing it (even with SIGKILL) also stops
+to the ranks of this node (:mod:`zoo.operations.launcher_watch`), so that killing it (even with SIGKILL) also stops
 them; ranks on other nodes see the store's connection fail.
 
 Under SLURM, one launcher runs on each node (``--no_ssh --node_rank R``, launch/slurm_pretrain.sbatch):
@@ -71,8 +71,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from zoo.errors import UserError
-from zoo.launcher_watch import LAUNCHER_PID_VARIABLE, command_line, parent_of, runs_module
-from zoo.stop_report import STORE_VARIABLE, read_stop_report, request_stop, serve
+from zoo.operations.launcher_watch import LAUNCHER_PID_VARIABLE, command_line, parent_of, runs_module
+from zoo.operations.stop_report import STORE_VARIABLE, read_stop_report, request_stop, serve
 
 __all__ = ["run", "runner_arguments", "wait_for_job", "stopped_cleanly", "STOPPED_AND_CHECKPOINTED",
            "ORPHAN_GRACE_S"]

@@ -5,7 +5,7 @@ the ``deepspeed`` runner dies or kills pdsh, sshd closes its ends of those pipes
 (a tqdm progress bar, a log line) fails with EPIPE. Raised as BrokenPipeError from inside tqdm or
 ``print``, it would end the rank before it could save the checkpoint of its stop.
 
-:func:`guard_output` (called for every rank a launcher started, :func:`zoo.launcher_watch.watch_launchers`)
+:func:`guard_output` (called for every rank a launcher started, :func:`zoo.operations.launcher_watch.watch_launchers`)
 wraps ``sys.stdout`` and ``sys.stderr``. On the first EPIPE, the file descriptors 1 and 2 of the process are
 pointed at ``<run directory>/output-rank<RANK>.log`` (:func:`keep_output_in` names the directory once the
 run knows it; before that, at ``/dev/null``), a line there says so, and the write is done again: training

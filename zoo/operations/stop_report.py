@@ -1,4 +1,4 @@
-"""How zoo's launcher (:mod:`zoo.launcher`) and its ranks talk, on every node: a TCPStore the launcher serves.
+"""How zoo's launcher (:mod:`zoo.operations.launcher`) and its ranks talk, on every node: a TCPStore the launcher serves.
 
 The launcher serves the store (:func:`serve`) and names it to every rank in ``$ZOO_LAUNCHER_STORE``
 (``host:port``): through the environment on its own node, through DeepSpeed's environment file
@@ -6,7 +6,7 @@ The launcher serves the store (:func:`serve`) and names it to every rank in ``$Z
 
 * the launcher asks every rank to stop (:func:`request_stop`; the key holds the reason, e.g. "signal
   SIGTERM"), so a stop reaches ranks that are no descendants of the launcher, and no other job's;
-* the ranks see the launcher alive (:class:`LauncherLink`, polled by :mod:`zoo.launcher_watch`): the
+* the ranks see the launcher alive (:class:`LauncherLink`, polled by :mod:`zoo.operations.launcher_watch`): the
   connection fails as soon as the launcher's process is gone, even after SIGKILL;
 * every rank reports an early stop (:func:`report_stop`: why, after which iteration) once the stop's
   checkpoint is saved and ``latest`` names it (the save ends with a barrier after ``latest``), never

@@ -8,7 +8,7 @@ another model shape ends the run with the same sentence on every rank, never wit
 and a transport error on the others.
 
 A checkpoint at the run's own layout is DeepSpeed's to load (:func:`checkpoint_to_load`); one written at
-another layout is moved into the run's engine by its ranks (:mod:`zoo.training.layout_change`), which nothing
+another layout is moved into the run's engine by its ranks (:mod:`zoo.checkpoint.layout_change`), which nothing
 here writes or copies.
 """
 
@@ -91,7 +91,7 @@ def checkpoint_to_load(load: str | os.PathLike, parallel, model_config: dict[str
     names any other global ends the run on every rank with one sentence, before DeepSpeed unpickles it.
     Each rank proves it can read its own model-states file, and that the file's recorded model config equals
     ``model_config`` (this run's ``hf_config_dict()``), before any rank loads anything. A checkpoint of
-    another (tp, pp) is refused here: the run's ranks move it (:mod:`zoo.training.layout_change`).
+    another (tp, pp) is refused here: the run's ranks move it (:mod:`zoo.checkpoint.layout_change`).
     """
     def locate() -> tuple[Path, Path, int, int]:
         root = checkpoints_root(load)

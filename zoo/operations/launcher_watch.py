@@ -8,13 +8,13 @@ from a daemon thread (:class:`LauncherWatch`, one check a second, a few ``/proc`
 
 * the launchers above it, as they were when it started: the consecutive ancestors, from the parent up,
   that are a launcher: DeepSpeed's per-node launcher or runner, torchrun, or zoo's own wrapper
-  (:mod:`zoo.launcher`, named by ``$ZOO_LAUNCHER_PID``). A process whose parent is none of these (a test
+  (:mod:`zoo.operations.launcher`, named by ``$ZOO_LAUNCHER_PID``). A process whose parent is none of these (a test
   harness, a shell, ``wandb agent``, ``nohup``) watches nothing: its parent's exit is not a reason to stop;
 * on the node where a multi-node runner runs, the job's head: a per-node launcher started over ssh is no
   descendant of the runner, so the rank finds the job's pdsh by its arguments (:func:`job_head`) and
   watches it and the launchers above it. One rank that sees the runner go is enough: the training loop's
   stop agreement stops every rank of every node at the same iteration;
-* zoo's launcher, when it started the job (``$ZOO_LAUNCHER_STORE``, :mod:`zoo.stop_report`), on any node:
+* zoo's launcher, when it started the job (``$ZOO_LAUNCHER_STORE``, :mod:`zoo.operations.stop_report`), on any node:
   its stop request, and its exit (the store's connection fails);
 * a launcher is gone when a link recorded at start-up breaks: this process's parent changed, or a
   launcher's parent did (the kernel reparents the children of a process that exits);
@@ -22,11 +22,11 @@ from a daemon thread (:class:`LauncherWatch`, one check a second, a few ``/proc`
   into the same clean stop as SIGTERM: a checkpoint at the next iteration boundary, then the exit; with
   no listener (set-up, evaluation, generation) the process sends itself SIGTERM and ends at once.
 
-A rank under a launcher also survives losing its stdout and stderr (:mod:`zoo.output_guard`).
+A rank under a launcher also survives losing its stdout and stderr (:mod:`zoo.operations.output_guard`).
 What runs on a node where no rank of the job runs (a runner on a login node) is seen only through zoo's
 launcher's store.
 
-This module imports nothing from zoo but :mod:`zoo.output_guard` and :mod:`zoo.stop_report`: every layer
+This module imports nothing from zoo but :mod:`zoo.operations.output_guard` and :mod:`zoo.operations.stop_report`: every layer
 may use it.
 """
 
@@ -39,8 +39,8 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from zoo.output_guard import guard_output
-from zoo.stop_report import LauncherLink, store_address
+from zoo.operations.output_guard import guard_output
+from zoo.operations.stop_report import LauncherLink, store_address
 
 __all__ = ["LauncherWatch", "LAUNCHER_PID_VARIABLE", "watch_launchers", "current_watch", "launcher_ancestors",
            "parent_of", "command_line"]
@@ -124,7 +124,7 @@ class LauncherWatch(threading.Thread):
     ``chain`` are the launchers above this process, nearest first (:func:`launcher_ancestors`); ``head``
     the job's multi-node runner on this node, when this rank's per-node launcher came over ssh
     (:func:`job_head`: pdsh, then the launchers above it); ``link`` None, or an
-    ``(host, port)`` of zoo's launcher's store (:mod:`zoo.stop_report`), connected from this thread.
+    ``(host, port)`` of zoo's launcher's store (:mod:`zoo.operations.stop_report`), connected from this thread.
 
     ``exited`` is None until the watch fires, then the reason: a phrase naming the launcher found gone
     ("the exit of the launcher (pid 123, deepspeed)"), or the stop zoo's launcher asked for ("signal
@@ -257,7 +257,7 @@ def current_watch() -> LauncherWatch | None:
 def watch_launchers(interval_s: float = CHECK_INTERVAL_S) -> LauncherWatch | None:
     """Start watching the launchers above this process, the job's head on this node and zoo's launcher
     (once per process: a running watch is returned as it is), and guard its output against a broken pipe
-    (:mod:`zoo.output_guard`); None when no launcher started this process."""
+    (:mod:`zoo.operations.output_guard`); None when no launcher started this process."""
     running = current_watch()
     if running is not None:
         return running
