@@ -1,5 +1,6 @@
-"""Pretraining with pipeline stages (``--pipeline-model-parallel-size P > 1``): the GPT-2 stage module
-(:mod:`zoo.models.gpt2.pipeline`), DeepSpeed's pipeline engine over it, the task that runs an iteration as
+"""Pretraining with pipeline stages (``--pipeline-model-parallel-size P > 1``): the family's stage module
+(its registry entry's ``pipeline``: :mod:`zoo.models.gpt2.pipeline`, :mod:`zoo.models.llama.pipeline`), DeepSpeed's
+pipeline engine over it, the task that runs an iteration as
 one ``engine.train_batch`` (the 1F1B schedule over the iteration's m micro-batches), and validation through
 ``engine.eval_batch``.
 
@@ -88,7 +89,7 @@ def pipeline_model_config(config: RunConfig):
     return pretrained_config(config.pretrained, family_of(preset)).replace(**kept)
 
 
-def build_pipeline_model(config: RunConfig, model_config, ps, device):
+def build_pipeline_model(config: RunConfig, model_config, parallel, device):
     """(this rank's stage module, model config): ``--pretrained`` weights (this stage's tensors, this rank's
     slices) or the one-stage model's random init of ``--seed``, built on ``device`` (the family's
     :class:`zoo.models.families.PipelineStages`)."""
@@ -96,16 +97,16 @@ def build_pipeline_model(config: RunConfig, model_config, ps, device):
 
     stages = family_of(model_config).pipeline
     with torch.device(device):
-        module = stages.build(model_config, ps, config.seed, config.pipeline_partition_method,
+        module = stages.build(model_config, parallel, config.seed, config.pipeline_partition_method,
                               replay_init=not config.pretrained)
     if config.pretrained:
         with torch.no_grad():
-            raise_on_any_rank(lambda: stages.load_weights(module, config.pretrained, ps))
+            raise_on_any_rank(lambda: stages.load_weights(module, config.pretrained, parallel))
     return module
 
 
-def setup_pipeline_engine(module, ds_config: dict[str, Any], ps, weight_decay: float, sequence_parallel: bool):
-    """DeepSpeed's pipeline engine over ``module`` (its mpu is the module's grid, built from ``ps.topology``),
+def setup_pipeline_engine(module, ds_config: dict[str, Any], parallel, weight_decay: float, sequence_parallel: bool):
+    """DeepSpeed's pipeline engine over ``module`` (its mpu is the module's grid, built from ``parallel.topology``),
     with zoo's fp32 clipping hooked to the optimizer, the fp16 loss scale applied once and the gradients tagged
     for FP16_UnfusedOptimizer's norm (see the module doc); returns (engine, clipping)."""
     import deepspeed  # local: DeepSpeed costs seconds to import
@@ -118,23 +119,23 @@ def setup_pipeline_engine(module, ds_config: dict[str, Any], ps, weight_decay: f
     fit_cuda_arch_list_for_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, weight_decay),
                                            config=ds)
-    check_same_grid(engine, ps)
+    check_same_grid(engine, parallel)
     refresh_fp32_master_weights(engine)
     scale_pipeline_losses_once(engine)
     keep_gradients_tagged(engine)
-    clipping = StageGradClipping(module, ps, clip) if zoo_clips(ds) else None
+    clipping = StageGradClipping(module, parallel, clip) if zoo_clips(ds) else None
     if clipping is not None:
         engine.optimizer.register_step_pre_hook(clipping)
     return engine, clipping
 
 
-def check_same_grid(engine, ps) -> None:
+def check_same_grid(engine, parallel) -> None:
     """DeepSpeed's grid and zoo's ParallelState place this rank at the same (pp, dp, tp) coordinates."""
     grid = engine.grid
-    mine = (ps.pp_rank, ps.dp_rank, ps.tp_rank)
+    mine = (parallel.pp_rank, parallel.dp_rank, parallel.tp_rank)
     theirs = (grid.get_stage_id(), grid.get_data_parallel_rank(), grid.get_slice_parallel_rank())
     if mine != theirs:
-        raise RuntimeError(f"rank {ps.rank}: zoo's grid says (pp, dp, tp) = {mine}, DeepSpeed's {theirs}; both are "
+        raise RuntimeError(f"rank {parallel.rank}: zoo's grid says (pp, dp, tp) = {mine}, DeepSpeed's {theirs}; both are "
                            "built from one topology, so this is a bug: report it with the launch command.")
 
 
@@ -143,13 +144,13 @@ class StageGradClipping:
     (:func:`global_grad_norm`, after DeepSpeed averaged them over dp and summed the tied copies), kept as
     ``norm`` for the log, and the gradients scaled by min(1, max_norm / (norm + 1e-6)) when ``max_norm`` > 0."""
 
-    def __init__(self, module, ps, max_norm: float):
-        self.module, self.ps, self.max_norm = module, ps, max_norm
+    def __init__(self, module, parallel, max_norm: float):
+        self.module, self.parallel, self.max_norm = module, parallel, max_norm
         self.norm: torch.Tensor | None = None
 
     @torch.no_grad()
     def __call__(self, optimizer, args, kwargs) -> None:
-        norm = global_grad_norm(self.module, self.ps)
+        norm = global_grad_norm(self.module, self.parallel)
         self.norm = norm
         if self.max_norm <= 0:
             return
@@ -199,9 +200,9 @@ class PipelinePretrainTask(PretrainTask):
     micro-batches; the loss DeepSpeed returns is already the mean over them and over the DP replicas (and
     is the same on every stage). The logged grad norm is :func:`pipeline_grad_norm`."""
 
-    def __init__(self, config: RunConfig, data: PretrainingData, engine, ps, gas: int, shape,
+    def __init__(self, config: RunConfig, data: PretrainingData, engine, parallel, gas: int, shape,
                  clipping: StageGradClipping | None):
-        super().__init__(config, data, engine, ps, gas, shape)
+        super().__init__(config, data, engine, parallel, gas, shape)
         self.clipping = clipping
         self.uses_own_norm = clipping is not None or not deepspeed_reports_true_norm(engine)
 
