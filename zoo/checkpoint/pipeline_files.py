@@ -20,7 +20,6 @@ import torch
 from zoo.checkpoint.files import first_line
 from zoo.checkpoint.safe_load import UnsafeCheckpointError, safe_torch_load
 from zoo.errors import MissingInput, UserError
-from zoo.models.gpt2.pipeline import one_stage_name
 
 __all__ = ["LAYER_FILE", "layer_path", "pipeline_module_states"]
 
@@ -31,12 +30,12 @@ def layer_path(tag_dir: Path, index: int, tp_rank: int) -> Path:
     return Path(tag_dir) / LAYER_FILE.format(index=index, tp_rank=tp_rank)
 
 
-def pipeline_module_states(tag_dir: Path, tp_rank: int, n_layer: int, entries: Iterable[int] | None = None,
-                           entry_name: Callable[[int, str, int], str] = one_stage_name) -> dict[str, torch.Tensor]:
+def pipeline_module_states(tag_dir: Path, tp_rank: int, n_layer: int, entries: Iterable[int] | None = None, *,
+                           entry_name: Callable[[int, str, int], str]) -> dict[str, torch.Tensor]:
     """TP rank ``tp_rank``'s module state dict under the one-stage model's names, from the tag's layer files
     (entries 0 ... n_layer + 2, which hold every weight once; or only ``entries``), memory-mapped and loaded
-    weights-only. ``entry_name``: the family's name of a layer file's key (``PipelineStages.entry_name``;
-    GPT-2's by default)."""
+    weights-only. ``entry_name``: the family's name of a layer file's key (``PipelineStages.entry_name`` of
+    the family that wrote the checkpoint)."""
     states: dict[str, torch.Tensor] = {}
     for index in range(n_layer + 3) if entries is None else entries:
         path = layer_path(tag_dir, index, tp_rank)

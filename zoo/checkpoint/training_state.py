@@ -1,7 +1,8 @@
 """The training state of a zoo checkpoint by global parameter name, whatever layout and precision wrote it.
 
-Every checkpoint zoo writes holds, for each parameter of ``GPT2LMHeadModel`` (named as
-:func:`zoo.parallel.partition.partition_specs` and the recorded ``param_names`` name it) and each of the
+Every checkpoint zoo writes holds, for each parameter of the family's one-stage model (``GPT2LMHeadModel``,
+``LlamaForCausalLM``, ...: named as :func:`zoo.parallel.partition.partition_specs` and the recorded
+``param_names`` name it) and each of the
 source's TP ranks: an fp32 master, Adam's ``exp_avg`` and ``exp_avg_sq`` shaped like the rank's shard, and
 Adam's step. Where DeepSpeed keeps them depends on the precision and the optimizer, and this module reads
 each of those layouts as that one form:
@@ -39,7 +40,7 @@ from zoo.checkpoint.zero_reshard import PartitionedState, partition_files
 from zoo.errors import UserError
 
 __all__ = ["CheckpointTrainingState", "LOSS_SCALER_KEYS", "MOMENTS", "ReadAccount", "one_stage_names",
-           "param_names_by_group", "precision_of", "entry_of", "stage_of_entry", "recorded_parts"]
+           "param_names_by_group", "precision_of", "stage_of_entry", "recorded_parts", "pipeline_stages_of"]
 
 MOMENTS = ("exp_avg", "exp_avg_sq")
 # The dynamic loss scaler of DeepSpeed's fp16 optimizers as their state dicts hold it.
@@ -93,7 +94,7 @@ def one_stage_names(module) -> dict[str, str]:
 
 
 def param_names_by_group(module) -> list[list[str]]:
-    """The optimizer's parameters as ``GPT2LMHeadModel`` names, in its group order
+    """The optimizer's parameters as the one-stage model's names, in its group order
     (:func:`zoo.models.families.param_groups`: matrices, then biases and norms)."""
     from zoo.models.families import param_groups
 
@@ -112,24 +113,26 @@ def one_stage_param_names(model_config: dict[str, Any], tp: int) -> list[list[st
 
 
 def local_shapes(model_config: dict[str, Any], tp: int, path: Path) -> dict[str, torch.Size]:
-    """Every parameter's shape on one TP rank of tp = ``tp``, by ``GPT2LMHeadModel`` name (meta device)."""
+    """Every parameter's shape on one TP rank of tp = ``tp``, by the one-stage model's name (meta device)."""
     from zoo.checkpoint.layout import checked_layout_model, config_from_dict
 
     layout = checked_layout_model(config_from_dict(model_config, path), tp, path)
     return {name: param.shape for name, param in layout.named_parameters()}
 
 
-def entry_of(name: str, n_layer: int) -> int:
-    """The index, in the pipeline's layer sequence (:mod:`zoo.models.gpt2.pipeline`: wte, wpe, the layers,
-    ln_f, the tied head), of the entry that holds ``GPT2LMHeadModel`` parameter ``name``."""
-    parts = name.split(".")
-    if parts[:2] == ["transformer", "h"]:
-        return int(parts[2]) + 2
-    fixed = {"wte": 0, "wpe": 1, "ln_f": n_layer + 2}
-    if parts[0] == "transformer" and parts[1] in fixed:
-        return fixed[parts[1]]
-    raise UserError(f"{name} is not a parameter of zoo's GPT-2 pipeline stages; only GPT-2 checkpoints move to "
-                     "another pipeline layout.")
+def pipeline_stages_of(model_config: dict[str, Any], path: Path):
+    """(The :class:`zoo.models.families.PipelineStages` of the family whose model ``model_config`` records, its
+    layer count): the family names the layer-sequence entry that holds each one-stage name (``entry_of``)
+    and the one-stage name of each layer file's key (``entry_name``), so reading stages asks no model type."""
+    from zoo.checkpoint.layout import config_from_dict
+    from zoo.models.families import family_of, shape_of
+
+    config = config_from_dict(model_config, path)
+    family = family_of(config)
+    if family.pipeline is None:
+        raise UserError(f"{path} records pipeline stages of a {family.display_name} model, which zoo does not "
+                         "build as pipeline stages; it was not written by zoo: resume it where it was written.")
+    return family.pipeline, shape_of(config).layers
 
 
 def stage_of_entry(entry: int, parts: list[int]) -> int:
@@ -194,7 +197,7 @@ class ModelStatesOptimizer:
 # --------------------------------------------------------------------------- the whole tag
 class CheckpointTrainingState:
     """The layout-free training state of the checkpoint in ``tag_dir``, written at (``tp``, ``pp``), for the
-    ``GPT2LMHeadModel`` names in ``wanted``: :meth:`master` merges a name's TP shards of its fp32 master or of
+    one-stage model's names in ``wanted``: :meth:`master` merges a name's TP shards of its fp32 master or of
     an Adam moment; :meth:`step`, :attr:`first` (the first rank's states: client state, LR schedule,
     counters), :meth:`loss_scaler` and :attr:`precision` give the rest.
 
@@ -218,10 +221,10 @@ class CheckpointTrainingState:
                              "not move to another layout; resume it at its own layout, or export it "
                              "(launch/export.py) and start the new layout with --pretrained.")
         model_config = self.first["model_config"]
-        n_layer = model_config.get("n_layer", model_config.get("num_hidden_layers"))   # GPT-2's or BERT's key
         shapes = local_shapes(model_config, tp, first_path)
         self.partitions = partition_files(self.tag_dir)
-        entries = sorted({entry_of(name, n_layer) for name in wanted}) if pp > 1 else []
+        self.stages, n_layer = pipeline_stages_of(model_config, first_path) if pp > 1 else (None, 0)
+        entries = sorted({self.stages.entry_of(name, n_layer) for name in wanted}) if pp > 1 else []
         parts = recorded_parts(self.first, pp)
         stages = [0] if pp == 1 else (
             range(pp) if parts is None else sorted({stage_of_entry(entry, parts) for entry in entries} or {0}))
@@ -264,7 +267,8 @@ class CheckpointTrainingState:
                     for entry in entries:
                         self.account.opened(layer_path(self.tag_dir, entry, tp_rank))
                 cache.update(states["module"] if self.pp == 1 else
-                             pipeline_module_states(self.tag_dir, tp_rank, n_layer, entries))
+                             pipeline_module_states(self.tag_dir, tp_rank, n_layer, entries,
+                                                    entry_name=self.stages.entry_name))
             return cache
 
         return ModelStatesOptimizer(states, groups, shapes, path, weights)

@@ -30,12 +30,14 @@ from zoo.models.bert.model import BertForPreTraining
 from zoo.models.bert.presets import BERT_PRESETS, bert_config
 from zoo.models.gpt2.config import GPT2Config, check_gpt2_config_values
 from zoo.models.gpt2.model import GPT2LMHeadModel
+from zoo.models.gpt2.pipeline import entry_of as gpt2_entry_of
 from zoo.models.gpt2.pipeline import entry_parameters as gpt2_entry_parameters
 from zoo.models.gpt2.pipeline import gpt2_pipeline_module, hf_names, load_stage_weights, one_stage_name
 from zoo.models.gpt2.pipeline import layer_entries as gpt2_layer_entries
 from zoo.models.gpt2.presets import GPT2_PRESETS, gpt2_config
 from zoo.models.llama import LLAMA_PRESETS, LlamaConfig, LlamaForCausalLM, llama_config
 from zoo.models.llama.config import check_llama_config_values
+from zoo.models.llama.pipeline import entry_of as llama_entry_of
 from zoo.models.llama.pipeline import entry_parameters as llama_entry_parameters
 from zoo.models.llama.pipeline import layer_entries as llama_layer_entries
 from zoo.models.llama.pipeline import llama_pipeline_module, load_llama_stage_weights
@@ -66,7 +68,8 @@ class PipelineStages:
     replay_init)`` gives this rank's stage module, ``load_weights(module, directory, parallel)`` fills it from
     a transformers directory (this stage's tensors, this rank's slices). ``one_stage_names(module)`` maps a
     stage's parameters to the one-stage model's names, and ``entry_name(index, key, layers)`` a key of the
-    checkpoint file of layer-sequence entry ``index`` (entries 0 ... layers + 2 hold every weight once). For
+    checkpoint file of layer-sequence entry ``index`` (entries 0 ... layers + 2 hold every weight once);
+    ``entry_of(name, layers)``, its inverse, the entry whose file holds one-stage parameter ``name``. For
     the planner: ``entry_parameters(config, tp)``, each entry's parameters per TP rank, and
     ``layer_entries(config)``, the indices of the layers (what ``uniform`` partitioning balances)."""
 
@@ -76,6 +79,7 @@ class PipelineStages:
     entry_name: Callable[[int, str, int], str]
     entry_parameters: Callable[[Any, int], list[int]]
     layer_entries: Callable[[Any], range]
+    entry_of: Callable[[str, int], int]
 
 
 @dataclass(frozen=True)
@@ -117,7 +121,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 GPT2_PRESETS, gpt2_config, GPT2Config.from_dict, check_gpt2_config_values, CAUSAL_LM,
                 generates_text=True, pipeline=PipelineStages(
                     gpt2_pipeline_module, load_stage_weights, hf_names, one_stage_name, gpt2_entry_parameters,
-                    gpt2_layer_entries)),
+                    gpt2_layer_entries, gpt2_entry_of)),
     ModelFamily("bert", "BERT", BertConfig, BertForPreTraining, ("bert", "megatron-bert"),
                 "bert.embeddings.word_embeddings.weight",
                 lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
@@ -130,7 +134,7 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 LLAMA_PRESETS, llama_config, LlamaConfig.from_hf_dict, check_llama_config_values, CAUSAL_LM,
                 generates_text=True, pipeline=PipelineStages(
                     llama_pipeline_module, load_llama_stage_weights, llama_one_stage_names, llama_one_stage_name,
-                    llama_entry_parameters, llama_layer_entries)),
+                    llama_entry_parameters, llama_layer_entries, llama_entry_of)),
 )
 
 

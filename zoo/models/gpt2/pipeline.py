@@ -44,7 +44,7 @@ from zoo.parallel.partition import partition_specs
 from zoo.parallel.state import ParallelState
 
 __all__ = ["gpt2_pipeline_module", "GPT2PipelineLoss", "hf_names", "layer_count", "load_stage_weights",
-           "one_stage_name", "PARTITION_METHODS", "TIED_KEY"]
+           "one_stage_name", "entry_of", "PARTITION_METHODS", "TIED_KEY"]
 
 TIED_KEY = "word_embeddings"
 # zoo's --pipeline-partition-method -> DeepSpeed's partition_method: "uniform" balances the transformer layers
@@ -198,6 +198,19 @@ def one_stage_name(index: int, local_name: str, n_layer: int) -> str:
     if index in (1, n_layer + 2):
         return f"transformer.{local_name}"                                        # wpe.weight, ln_f.weight
     return f"transformer.h.{index - 2}.{local_name}"
+
+
+def entry_of(name: str, n_layer: int) -> int:
+    """The index of the layer-sequence entry whose checkpoint file holds ``GPT2LMHeadModel`` parameter ``name``
+    (the inverse of :func:`one_stage_name`; the tied word embedding is saved with entry 0)."""
+    parts = name.split(".")
+    if parts[:2] == ["transformer", "h"] and len(parts) > 2 and parts[2].isdigit():
+        return int(parts[2]) + 2
+    fixed = {"wte": 0, "wpe": 1, "ln_f": n_layer + 2}
+    if len(parts) > 1 and parts[0] == "transformer" and parts[1] in fixed:
+        return fixed[parts[1]]
+    raise UserError(f"{name} is not a parameter of zoo's GPT-2 pipeline stages; the checkpoint was not written "
+                     "by a GPT-2 run: resume it with the --model preset of the family that wrote it.")
 
 
 def hf_names(module) -> dict[str, str]:

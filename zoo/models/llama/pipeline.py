@@ -17,7 +17,9 @@ Before its first entry a stage replays the draws of every earlier entry (built o
 :class:`zoo.models.pipeline_init.InitReplay`), so a P-stage model starts from the one-stage model's weights at every tp.
 
 **Names.** :func:`one_stage_names` maps each parameter of a stage to its ``LlamaForCausalLM`` parameter name,
-so a stage reads as a subset of the one model.
+so a stage reads as a subset of the one model: :func:`one_stage_name` and its inverse :func:`entry_of` relate
+the keys of a layer's checkpoint file to those names (what a resume at another layout reads), and
+:func:`load_llama_stage_weights` fills a stage from transformers' layout (``--pretrained``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,9 @@ from torch import nn
 
 from zoo.errors import UserError
 from zoo.models.config import recompute_mode
+from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard
 from zoo.models.llama.config import LlamaConfig
+from zoo.models.llama.hf_names import llama_hf_names
 from zoo.models.llama.layers import LlamaDecoderLayer, LlamaRMSNorm
 from zoo.models.llama.model import LlamaForCausalLM, VocabParallelLMHead
 from zoo.models.llama.rope import rotary_cos_sin
@@ -37,10 +41,11 @@ from zoo.models.transformer import lm_loss, recomputed
 from zoo.parallel import VocabParallelEmbedding
 from zoo.parallel.layers import uses_sequence_parallel
 from zoo.parallel.mappings import scatter_to_sequence_parallel_region
+from zoo.parallel.partition import partition_specs
 from zoo.parallel.state import ParallelState
 
-__all__ = ["llama_pipeline_module", "LlamaPipelineLoss", "one_stage_names", "entry_count",
-           "load_llama_stage_weights", "PARTITION_METHODS"]
+__all__ = ["llama_pipeline_module", "LlamaPipelineLoss", "one_stage_names", "one_stage_name", "entry_of",
+           "entry_count", "load_llama_stage_weights", "PARTITION_METHODS"]
 
 # zoo's --pipeline-partition-method -> DeepSpeed's partition_method: "uniform" balances the decoder layers
 # (embedding and head ride on the first and last stage), "parameters" balances parameter counts.
@@ -183,6 +188,19 @@ def one_stage_name(index: int, local_name: str, num_layers: int) -> str:
     return f"model.layers.{index - 1}.{local_name}"
 
 
+def entry_of(name: str, num_layers: int) -> int:
+    """The index of the layer-sequence entry whose checkpoint file holds ``LlamaForCausalLM`` parameter ``name``
+    (the inverse of :func:`one_stage_name`)."""
+    parts = name.split(".")
+    if parts[:2] == ["model", "layers"] and len(parts) > 2 and parts[2].isdigit():
+        return int(parts[2]) + 1
+    fixed = {("model", "embed_tokens"): 0, ("model", "norm"): num_layers + 1, ("lm_head", "weight"): num_layers + 2}
+    if tuple(parts[:2]) in fixed:
+        return fixed[tuple(parts[:2])]
+    raise UserError(f"{name} is not a parameter of zoo's Llama pipeline stages; the checkpoint was not written "
+                     "by a Llama run: resume it with the --model preset of the family that wrote it.")
+
+
 def one_stage_names(module) -> dict[str, str]:
     """Each parameter of a pipeline stage (``named_parameters`` names) -> its ``LlamaForCausalLM`` name."""
     layers = module.zoo_config.num_hidden_layers
@@ -194,9 +212,22 @@ def one_stage_names(module) -> dict[str, str]:
 
 
 def load_llama_stage_weights(module, directory, parallel: ParallelState) -> None:
-    """Llama stages do not read a transformers directory yet: one sentence instead of a wrong start."""
-    raise UserError(f"--pretrained {directory} with pipeline stages is not supported for Llama yet; run it with "
-                    "--pipeline-model-parallel-size 1 (any tp), or start the pipeline run from its random init.")
+    """Fill a stage from a transformers Llama directory (``LlamaForCausalLM`` keys; gate/up read as the fused
+    ``gate_up_proj``'s two blocks, :mod:`zoo.models.llama.hf_names`): this stage's tensors, this rank's slices,
+    one at a time, so a rank holds its own shard and one tensor. The module must have been built with the
+    directory's config (its shapes); a missing key is one sentence naming it."""
+    files = CheckpointFiles(directory)
+    available = set(files.keys())
+    specs, names = partition_specs(module), one_stage_names(module)
+    keys_of = llama_hf_names(names.values())
+    for name, param in module.named_parameters():
+        keys = keys_of[names[name]]
+        keys = (keys,) if isinstance(keys, str) else tuple(keys)
+        missing = [key for key in keys if key not in available]
+        if missing:
+            raise UserError(f"checkpoint {directory} has no tensor {missing[0]!r} (needed by pipeline stage "
+                             f"{parallel.pp_rank}); it was not written for a Llama model of this config.json.")
+        param.copy_(read_local_shard(files, HFParam(keys, specs[name]), param, parallel).to(param.dtype))
 
 
 def layer_entries(config: LlamaConfig) -> range:
