@@ -1,6 +1,7 @@
 """Resuming a checkpoint at another layout: any change of tp, pp and, for ZeRO/BF16 runs, dp, or of the ZeRO stage
-(0, 1, 2), one stage or pipeline stages on either side, GPT-2 or BERT; the one path every such resume takes, on the
-ranks of the new run, and the one the offline conversion (:mod:`zoo.training.offline_reshard`) runs too.
+(0, 1, 2), one stage or pipeline stages on either side, any family of the registry; the one path every such
+resume takes, on the ranks of the new run, and the one the offline conversion (:mod:`zoo.training.offline_reshard`)
+runs too.
 
 The checkpoint is read in its layout-free form (:class:`zoo.checkpoint.training_state.CheckpointTrainingState`:
 per global parameter name the fp32 master, Adam's ``exp_avg`` and ``exp_avg_sq``, the step), whatever

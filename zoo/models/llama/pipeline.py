@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from zoo.checkpoint.hf.hf_io import CheckpointFiles, HFParam, read_local_shard
 from zoo.errors import UserError
 from zoo.models.config import recompute_mode
-from zoo.models.hf_io import CheckpointFiles, HFParam, read_local_shard
 from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.hf_names import llama_hf_names
 from zoo.models.llama.layers import LlamaDecoderLayer, LlamaRMSNorm
