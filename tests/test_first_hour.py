@@ -160,13 +160,14 @@ def test_redirected_demo_log_has_no_carriage_returns_and_library_warnings_at_mos
 
 # ----------------------------------------------------------------------------------------- BERT summary
 def test_bert_summary_reports_mlm_perplexity_and_sop_accuracy_beside_their_baselines():
-    from zoo.training.baselines import validation_summary
+    from zoo.models.families import CAUSAL_LM, MLM_SOP
+    from zoo.training.families import OBJECTIVES
 
     means = {"loss": 7.5, "mlm_loss": 6.8, "sop_loss": 0.7, "sop_acc": 0.625}
-    line = validation_summary(means, unigram=1234.5)
+    line = OBJECTIVES[MLM_SOP].validation_line(means, unigram=1234.5)
     assert f"MLM perplexity {np.exp(6.8):.2f} (unigram baseline 1234.5)" in line
     assert "SOP accuracy 0.625 (chance 0.5)" in line
     assert f"{np.exp(7.5):.2f}" not in line
-    gpt = validation_summary({"loss": 6.0}, unigram=2184.9)
+    gpt = OBJECTIVES[CAUSAL_LM].validation_line({"loss": 6.0}, unigram=2184.9)
     assert gpt == f"validation loss 6.0000, validation perplexity {np.exp(6.0):.2f} (unigram baseline of the " \
                   "corpus: 2184.9)"

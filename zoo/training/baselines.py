@@ -30,16 +30,21 @@ def unigram_perplexity(indexed, split: str, vocab_size: int) -> float:
     return math.exp(-float(log_probs[valid].mean()))
 
 
-def validation_summary(means: dict[str, Any], unigram: float | None) -> str:
-    """The closing validation line. GPT: loss and perplexity. BERT (``means`` holds ``mlm_loss`` and
-    ``sop_acc``): MLM perplexity and SOP accuracy, each beside its baseline: a unigram model's perplexity
-    (masked tokens are a sample of the corpus's tokens, so a model that ignores context scores about the
-    unigram perplexity on them) and chance, 0.5. Never the exp of the summed MLM + SOP loss. ``unigram``
-    None leaves the unigram baseline out."""
-    if "mlm_loss" in means and "sop_acc" in means:
-        mlm = f"validation MLM loss {means['mlm_loss']:.4f}, MLM perplexity {math.exp(min(means['mlm_loss'], 50.0)):.2f}"
-        if unigram is not None:
-            mlm += f" (unigram baseline {unigram:.1f})"
-        return f"{mlm}; SOP accuracy {means['sop_acc']:.3f} (chance {SOP_CHANCE})"
+def causal_lm_validation_line(means: dict[str, Any], unigram: float | None) -> str:
+    """A causal LM's closing validation line: loss and perplexity, beside the unigram model's perplexity
+    (``unigram`` None leaves it out)."""
     line = f"validation loss {means['loss']:.4f}, validation perplexity {math.exp(min(means['loss'], 50.0)):.2f}"
     return line if unigram is None else f"{line} (unigram baseline of the corpus: {unigram:.1f})"
+
+
+def mlm_sop_validation_line(means: dict[str, Any], unigram: float | None) -> str:
+    """BERT's closing validation line: MLM perplexity and SOP accuracy, each beside its baseline: a unigram
+    model's perplexity (masked tokens are a sample of the corpus's tokens, so a model that ignores context scores
+    about the unigram perplexity on them) and chance, 0.5. Never the exp of the summed MLM + SOP loss. A run whose
+    validation logged no MLM/SOP split gets the causal LM's line of its loss."""
+    if "mlm_loss" not in means or "sop_acc" not in means:
+        return causal_lm_validation_line(means, unigram)
+    mlm = f"validation MLM loss {means['mlm_loss']:.4f}, MLM perplexity {math.exp(min(means['mlm_loss'], 50.0)):.2f}"
+    if unigram is not None:
+        mlm += f" (unigram baseline {unigram:.1f})"
+    return f"{mlm}; SOP accuracy {means['sop_acc']:.3f} (chance {SOP_CHANCE})"

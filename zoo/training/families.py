@@ -30,6 +30,7 @@ from zoo.models.families import (
     family_of_model_type,
     read_checked_config_json,
 )
+from zoo.training.baselines import causal_lm_validation_line, mlm_sop_validation_line
 
 Metrics = dict[str, torch.Tensor]
 
@@ -85,7 +86,8 @@ class PretrainingObjective:
     for the objective's tokenizer and sample layout. ``dataset(config, indexed, seq_length, seed, split,
     which, num_samples)``: the samples. ``extra_metrics(output, batch)``: device metrics beside "loss".
     ``log_parts(event)``: their fields on a training log line; ``closing_line(last)``: their line at the end
-    of a run (None: nothing to add).
+    of a run (None: nothing to add); ``validation_line(means, unigram)``: the closing validation line beside its
+    baselines.
     """
 
     default_corpus: Callable[[bool], str]
@@ -93,12 +95,13 @@ class PretrainingObjective:
     extra_metrics: Callable[[Any, dict[str, torch.Tensor]], Metrics] = no_extra_metrics
     log_parts: Callable[[dict[str, Any]], list[str]] = lambda event: []
     closing_line: Callable[[dict[str, Any]], str | None] = lambda last: None
+    validation_line: Callable[[dict[str, Any], float | None], str] = causal_lm_validation_line
 
 
 OBJECTIVES: dict[str, PretrainingObjective] = {
     CAUSAL_LM: PretrainingObjective(lambda progress: default_corpus_prefix(progress=progress), gpt_dataset),
     MLM_SOP: PretrainingObjective(lambda progress: default_bert_corpus_prefix(progress=progress), bert_dataset,
-                                  mlm_sop_metrics, mlm_sop_log_parts, mlm_sop_closing_line),
+                                  mlm_sop_metrics, mlm_sop_log_parts, mlm_sop_closing_line, mlm_sop_validation_line),
 }
 
 

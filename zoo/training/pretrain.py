@@ -24,7 +24,7 @@ from zoo.errors import UserError
 from zoo.models import model_config as build_model_config
 from zoo.models.families import build_model, shape_of
 from zoo.operations.output_guard import keep_output_in
-from zoo.training.baselines import unigram_perplexity, validation_summary
+from zoo.training.baselines import unigram_perplexity
 from zoo.training.checkpointer import Checkpointer
 from zoo.training.effective_settings import record_effective_settings
 from zoo.training.families import pretrained_model
@@ -258,12 +258,12 @@ def timeout_error(err: Exception, config: RunConfig, state: LoopState) -> Except
 def print_summary(run_dir: Path, iteration: int, last: dict[str, Any], validation: dict[str, float],
                   data: PretrainingData, config: RunConfig, shape, samples: Sequence[str] = ()) -> None:
     """The end of a run on the writer: loss.png and the lines the demo prints (``validation``: the last
-    validation's means, :func:`zoo.training.baselines.validation_summary`; ``samples``: the end-of-run sample
+    validation's means, said by the objective's ``validation_line``; ``samples``: the end-of-run sample
     lines, printed after it). The unigram baseline is computed on the small bundled corpus only."""
     plot_loss(run_dir)
     if "loss" in validation:
         unigram = unigram_perplexity(data.indexed, config.split, shape.vocab) if data.is_bundled_corpus else None
-        print(validation_summary(validation, unigram))
+        print(data.objective.validation_line(validation, unigram))
     for line in samples:
         print(line)
     if closing := data.objective.closing_line(last):
