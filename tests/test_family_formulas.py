@@ -53,3 +53,151 @@ def test_gpt2_and_bert_plans_keep_their_numbers(case):
     *pinned, pinned_flops, pinned_stages = GPT2_AND_BERT_PLANS[case]
     assert (numbers, stages) == (pinned, pinned_stages)
     assert flops == pytest.approx(pinned_flops, rel=1e-15, abs=0)
+
+
+# ---------------------------------------------------------------------------------------------- the formulas
+def _shape(preset: str, **overrides):
+    from zoo.models.families import model_config, shape_of
+
+    return shape_of(model_config(preset, **overrides))
+
+
+@pytest.mark.parametrize("preset", ["gpt2-tiny", "bert-tiny"])
+def test_the_shape_formulas_are_the_papers_for_gpt2_and_bert(preset):
+    """The part-by-part formulas on GPT-2's and BERT's shape give the closed forms of Korthikanti et al. and
+    Megatron exactly (the FLOPs to 1e-15 relative: the closed form rounds s / (6 h))."""
+    from zoo.training.metrics import megatron_flops_per_iteration, model_flops_per_iteration
+    from zoo.training.planner import (
+        activation_bytes,
+        activation_bytes_of,
+        attention_scores_bytes,
+        attention_scores_bytes_of,
+        output_activation_bytes,
+        output_activation_bytes_of,
+    )
+
+    shape = _shape(preset)
+    h, a, layers = shape.hidden, shape.heads, shape.layers
+    for s, b, t, sp, recompute, v, m in [(128, 4, 1, False, "none", 2, 1), (2048, 8, 8, True, "selective", 2, 1),
+                                         (1024, 2, 4, False, "full", 4, 4), (96, 3, 2, True, "full", 2, 2)]:
+        widths = {"value_bytes": v, "mask_bytes": m}
+        assert (activation_bytes_of(shape, s, b, t, sp, recompute, **widths)
+                == activation_bytes(s, b, h, a, layers, t, sp, recompute, **widths))
+        assert attention_scores_bytes_of(shape, s, b, t, **widths) == attention_scores_bytes(s, b, a, t, **widths)
+        for mlm in (False, True):
+            assert (output_activation_bytes_of(shape, s, b, 51200, t, sp, **widths, mlm_transform=mlm)
+                    == output_activation_bytes(s, b, h, 51200, t, sp, **widths, mlm_transform=mlm))
+        for full in (False, True):
+            assert model_flops_per_iteration(b, s, shape, 50257, full) == pytest.approx(
+                megatron_flops_per_iteration(b, s, layers, h, 50257, full), rel=1e-15, abs=0)
+
+
+# ---------------------------------------------------------------------------------------------- Llama
+@pytest.mark.parametrize("preset, tp", [("llama-tiny", 2), ("llama2-7b", 8), ("llama3-8b", 8)])
+def test_llama_parameters_are_transformers_count(preset, tp):
+    """The planner's parameter count of a Llama preset (built on the meta device) is transformers'
+    LlamaForCausalLM.num_parameters() of the same config.json, plus the padded vocabulary rows of the
+    untied embedding and LM head (2 (V_padded - V) h): at tp = 1 and at the demo's and the GPU configs' tp."""
+    import torch
+    import transformers
+
+    from zoo.models.families import model_config
+    from zoo.training.planner import count_parameters
+
+    config = model_config(preset)
+    with torch.device("meta"):
+        reference = transformers.LlamaForCausalLM(transformers.LlamaConfig(**config.to_hf_dict())).num_parameters()
+    for degree in (1, tp):
+        padding_rows = config.padded_vocab_size(degree) - config.vocab_size
+        assert count_parameters(config, degree).total == reference + 2 * padding_rows * config.hidden_size, degree
+
+
+def _llama_ds_config(tmp_path, name: str, *, dtype: str = "fp32", **zoo_block) -> Path:
+    """ds_configs/llama_cpu_demo.json at tp = 1 with the zoo-block changes and precision given."""
+    import json
+
+    values = json.loads((REPO / "ds_configs" / "llama_cpu_demo.json").read_text())
+    values["zoo"].update(tensor_parallel_size=1, **zoo_block)
+    values.pop("fp16", None)
+    values.pop("bf16", None)
+    if dtype != "fp32":
+        values[dtype] = {"enabled": True}
+    path = tmp_path / f"{name}.json"
+    path.write_text(json.dumps(values))
+    return path
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_llama_flops_per_iteration_are_what_torch_counts(tmp_path, recompute):
+    """The planner's FLOPs of an iteration of llama-tiny (grouped-query attention, SwiGLU, untied head) equal
+    torch's FlopCounterMode over one sample's forward and backward times the global batch, with attention on
+    SDPA's math kernel so that its two batched GEMMs are counted (every query-key pair, as Megatron counts);
+    with full recomputation the layers' forward runs once more (DeepSpeed's checkpoint)."""
+    import torch
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from zoo.models.families import build_model
+    from zoo.training.planner import model_config_of, run_config_of
+
+    seq = 64
+    path = _llama_ds_config(tmp_path, "flops", seq_length=seq, checkpoint_activations=recompute)
+    planned = plan(path, 1, gpu="cpu", with_deepspeed_estimate=False)
+    torch.manual_seed(0)
+    model = build_model(model_config_of(run_config_of(path)), None).train()
+    ids = torch.randint(0, 50257, (1, seq))
+    with sdpa_kernel(SDPBackend.MATH), FlopCounterMode(display=False) as counter:
+        model(ids, labels=ids).loss.backward()
+    assert planned.recompute == ("full" if recompute else "none")
+    assert planned.flops_per_iteration == planned.global_batch * counter.get_total_flops()
+
+
+def _saved_bytes(model, ids, extra_storages=()) -> tuple[int, int, object]:
+    """(bytes of the floating-point tensors autograd saves in a forward with labels, parameters and token ids
+    and label masks left out; number of saved (b, s, 1) per-row statistics; the output)."""
+    import torch
+
+    saved = {}
+
+    def keep(tensor):
+        saved[tensor.untyped_storage().data_ptr()] = (tensor.untyped_storage().nbytes(), tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
+        output = model(ids, labels=ids)
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()} | set(extra_storages)
+    kept = [(n, t) for ptr, (n, t) in saved.items() if ptr not in params and t.is_floating_point()]
+    row_statistics = [n for n, t in kept if t.dim() == 3 and t.shape[-1] == 1]
+    return sum(n for n, _ in kept), sum(row_statistics), output
+
+
+@pytest.mark.parametrize("dtype, recompute", [("fp32", None), ("bf16", None), ("bf16", "selective")])
+def test_llama_activation_bytes_are_what_the_model_saves_for_backward(tmp_path, dtype, recompute):
+    """The planner's activation bytes of llama-tiny (layers plus embeddings/head/logits) are what its forward
+    saves for backward on CPU, the returned logits included, up to what the formulas leave out by design: the
+    norms' per-row 1/rms, the rotary cos/sin tables (2 x (1, s, d), shared by the layers) and the token ids;
+    under selective recomputation DeepSpeed's checkpoint holds Q, K and V outside autograd's saved tensors,
+    v (n d + 2 n_kv d) per token of each layer, added by hand."""
+    import torch
+
+    from zoo.models.families import build_model
+    from zoo.training.planner import model_config_of, run_config_of
+
+    block = {"model_overrides": {"recompute_granularity": recompute}} if recompute else {}
+    path = _llama_ds_config(tmp_path, "memory", dtype=dtype, seq_length=64, **block)
+    planned = plan(path, 1, gpu="cpu", with_deepspeed_estimate=False)
+    assert planned.recompute == (recompute or "none") and planned.dtype == dtype
+    config = model_config_of(run_config_of(path))
+    v, layers, head_dim = planned.weights // planned.params_per_rank, config.num_hidden_layers, config.attention_head_dim
+    torch.manual_seed(0)
+    model = build_model(config, None).to(torch.float32 if dtype == "fp32" else torch.bfloat16).train()
+    ids = torch.randint(0, config.vocab_size, (planned.micro_batch, planned.seq_length))
+    measured, row_statistics, output = _saved_bytes(model, ids)
+    tokens = planned.micro_batch * planned.seq_length
+    assert row_statistics == (2 * layers + 1) * 4 * tokens
+    rotary_tables = 2 * v * planned.seq_length * head_dim
+    checkpoint_inputs = (layers * v * tokens * (config.num_attention_heads + 2 * config.kv_heads) * head_dim
+                         if recompute else 0)
+    measured += output.logits.untyped_storage().nbytes() + checkpoint_inputs - row_statistics - rotary_tables
+    assert measured == planned.activations_layers + planned.activations_output
+    assert planned.activations_attention_scores == 0   # SDPA's fused kernel keeps no scores
