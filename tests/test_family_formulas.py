@@ -201,3 +201,52 @@ def test_llama_activation_bytes_are_what_the_model_saves_for_backward(tmp_path, 
     measured += output.logits.untyped_storage().nbytes() + checkpoint_inputs - row_statistics - rotary_tables
     assert measured == planned.activations_layers + planned.activations_output
     assert planned.activations_attention_scores == 0   # SDPA's fused kernel keeps no scores
+
+
+# ---------------------------------------------------------------------------------------------- sample prompts
+def _llama_block_config(model: str, **zoo_block) -> dict:
+    import json
+
+    values = json.loads((REPO / "ds_configs" / "llama_cpu_demo.json").read_text())
+    values["zoo"].update(model=model, tensor_parallel_size=1, **zoo_block)
+    return values
+
+
+def test_gpt2_bpe_sample_prompts_are_refused_for_a_llama_vocabulary_they_do_not_fit():
+    """llama2-7b's 32,000-token vocabulary cannot take GPT-2 BPE ids (up to 50,256): the sample prompts of such
+    a run are refused before training, naming the run's ``tokenizer`` setting."""
+    from zoo.errors import UserError
+    from zoo.training.planner import run_config_of
+
+    with pytest.raises(UserError, match=r"bundled GPT-2 tokenizer \(50257 tokens\), more than the vocab_size 32000 "
+                                        r"of model 'llama2-7b'; set the zoo block's \"tokenizer\""):
+        run_config_of(_llama_block_config("llama2-7b", seq_length=128))
+    assert run_config_of(_llama_block_config("llama-tiny")).sample_prompts   # GPT-2's vocabulary: accepted
+
+
+def test_sample_prompts_are_encoded_and_decoded_with_the_runs_tokenizer(tmp_path):
+    """A run whose data was preprocessed with another tokenizer (here a 290-token byte-level BPE) names it in
+    the zoo block: the prompts are checked and sampled with it. GPT-2 BPE would give ids past the model's
+    290-row vocabulary."""
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+
+    from zoo.data.tokenizers import load_gpt2_tokenizer
+    from zoo.inference import sample_lines
+    from zoo.models.families import build_model
+    from zoo.training.planner import model_config_of, run_config_of
+
+    trained = ByteLevelBPETokenizer()
+    trained.train_from_iterator(["the history of the river", "in the united states the river flows"] * 10,
+                                vocab_size=290, min_frequency=1, special_tokens=["<|endoftext|>"])
+    trained.save(str(tmp_path / "tokenizer.json"))
+    tokenizer = load_gpt2_tokenizer(tmp_path)
+    config = run_config_of(_llama_block_config("llama-tiny", tokenizer=str(tmp_path), sample_prompts=["the river"],
+                                               model_overrides={"vocab_size": len(tokenizer)}))
+    assert max(load_gpt2_tokenizer().encode("the river")) >= len(tokenizer)
+    torch.manual_seed(0)
+    model = build_model(model_config_of(config), None)
+    header, line = sample_lines(model, config.sample_prompts, config.seed, None, config.tokenizer)
+    assert header.startswith("samples") and line.startswith("  the river")
+    completion = line[len("  the river"):]
+    assert completion and tokenizer.decode(tokenizer.encode(completion)) == completion
