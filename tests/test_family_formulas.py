@@ -113,11 +113,11 @@ def test_llama_parameters_are_transformers_count(preset, tp):
 
 
 def _llama_ds_config(tmp_path, name: str, *, dtype: str = "fp32", **zoo_block) -> Path:
-    """ds_configs/llama_cpu_demo.json at tp = 1 with the zoo-block changes and precision given."""
+    """ds_configs/llama_cpu_demo.json (at tp = 1 unless given) with the zoo-block changes and precision given."""
     import json
 
     values = json.loads((REPO / "ds_configs" / "llama_cpu_demo.json").read_text())
-    values["zoo"].update(tensor_parallel_size=1, **zoo_block)
+    values["zoo"].update({"tensor_parallel_size": 1, **zoo_block})
     values.pop("fp16", None)
     values.pop("bf16", None)
     if dtype != "fp32":
@@ -201,6 +201,44 @@ def test_llama_activation_bytes_are_what_the_model_saves_for_backward(tmp_path, 
     measured += output.logits.untyped_storage().nbytes() + checkpoint_inputs - row_statistics - rotary_tables
     assert measured == planned.activations_layers + planned.activations_output
     assert planned.activations_attention_scores == 0   # SDPA's fused kernel keeps no scores
+
+
+def _llama_saved_bytes_at_tp(rank: int, world_size: int, seq: int, micro_batch: int) -> list[tuple[int, int]]:
+    """(measured bytes, row statistics) of llama-tiny's forward on this TP rank, without and with sequence
+    parallelism (see :func:`_saved_bytes`; the returned logits shard added)."""
+    import torch
+
+    from zoo.models.llama import LlamaForCausalLM, llama_config
+    from zoo.parallel.state import ParallelState
+
+    parallel = ParallelState.initialize(world_size)
+    results = []
+    for sequence_parallel in (False, True):
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(llama_config("llama-tiny", sequence_parallel=sequence_parallel), parallel).train()
+        ids = torch.randint(0, 50257, (micro_batch, seq))
+        measured, row_statistics, output = _saved_bytes(model, ids)
+        results.append((measured + output.logits.untyped_storage().nbytes(), row_statistics))
+    return results
+
+
+def test_llama_activation_bytes_at_tp2_with_and_without_sequence_parallelism(tmp_path):
+    """At tp = 2 each rank saves what the planner says, without sequence parallelism and with it, where the
+    norms, the MLP's input and the head's input are this rank's s/2 tokens but the q/k/v GEMMs keep their
+    all-gathered input (s tokens); the norms' per-row 1/rms and the rotary tables left out as above."""
+    from tests.spawn import spawn
+
+    seq, micro_batch, head_dim, layers = 64, 4, 32, 2
+    planned = [plan(_llama_ds_config(tmp_path, f"tp2_{sp}", seq_length=seq, tensor_parallel_size=2,
+                                     sequence_parallel=sp), 2, gpu="cpu", with_deepspeed_estimate=False)
+               for sp in (False, True)]
+    measured = spawn(_llama_saved_bytes_at_tp, 2, seq, micro_batch)
+    for (saved, row_statistics), p, sp in zip(measured[0], planned, (False, True)):
+        assert p.sequence_parallel is sp and p.micro_batch == micro_batch and p.tp == 2
+        assert row_statistics == (2 * layers + 1) * 4 * micro_batch * seq // (2 if sp else 1)
+        rotary_tables = 2 * 4 * seq * head_dim
+        assert saved - row_statistics - rotary_tables == p.activations_layers + p.activations_output, sp
+    assert measured[0] == measured[1]
 
 
 # ---------------------------------------------------------------------------------------------- sample prompts
