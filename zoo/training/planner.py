@@ -351,6 +351,9 @@ class Plan:
     pp: int = 1
     bubble_fraction: float = 0.0          # (P - 1) / (m + P - 1) of each step idle
     stages: tuple = ()                    # one StagePlan dict per pipeline stage (P > 1); the fields above: the heaviest
+    kv_heads: int = 0                     # key/value heads (fewer than ``heads``: grouped-query attention)
+    ffn_hidden: int = 0                   # the MLP's inner width
+    ffn_matrices: int = 2                 # the MLP's GEMMs: 2 (GeLU), 3 (SwiGLU)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -571,7 +574,8 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
                 fits=None if memory is None else total <= memory,
                 margin=None if memory is None else memory - total, flops_per_iteration=flops,
                 peak_tflops=peak, mfu=mfu, seconds_per_iteration=seconds, pp=pp, bubble_fraction=bubble,
-                stages=tuple(stage.as_dict() for stage in stages))
+                stages=tuple(stage.as_dict() for stage in stages), kv_heads=shape.kv_heads,
+                ffn_hidden=shape.ffn_hidden, ffn_matrices=shape.ffn_matrices)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -588,7 +592,9 @@ def format_plan(p: Plan) -> str:
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         f"  batch: micro {p.micro_batch} x seq {p.seq_length}, global {p.global_batch} "
         f"({p.gradient_accumulation_steps} accumulation steps)",
-        f"  model: {p.layers} layers, hidden {p.hidden}, {p.heads} heads, vocab {p.vocab} padded to {p.padded_vocab}",
+        f"  model: {p.layers} layers, hidden {p.hidden}, {p.heads} heads"
+        + (f" ({p.kv_heads} key/value heads)" if p.kv_heads != p.heads else "")
+        + f", MLP {p.ffn_hidden} x {p.ffn_matrices} GEMMs, vocab {p.vocab} padded to {p.padded_vocab}",
         f"  parameters: {p.params_total:,} total ({p.params_total / 1e9:.2f}B), {p.params_per_rank:,} per rank",
         "  bytes per rank:",
         f"    weights      {gb(p.weights):>12}",
