@@ -48,12 +48,13 @@ from zoo.inference import GenerationConfig, generate
 from zoo.models import GPT2LMHeadModel
 from zoo.models import gpt2_config as preset_config
 from zoo.models.bert.presets import BERT_PRESETS, bert_config
+from zoo.models.families import shape_of
 from zoo.models.gpt2.presets import GPT2_PRESETS
 from zoo.parallel import ParallelState, model_parallel_seed
 from zoo.training.families import forward_with_metrics
 from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm
 from zoo.training.loop import LoopState, TrainingLoop, setup_engine
-from zoo.training.metrics import megatron_flops_per_iteration
+from zoo.training.metrics import model_flops_per_iteration
 from zoo.training.planner import peak_tflops_of  # the one table of GPU peaks (zoo.training.planner.GPUS)
 from zoo.training.pretrain import pretrain
 from zoo.training.run_config import RunConfig, validate_static
@@ -414,8 +415,8 @@ def peak_tflops(device: torch.device) -> float | None:
 def report_throughput(smoke: Smoke, precision: str, seconds: list[float], config) -> None:
     """Model TFLOPs per device of the timed steps (the first, warm-up, step left out) and the MFU."""
     per_step = sorted(seconds[1:])[len(seconds[1:]) // 2]                              # median
-    flops = megatron_flops_per_iteration(smoke.args.micro_batch_size * smoke.parallel.dp_size,
-                                         smoke.args.seq_length, config.n_layer, config.n_embd, config.vocab_size)
+    flops = model_flops_per_iteration(smoke.args.micro_batch_size * smoke.parallel.dp_size, smoke.args.seq_length,
+                                      shape_of(config), config.vocab_size)
     tflops = flops / per_step / dist.get_world_size() / 1e12
     peak = peak_tflops(smoke.device)
     mfu = f"{100 * tflops / peak:.1f}% of {peak:g}" if peak else f"n/a (no known peak for {smoke.device.type})"

@@ -29,14 +29,15 @@ def sample_settings(seed: int) -> GenerationConfig:
                             seed=seed)
 
 
-def sample_lines(model, prompts: Sequence[str], seed: int, parallel) -> list[str]:
+def sample_lines(model, prompts: Sequence[str], seed: int, parallel, tokenizer: str | None = None) -> list[str]:
     """A header naming the settings, then one line per prompt: the prompt followed by its sampled
-    continuation (GPT-2 BPE, the tokenizer of the bundled corpus and of launch/preprocess.py).
+    continuation, encoded and decoded with the run's ``tokenizer`` directory (by default GPT-2 BPE, the
+    tokenizer of the bundled corpus and of launch/preprocess.py).
 
     Collective over the whole world (every rank calls it with the same prompts and seed; every rank
     returns the same lines). The model is in eval mode for the call and restored afterwards."""
     settings = sample_settings(seed)
-    completions = generate_text(model, load_gpt2_tokenizer(), list(prompts), settings, parallel)
+    completions = generate_text(model, load_gpt2_tokenizer(tokenizer), list(prompts), settings, parallel)
     header = (f"samples (temperature {settings.temperature:g}, top-p {settings.top_p:g}, "
               f"{settings.max_new_tokens} new tokens, seed {seed}):")
     # newlines shown as spaces: each prompt's sample is one printed line

@@ -6,7 +6,7 @@ entry of :data:`FAMILIES`.
 
     family_of(config).pretraining_model(config, parallel=parallel)  # GPT2LMHeadModel / BertForPreTraining / ...
     model_config("llama-tiny", hidden_dropout=0.0)                # any family's preset, by name
-    family_of(config).shape(config).layers                        # for the FLOPs formula
+    family_of(config).shape(config).ffn_matrices                  # for the FLOPs and memory formulas
 
 What pretraining does with a family beyond its model (datasets, corpus, extra metrics) lives on the
 training side, which is above this package: a family names its pretraining ``objective`` here and
@@ -53,13 +53,61 @@ MLM_SOP = "mlm_sop"         # masked LM plus sentence-order prediction on senten
 
 @dataclass(frozen=True)
 class ModelShape:
-    """The numbers Megatron's FLOPs formula and the planner's activation formulas read."""
+    """What the FLOPs formula (:func:`zoo.training.metrics.model_flops_per_iteration`) and the planner's
+    activation formulas (:mod:`zoo.training.planner`) read of a model: its sizes and how its layer is built.
+
+    Attention has ``heads`` query heads and ``kv_heads`` key/value heads (fewer: grouped-query attention) of
+    width ``head_dim``; the MLP has ``ffn_matrices`` GEMMs of inner width ``ffn_hidden`` (2: up and down around
+    GeLU; 3: SwiGLU's gate, up and down). ``norm`` is "layernorm" or "rmsnorm" (normalised in float32, as
+    transformers' LlamaRMSNorm). ``layer_dropouts``: dropout masks a layer keeps for backward (after attention
+    and after the MLP), ``embedding_dropout``: one after the embeddings. ``fused_attention``: the attention core
+    keeps what SDPA's fused kernels keep (its inputs, output and log-sum-exp) rather than the attention
+    scores of Korthikanti et al.'s count. ``gathered_attention_input``: under sequence parallelism the q/k/v
+    GEMMs keep their all-gathered input (s tokens) instead of this rank's s/p.
+    """
 
     layers: int
     hidden: int
     heads: int
     vocab: int
     max_positions: int
+    kv_heads: int
+    head_dim: int
+    ffn_hidden: int
+    ffn_matrices: int
+    norm: str
+    layer_dropouts: int
+    embedding_dropout: bool
+    fused_attention: bool
+    gathered_attention_input: bool = False
+
+
+def gpt2_shape(config: GPT2Config) -> ModelShape:
+    """GPT-2: multi-head attention, a 2-GEMM GeLU MLP, LayerNorm, dropout after the embeddings and in each
+    residual branch, attention counted as in Korthikanti et al. 2022."""
+    return ModelShape(config.n_layer, config.n_embd, config.n_head, config.vocab_size, config.n_positions,
+                      kv_heads=config.n_head, head_dim=config.n_embd // config.n_head,
+                      ffn_hidden=config.ffn_hidden_size, ffn_matrices=2, norm="layernorm", layer_dropouts=2,
+                      embedding_dropout=True, fused_attention=False)
+
+
+def bert_shape(config: BertConfig) -> ModelShape:
+    """BERT: the same layer as GPT-2's (its LayerNorm before or after the residual branch)."""
+    return ModelShape(config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.vocab_size,
+                      config.max_position_embeddings, kv_heads=config.num_attention_heads,
+                      head_dim=config.hidden_size // config.num_attention_heads,
+                      ffn_hidden=config.ffn_hidden_size, ffn_matrices=2, norm="layernorm", layer_dropouts=2,
+                      embedding_dropout=True, fused_attention=False)
+
+
+def llama_shape(config: LlamaConfig) -> ModelShape:
+    """Llama: grouped-query attention through SDPA's fused kernel (no attention dropout in any preset), a
+    SwiGLU MLP, RMSNorm, no dropout in the residual stream; q/k/v read the all-gathered input under
+    sequence parallelism (:class:`zoo.models.llama.layers.LlamaAttention`)."""
+    return ModelShape(config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.vocab_size,
+                      config.max_position_embeddings, kv_heads=config.kv_heads, head_dim=config.attention_head_dim,
+                      ffn_hidden=config.intermediate_size, ffn_matrices=3, norm="rmsnorm", layer_dropouts=0,
+                      embedding_dropout=False, fused_attention=True, gathered_attention_input=True)
 
 
 @dataclass(frozen=True)
@@ -117,20 +165,18 @@ class ModelFamily:
 
 FAMILIES: tuple[ModelFamily, ...] = (
     ModelFamily("gpt2", "GPT-2", GPT2Config, GPT2LMHeadModel, ("gpt2",), "transformer.wte.weight",
-                lambda c: ModelShape(c.n_layer, c.n_embd, c.n_head, c.vocab_size, c.n_positions),
+                gpt2_shape,
                 GPT2_PRESETS, gpt2_config, GPT2Config.from_dict, check_gpt2_config_values, CAUSAL_LM,
                 generates_text=True, pipeline=PipelineStages(
                     gpt2_pipeline_module, load_stage_weights, hf_names, one_stage_name, gpt2_entry_parameters,
                     gpt2_layer_entries, gpt2_entry_of)),
     ModelFamily("bert", "BERT", BertConfig, BertForPreTraining, ("bert", "megatron-bert"),
                 "bert.embeddings.word_embeddings.weight",
-                lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
-                                     c.max_position_embeddings),
+                bert_shape,
                 BERT_PRESETS, bert_config, BertConfig.from_dict, check_bert_config_values, MLM_SOP,
                 generates_text=False, lm_head_transform=True, layout_fields=("pre_norm",)),
     ModelFamily("llama", "Llama", LlamaConfig, LlamaForCausalLM, ("llama",), "model.embed_tokens.weight",
-                lambda c: ModelShape(c.num_hidden_layers, c.hidden_size, c.num_attention_heads, c.vocab_size,
-                                     c.max_position_embeddings),
+                llama_shape,
                 LLAMA_PRESETS, llama_config, LlamaConfig.from_hf_dict, check_llama_config_values, CAUSAL_LM,
                 generates_text=True, pipeline=PipelineStages(
                     llama_pipeline_module, load_llama_stage_weights, llama_one_stage_names, llama_one_stage_name,

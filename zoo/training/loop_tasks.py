@@ -12,7 +12,7 @@ import torch.distributed as dist
 from zoo.training.families import forward_with_metrics
 from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm
 from zoo.training.loop import LogWindow, LoopState
-from zoo.training.metrics import format_log_line, megatron_flops_per_iteration
+from zoo.training.metrics import format_log_line, model_flops_per_iteration
 from zoo.training.pretraining_data import PretrainingData
 from zoo.training.run_config import RunConfig
 
@@ -60,8 +60,8 @@ class PretrainTask:
         self.samples_per_iteration = engine.train_batch_size()
         self.log_interval = config.log_interval
         self.uses_own_norm = not deepspeed_reports_true_norm(engine)
-        self.flops = megatron_flops_per_iteration(self.samples_per_iteration, config.seq_length, shape.layers,
-                                                  shape.hidden, shape.vocab, recompute=config.recompute == "full")
+        self.flops = model_flops_per_iteration(self.samples_per_iteration, config.seq_length, shape, shape.vocab,
+                                               recompute=config.recompute == "full")
 
     def micro_batches(self, state: LoopState) -> list[dict[str, torch.Tensor]]:
         return self.data.train_micro_batches(state.consumed_samples, self.gas)

@@ -1,15 +1,17 @@
 """The planner's pipeline arithmetic: which layers each stage holds, what each stage keeps, and the bubble.
 
-* **Stages.** The layer sequence of :mod:`zoo.models.gpt2.pipeline` (word embedding, position embedding,
-  the L layers, final norm, LM head) is split as DeepSpeed splits it: ``uniform`` balances the transformer
-  layers (DeepSpeed's ``type:`` method, a linear partition of 0/1 weights), ``parameters`` balances each
-  entry's parameter count (the tied word embedding counts on the first and on the last stage); both with
+* **Stages.** The family's layer sequence (GPT-2's :mod:`zoo.models.gpt2.pipeline`: word embedding,
+  position embedding, the L layers, final norm, tied LM head; Llama's: embedding, the L layers, norm, untied
+  head), each entry's parameters counted by the family, is split as DeepSpeed splits it: ``uniform``
+  balances the transformer layers (DeepSpeed's ``type:`` method, a linear partition of 0/1 weights),
+  ``parameters`` balances each entry's parameter count (a tied word embedding counts on the first and on the last stage); both with
   DeepSpeed's own partition function, so the plan names the stages the run will build.
 * **Activations under 1F1B** (Narayanan et al. 2021, section 2.2): stage k (0-based) starts P - k micro-
   batches before its first backward, so it holds the activations of min(P - k, m) micro-batches of its own
   layers; the first stage holds the most, P micro-batches of L/P layers, the same L layers' worth as one
-  stage without pipelining. The embedding's dropout mask lives on the first stage, the final norm's and the
-  head's inputs and the logits on the last (one micro-batch: its backward follows its forward at once).
+  stage without pipelining. The embedding's dropout mask (where the family has one) lives on the first
+  stage, the final norm's kept tensors, the head's input and the logits on the last (one micro-batch: its
+  backward follows its forward at once).
 * **Bubble.** With m micro-batches per step each stage idles (P - 1) / (m + P - 1) of the step, so a step
   takes (m + P - 1) / m times its compute. Point-to-point transfers are not counted.
 """
@@ -71,18 +73,18 @@ def bubble_fraction(pp: int, m: int) -> float:
     return (pp - 1) / (m + pp - 1)
 
 
-def plan_stages(model_config, method: str, tp: int, pp: int, m: int, s: int, b: int, widths: dict[str, int],
-                sequence_parallel: bool, recompute: str, layer_bytes, model_state_bytes) -> list[StagePlan]:
+def plan_stages(model_config, method: str, tp: int, pp: int, m: int, recompute: str, layer_bytes,
+                embedding_bytes: float, head_bytes: float, model_state_bytes) -> list[StagePlan]:
     """Each pipeline stage's layers, parameters and bytes per rank. ``layer_bytes(mode)``: one layer's activation
-    bytes per micro-batch under recomputation ``mode``; ``model_state_bytes(params)``: (weights, gradients,
-    optimizer) bytes of ``params`` parameters (the planner's formulas)."""
-    from zoo.models.families import family_of, shape_of  # local: torch and transformers import cost
+    bytes per micro-batch under recomputation ``mode``; ``embedding_bytes`` and ``head_bytes``: what the
+    embeddings and the final norm, LM head and logits keep of one micro-batch; ``model_state_bytes(params)``:
+    (weights, gradients, optimizer) bytes of ``params`` parameters (the planner's formulas, from the family's
+    shape)."""
+    from zoo.models.families import family_of  # local: torch and transformers import cost
 
     stages = family_of(model_config).pipeline
     entries, layer_range = stages.entry_parameters(model_config, tp), stages.layer_entries(model_config)
     bounds = stage_bounds(entries, pp, method, layer_range)
-    h, v, mask = shape_of(model_config).hidden, widths["value_bytes"], widths["mask_bytes"]
-    split = tp if sequence_parallel else 1
     plans = []
     for stage in range(pp):
         first, last = bounds[stage], bounds[stage + 1]
@@ -93,10 +95,10 @@ def plan_stages(model_config, method: str, tp: int, pp: int, m: int, s: int, b: 
         held = in_flight * layers * layer_bytes(recompute)
         if recompute == "full" and layers:   # the layer being recomputed holds its whole working set again
             held += layer_bytes("none")
-        if first == 0:                       # the embedding's dropout mask, per micro-batch in flight
-            held += in_flight * mask * s * b * h / split
+        if first == 0:                       # the embeddings' share, per micro-batch in flight
+            held += in_flight * embedding_bytes
         if last == len(entries):             # final norm and head inputs, and the logits (one micro-batch)
-            held += 2 * v * s * b * h / split + (v + 4) * s * b * model_config.padded_vocab_size(tp) / tp
+            held += head_bytes
         activations = round(held)
         plans.append(StagePlan(stage=stage, layers=layers, params_per_rank=params, weights=weights, gradients=gradients,
                                optimizer=optimizer, activations=activations,

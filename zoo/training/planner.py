@@ -6,7 +6,10 @@ training with Adam (Rajbhandari et al. 2020, "ZeRO", section 3.1), under ZeRO st
 DeepSpeed 0.19's optimizer holds at the peak of its step (measured; DeepSpeed's own estimate is printed
 beside it), and the activation formulas of
 Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models" (section 4).
-Time is Megatron's FLOPs formula (:func:`zoo.training.metrics.megatron_flops_per_iteration`) over an
+Every formula reads the family's shape from the registry (:class:`zoo.models.families.ModelShape`: heads
+and key/value heads, MLP width and GEMMs, norm, dropouts, attention kernel), so GPT-2 and BERT get the
+paper's numbers and Llama its own. Time is Megatron's FLOPs formula generalised to the shape
+(:func:`zoo.training.metrics.model_flops_per_iteration`) over an
 assumed model-FLOPs utilisation of the named GPU's dense peak.
 
     python launch/plan.py --deepspeed_config ds_configs/tp8.json --num-gpus 8 [--gpu V100] [--json]   # zoo.cli.plan
@@ -29,7 +32,7 @@ from typing import Any
 
 from zoo.errors import UserError
 from zoo.training.deepspeed_overrides import apply_overrides
-from zoo.training.metrics import megatron_flops_per_iteration
+from zoo.training.metrics import model_flops_per_iteration
 from zoo.training.pipeline_plan import bubble_fraction, plan_stages
 from zoo.training.run_config import (
     RunConfig,
@@ -164,6 +167,109 @@ def output_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1, sequ
     return hidden_terms + logits
 
 
+def norm_bytes_per_token(shape, value_bytes: int) -> int:
+    """Bytes one norm of ``shape`` keeps per token for backward: a LayerNorm its input, v h; an RMSNorm
+    (normalised in float32, :class:`zoo.models.llama.layers.LlamaRMSNorm`) its input in float32 and the
+    normalised input before the weight, (4 + v) h. Per-row statistics (LayerNorm's mean and rstd, RMSNorm's
+    1/rms: 4 or 8 bytes a token) are left out, as in Korthikanti et al."""
+    if shape.norm == "rmsnorm":
+        return (4 + value_bytes) * shape.hidden
+    return value_bytes * shape.hidden
+
+
+def layer_activation_bytes_of(shape, s: int, b: int, t: int = 1, sequence_parallel: bool = False,
+                              recompute: str = "none", *, value_bytes: int = 2, mask_bytes: int = 1) -> float:
+    """Bytes one transformer layer of a family's :class:`~zoo.models.families.ModelShape` keeps for its
+    backward, part by part (Korthikanti et al. 2022, section 4, for any layer); for GPT-2's and BERT's shape
+    it is :func:`layer_activation_bytes`. With value width v, mask width m, n query and n_kv key/value heads
+    of width d and MLP width f:
+
+    - replicated over TP ranks (split by sequence parallelism): the two norms' kept tensors
+      (:func:`norm_bytes_per_token`), the input of the q/k/v GEMMs and of the MLP's first GEMMs, v h each,
+      and ``layer_dropouts`` masks, m h each, per token; with ``gathered_attention_input`` the q/k/v GEMMs'
+      input stays whole (s tokens) under sequence parallelism;
+    - split by tp: the attention core and the output projection's input. Counted as Korthikanti does
+      (``fused_attention`` False): Q, K, V and the projection input, v (2 n d + 2 n_kv d), plus the scores
+      (:func:`attention_scores_bytes`) without recomputation. Through SDPA's fused kernel: Q, K and V as the
+      kernel reads them (K and V repeated to every query head), its output, which is the projection input,
+      4 v n d, and its float32 log-sum-exp, 4 n; under selective recomputation the checkpoint holds Q, K, V
+      before the repeat instead, v (n d + 2 n_kv d), plus the projection input;
+    - split by tp: the MLP, 2 v f (the GeLU input and the second GEMM's input) with 2 GEMMs, 4 v f with
+      SwiGLU's 3 (the gate and up outputs, SiLU(gate) and the product, the down GEMM's input).
+
+    ``recompute="full"`` keeps only the layer's input, v s b h (divided by t with sequence parallelism).
+    """
+    _check_recompute(recompute)
+    v, m, h = value_bytes, mask_bytes, shape.hidden
+    if recompute == "full":
+        return v * s * b * h / (t if sequence_parallel else 1)
+    replicated = (2 * norm_bytes_per_token(shape, v) + 2 * v * h + shape.layer_dropouts * m * h) * s * b
+    kept_whole = v * h * s * b if sequence_parallel and shape.gathered_attention_input else 0
+    attention, key_value = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    if shape.fused_attention and recompute == "none":
+        core = 4 * v * attention + 4 * shape.heads
+    else:
+        core = v * (2 * attention + 2 * key_value)
+    mlp = v * shape.ffn_hidden * (2 if shape.ffn_matrices == 2 else 4)
+    split = (core + mlp) * s * b
+    per_layer = ((replicated - kept_whole) / t if sequence_parallel else replicated) + kept_whole + split / t
+    if recompute == "none" and not shape.fused_attention:
+        per_layer += attention_scores_bytes(s, b, shape.heads, t, value_bytes=v, mask_bytes=m)
+    return per_layer
+
+
+def attention_scores_bytes_of(shape, s: int, b: int, t: int = 1, *, value_bytes: int = 2,
+                              mask_bytes: int = 1) -> float:
+    """The part of a layer's bytes without recomputation that a fused attention kernel does not keep: the
+    scores of :func:`attention_scores_bytes` where ``shape`` is counted that way, else 0."""
+    if shape.fused_attention:
+        return 0
+    return attention_scores_bytes(s, b, shape.heads, t, value_bytes=value_bytes, mask_bytes=mask_bytes)
+
+
+def activation_bytes_of(shape, s: int, b: int, t: int = 1, sequence_parallel: bool = False,
+                        recompute: str = "none", *, value_bytes: int = 2, mask_bytes: int = 1) -> float:
+    """:func:`activation_bytes` for a family's shape: its L layers at the peak of a micro-batch's backward
+    (with full recomputation the layers' inputs plus one layer's whole working set)."""
+    widths = {"value_bytes": value_bytes, "mask_bytes": mask_bytes}
+    kept = shape.layers * layer_activation_bytes_of(shape, s, b, t, sequence_parallel, recompute, **widths)
+    if recompute != "full":
+        return kept
+    return kept + layer_activation_bytes_of(shape, s, b, t, sequence_parallel, "none", **widths)
+
+
+def embedding_activation_bytes(shape, s: int, b: int, t: int = 1, sequence_parallel: bool = False, *,
+                               mask_bytes: int = 1) -> float:
+    """The embeddings' share of a micro-batch: their dropout mask, m s b h (split by sequence parallelism),
+    where the family has one; the lookups keep only the token ids."""
+    per_token = mask_bytes * shape.hidden if shape.embedding_dropout else 0
+    return per_token * s * b / (t if sequence_parallel else 1)
+
+
+def head_activation_bytes(shape, s: int, b: int, vocab: int, t: int = 1, sequence_parallel: bool = False, *,
+                          value_bytes: int = 2, mlm_transform: bool = False) -> float:
+    """The final norm's and the LM head's share: the norm's kept tensors and the head GEMM's input, split by
+    sequence parallelism, and the logits (see :func:`output_activation_bytes`)."""
+    v, h = value_bytes, shape.hidden
+    per_token = norm_bytes_per_token(shape, v) + v * h + (3 * v * h if mlm_transform else 0)
+    return per_token * s * b / (t if sequence_parallel else 1) + (v + 4) * s * b * vocab / t
+
+
+def output_activation_bytes_of(shape, s: int, b: int, vocab: int, t: int = 1, sequence_parallel: bool = False, *,
+                               value_bytes: int = 2, mask_bytes: int = 1, mlm_transform: bool = False) -> float:
+    """:func:`output_activation_bytes` for a family's shape: the embedding dropout mask where it has one, the
+    final norm's kept tensors (:func:`norm_bytes_per_token`) and the head GEMM's input, and the logits.
+    Llama's rotary cos/sin tables (2 v s d, shared by the layers) are left out, as the token ids are."""
+    v, h = value_bytes, shape.hidden
+    per_token = (mask_bytes * h if shape.embedding_dropout else 0) + norm_bytes_per_token(shape, v) + v * h
+    if mlm_transform:
+        per_token += 3 * v * h
+    hidden_terms = per_token * s * b
+    if sequence_parallel:
+        hidden_terms /= t
+    return hidden_terms + (value_bytes + 4) * s * b * vocab / t
+
+
 # ---------------------------------------------------------------------------------------------- parameters
 @dataclass(frozen=True)
 class ParameterCount:
@@ -245,6 +351,9 @@ class Plan:
     pp: int = 1
     bubble_fraction: float = 0.0          # (P - 1) / (m + P - 1) of each step idle
     stages: tuple = ()                    # one StagePlan dict per pipeline stage (P > 1); the fields above: the heaviest
+    kv_heads: int = 0                     # key/value heads (fewer than ``heads``: grouped-query attention)
+    ffn_hidden: int = 0                   # the MLP's inner width
+    ffn_matrices: int = 2                 # the MLP's GEMMs: 2 (GeLU), 3 (SwiGLU)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -421,19 +530,23 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     padded_vocab = model_config.padded_vocab_size(tp)
     # torch keeps dropout masks as bool on GPUs and in the input's dtype on CPU (its unfused dropout)
     widths = {"value_bytes": DTYPE_BYTES[dtype], "mask_bytes": DTYPE_BYTES[dtype] if spec is None else 1}
-    layers_bytes = activation_bytes(s, b, h, heads, shape.layers, tp, sequence_parallel, recompute, **widths)
-    output_bytes = output_activation_bytes(s, b, h, padded_vocab, tp, sequence_parallel, **widths,
-                                           mlm_transform=family.lm_head_transform)
+    layers_bytes = activation_bytes_of(shape, s, b, tp, sequence_parallel, recompute, **widths)
+    output_bytes = output_activation_bytes_of(shape, s, b, padded_vocab, tp, sequence_parallel, **widths,
+                                              mlm_transform=family.lm_head_transform)
     scores_held = {"none": shape.layers, "selective": 0, "full": 1}[recompute]   # full: the recomputed layer's
-    scores_bytes = scores_held * attention_scores_bytes(s, b, heads, tp, **widths)
+    scores_bytes = scores_held * attention_scores_bytes_of(shape, s, b, tp, **widths)
     activations = round(layers_bytes + output_bytes)
     total = weights + gradients + optimizer + activations
     stages: tuple = ()
     params_per_rank = params.per_rank
     if pp > 1:
         stages = plan_stages(
-            model_config, config.pipeline_partition_method, tp, pp, gas, s, b, widths, sequence_parallel, recompute,
-            layer_bytes=lambda mode: layer_activation_bytes(s, b, h, heads, tp, sequence_parallel, mode, **widths),
+            model_config, config.pipeline_partition_method, tp, pp, gas, recompute,
+            layer_bytes=lambda mode: layer_activation_bytes_of(shape, s, b, tp, sequence_parallel, mode, **widths),
+            embedding_bytes=embedding_activation_bytes(shape, s, b, tp, sequence_parallel,
+                                                       mask_bytes=widths["mask_bytes"]),
+            head_bytes=head_activation_bytes(shape, s, b, padded_vocab, tp, sequence_parallel,
+                                             value_bytes=widths["value_bytes"], mlm_transform=family.lm_head_transform),
             model_state_bytes=lambda params: state_bytes(params, dtype, zero_stage, dp, fp32_accumulation))
         heaviest = max(stages, key=lambda stage: stage.total)
         weights, gradients, optimizer = heaviest.weights, heaviest.gradients, heaviest.optimizer
@@ -444,8 +557,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
                         if with_deepspeed_estimate else None)
 
     global_batch = config.ds_config["train_batch_size"]
-    flops = megatron_flops_per_iteration(global_batch, s, shape.layers, h, padded_vocab,
-                                         recompute=recompute == "full")
+    flops = model_flops_per_iteration(global_batch, s, shape, padded_vocab, recompute=recompute == "full")
     peak = spec.peak_tflops if spec else None
     bubble = bubble_fraction(pp, gas)
     seconds = flops / (world * peak * 1e12 * mfu) / (1 - bubble) if peak else None
@@ -462,7 +574,8 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
                 fits=None if memory is None else total <= memory,
                 margin=None if memory is None else memory - total, flops_per_iteration=flops,
                 peak_tflops=peak, mfu=mfu, seconds_per_iteration=seconds, pp=pp, bubble_fraction=bubble,
-                stages=tuple(stage.as_dict() for stage in stages))
+                stages=tuple(stage.as_dict() for stage in stages), kv_heads=shape.kv_heads,
+                ffn_hidden=shape.ffn_hidden, ffn_matrices=shape.ffn_matrices)
 
 
 # ---------------------------------------------------------------------------------------------- CLI
@@ -479,7 +592,9 @@ def format_plan(p: Plan) -> str:
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         f"  batch: micro {p.micro_batch} x seq {p.seq_length}, global {p.global_batch} "
         f"({p.gradient_accumulation_steps} accumulation steps)",
-        f"  model: {p.layers} layers, hidden {p.hidden}, {p.heads} heads, vocab {p.vocab} padded to {p.padded_vocab}",
+        f"  model: {p.layers} layers, hidden {p.hidden}, {p.heads} heads"
+        + (f" ({p.kv_heads} key/value heads)" if p.kv_heads != p.heads else "")
+        + f", MLP {p.ffn_hidden} x {p.ffn_matrices} GEMMs, vocab {p.vocab} padded to {p.padded_vocab}",
         f"  parameters: {p.params_total:,} total ({p.params_total / 1e9:.2f}B), {p.params_per_rank:,} per rank",
         "  bytes per rank:",
         f"    weights      {gb(p.weights):>12}",
@@ -518,6 +633,8 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["GPUS", "GpuSpec", "Plan", "activation_bytes", "attention_scores_bytes", "count_parameters", "deepspeed_estimate",
-           "layer_activation_bytes", "output_activation_bytes", "parse_memory", "peak_tflops_of", "plan",
+__all__ = ["GPUS", "GpuSpec", "Plan", "activation_bytes", "activation_bytes_of", "attention_scores_bytes",
+           "attention_scores_bytes_of", "count_parameters", "deepspeed_estimate", "embedding_activation_bytes",
+           "head_activation_bytes", "layer_activation_bytes", "layer_activation_bytes_of", "norm_bytes_per_token",
+           "output_activation_bytes", "output_activation_bytes_of", "parse_memory", "peak_tflops_of", "plan",
            "state_bytes"]

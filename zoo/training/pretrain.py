@@ -61,7 +61,7 @@ __all__ = ["pretrain"]
 
 # (model, prompts, seed, parallel state) -> printable lines; collective over every rank.
 # zoo.inference.sample_lines, handed in by launch/pretrain.py (inference sits beside training, not below it).
-SampleText = Callable[[torch.nn.Module, Sequence[str], int, Any], list[str]]
+SampleText = Callable[[torch.nn.Module, Sequence[str], int, Any, str | None], list[str]]
 
 
 def build_pretraining_model(config: RunConfig, parallel, device: torch.device | str | None = None):
@@ -174,7 +174,7 @@ def pretrain_in_claimed_directory(config: RunConfig, parallel, gas: int, is_writ
               f"{checkpointer.tag_directory(state.iteration)}; resume with --load {Path(config.save)}", flush=True)
     samples = []
     if config.sample_prompts and state.stopped_by is None and parallel.pp_size == 1:   # every rank decodes; the writer prints
-        samples = sample_text(engine.module, config.sample_prompts, config.seed, parallel)
+        samples = sample_text(engine.module, config.sample_prompts, config.seed, parallel, config.tokenizer)
     if logger.is_writer and state.stopped_by is None:
         print_summary(Path(config.save), state.iteration, state.last_event, validator.means, data, config, shape,
                       samples)

@@ -25,9 +25,11 @@ Preemption (Megatron's flag names): ``exit_interval`` N stops with a checkpoint 
 that is a multiple of N (so the same flag serves every allocation of a job); ``exit_duration_in_mins``
 M stops with a checkpoint before M minutes of wall time (ranks agree); ``exit_signal_handler`` (on by
 default) turns SIGTERM or SIGUSR1 on any rank into a checkpoint at the next iteration and exit 0.
-``sample_prompts`` (GPT only; the demo's) are completed by sampling at the end of the run, and the
-writer prints each beside the validation perplexity (zoo.inference.run_samples); empty, nothing is
-generated. ``distributed_timeout_minutes`` bounds every collective (DeepSpeed's default is 10 minutes), so a rank
+``sample_prompts`` (families that generate text: GPT-2, Llama) are completed by sampling at the end of the
+run, and the writer prints each beside the validation perplexity (zoo.inference.run_samples); empty, nothing
+is generated. They are encoded and decoded with the run's ``tokenizer``, the directory its data was
+preprocessed with (``launch/preprocess.py --tokenizer``; default the bundled GPT-2 BPE), and refused where
+that tokenizer has more tokens than the model's vocabulary. ``distributed_timeout_minutes`` bounds every collective (DeepSpeed's default is 10 minutes), so a rank
 that never arrives ends the job with the backend's timeout error rather than a hang.
 """
 
@@ -123,7 +125,10 @@ class RunConfig:
         help="let a run without --load write into a --save directory that already holds checkpoints (its "
              "checkpoints and metrics are replaced)")
     sample_prompts: list[str] = option(group="logging", flag=None, default_factory=list,
-                                       help="GPT only: text sampled from each prompt at the end (the demo)")
+                                       help="GPT-2 and Llama: text sampled from each prompt at the end (the demo)")
+    tokenizer: str | None = option(None, group="logging", flag=None,
+                                   help="the tokenizer directory the data was preprocessed with, which encodes and "
+                                        "decodes sample_prompts (default: the bundled GPT-2 BPE)")
     # Megatron's flags for what the DeepSpeed part of the ds_config says (zoo.training.deepspeed_overrides):
     # None leaves the ds_config's own value.
     lr: float | None = option(None, group="learning rate",
@@ -400,8 +405,9 @@ def validate_static(config: RunConfig) -> RunConfig:
 
 
 def check_sample_prompts(config: RunConfig, family_config) -> None:
-    """``sample_prompts`` are strings, for a family that generates text, each leaving room for new tokens in
-    its context (GPT-2 BPE tokens, the sampler's): checked before training, not after it, where they are used."""
+    """``sample_prompts`` are strings, for a family that generates text, in the run's ``tokenizer`` (the
+    sampler's), whose tokens all lie in the model's vocabulary, each leaving room for new tokens in its
+    context: checked before training, not after it, where they are used."""
     from zoo.models.families import family_of  # local: torch import cost (the parser is built without torch)
 
     prompts = config.sample_prompts
@@ -421,7 +427,12 @@ def check_sample_prompts(config: RunConfig, family_config) -> None:
     from zoo.data.tokenizers import load_gpt2_tokenizer  # local: torch import cost (the parser is built without torch)
 
     n_positions = family.shape(family_config).max_positions
-    tokenizer = load_gpt2_tokenizer()
+    tokenizer = load_gpt2_tokenizer(config.tokenizer)
+    named = f"the tokenizer in {config.tokenizer}" if config.tokenizer else "the bundled GPT-2 tokenizer"
+    if len(tokenizer) > family_config.vocab_size:
+        raise UserError(f"sample_prompts are encoded with {named} ({len(tokenizer)} tokens), more than the "
+                         f"vocab_size {family_config.vocab_size} of model {config.model!r}; set the zoo block's "
+                         "\"tokenizer\" to the directory the run's data was preprocessed with, or remove sample_prompts.")
     for index, prompt in enumerate(prompts):
         length = len(tokenizer.encode(prompt))
         if length >= n_positions:
