@@ -46,7 +46,7 @@ ISSUE_CLAIM = "Megatron reports 82% for 2-way strong scaling on V100s"
 
 def megatron_flops_per_step(batch: int, seq: int, layers: int, hidden: int, vocab: int) -> float:
     """Megatron's model FLOPs of one step, no recomputation (see zoo.training.metrics)."""
-    from zoo.training.metrics import megatron_flops_per_iteration
+    from zoo.planning.flops import megatron_flops_per_iteration
 
     return megatron_flops_per_iteration(batch, seq, layers, hidden, vocab, recompute=False)
 

@@ -8,7 +8,7 @@ growth of its resident set during
 - ``train step``: one training step through a DeepSpeed engine (fp32, no ZeRO, a client
   ``torch.optim.AdamW``, micro-batch 1 x the full 256 positions): weights + gradients + Adam's two
   moments + activations. This row counts from *before* ``from_pretrained`` (the weights are part
-  of it); the planner's prediction (``zoo.training.planner.plan(...).total``) is printed next to it;
+  of it); the planner's prediction (``zoo.planning.planner.plan(...).total``) is printed next to it;
 - ``ds save``: ``engine.save_checkpoint`` of that engine (zoo's pretrain client state);
 - ``save_pretrained``: the collective that writes the merged transformers directory (rank 0 writes);
 
@@ -74,10 +74,10 @@ def peak_growth(operation, since: int | None = None) -> tuple[object, int]:
 
 # --------------------------------------------------------------------------- the planner hook
 def planner_prediction(config, tp: int, micro_batch: int, seq_length: int) -> int | None:
-    """Bytes per rank that ``zoo.training.planner.plan`` predicts for this run (fp32, no ZeRO, tp ranks,
+    """Bytes per rank that ``zoo.planning.planner.plan`` predicts for this run (fp32, no ZeRO, tp ranks,
     dp = 1, on the CPU): weights + gradients + Adam + activations; None if zoo has no planner."""
     try:
-        from zoo.training.planner import plan
+        from zoo.planning.planner import plan
     except ImportError:
         return None
     overrides = {"n_layer": config.n_layer, "n_embd": config.n_embd, "n_head": config.n_head,
@@ -218,7 +218,7 @@ def print_table(config, model_bytes: int, rows: list[dict], exports: dict[int, i
               f"{planner:>8} {row['ds_save'] / model_bytes:>8.2f} {row['save_pretrained'] / model_bytes:>15.2f} "
               f"{export:>7}")
     if not any(row.get("planner") is not None for row in rows):
-        print("planner: zoo.training.planner not found; the column stays empty")
+        print("planner: zoo.planning.planner not found; the column stays empty")
 
 
 def main(argv=None) -> None:

@@ -7,7 +7,7 @@ one stage, so the columns differ only by the pipeline. Printed per configuration
 
 * ``step s``: the median wall time of ``engine.train_batch`` over the timed steps (the slowest stage's);
 * ``ideal s``: what P devices would take without a bubble, T(pp=1) / P, and ``planner s`` the planner's
-  prediction with the bubble, T(pp=1) / P x (m + P - 1) / m (:func:`zoo.training.pipeline_plan.bubble_fraction`);
+  prediction with the bubble, T(pp=1) / P x (m + P - 1) / m (:func:`zoo.planning.pipeline_plan.bubble_fraction`);
   on a machine with fewer cores than P processes the stages share cores, which the planner does not model;
 * per stage: the bytes of its parameters, gradients and Adam moments at the optimizer step (a step pre-hook;
   every storage counted once) against the planner's per-stage model states, and the process's peak RSS.
@@ -117,7 +117,7 @@ def run(args, pp: int, m: int) -> list[tuple]:
 
 def planned_stages(args, pp: int, m: int):
     """The planner's per-stage plan of the same run (fp32, CPU widths)."""
-    from zoo.training.planner import plan
+    from zoo.planning.planner import plan
 
     ds = {"train_batch_size": args.micro * m, "train_micro_batch_size_per_gpu": args.micro,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from tests.spawn import spawn
-from zoo.training.planner import state_bytes
+from zoo.planning.planner import state_bytes
 
 CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 

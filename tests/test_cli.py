@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 
+from zoo.config.run_config import RunConfig
+from zoo.config.run_config import build_parser as pretrain_parser
 from zoo.finetune.config import FinetuneConfig, config_from_args
 from zoo.finetune.config import build_parser as finetune_parser
 from zoo.options import add_options, check_block_keys, check_types, merged_settings, option
-from zoo.training.run_config import RunConfig
-from zoo.training.run_config import build_parser as pretrain_parser
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(str(path.relative_to(REPO)) for folder in ("launch", "finetune") for path in (REPO / folder).glob("*.py"))

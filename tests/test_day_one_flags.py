@@ -34,7 +34,7 @@ REL = 1e-12
 def load(path=DEMO, *flags: str, block: dict | None = None, tmp_path: Path | None = None):
     """The RunConfig of ``path`` (its zoo block updated by ``block``) under the command line ``flags``."""
     from zoo.cli.pretrain import build_parser
-    from zoo.training.run_config import load_run_config
+    from zoo.config.run_config import load_run_config
 
     if block is not None:
         content = json.loads(Path(path).read_text())
@@ -103,7 +103,7 @@ def test_warmup_decay_takes_absolute_rates():
 
 
 def test_overrides_applied_twice_change_nothing():
-    from zoo.training.deepspeed_overrides import apply_overrides
+    from zoo.config.deepspeed_overrides import apply_overrides
 
     config = load(DEMO, "--lr", "7e-4", "--min-lr", "3e-5", "--global-batch-size", "16", "--fp16")
     once = json.dumps(config.ds_config, sort_keys=True)
@@ -129,7 +129,7 @@ def test_deepspeed_runs_the_schedule_the_flags_ask_for():
     import torch
     from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR
 
-    from zoo.training.run_config import deepspeed_dict
+    from zoo.config.run_config import deepspeed_dict
 
     for path, scheduler in ((DEMO, WarmupCosineLR), (BERT_DEMO, WarmupDecayLR)):
         config = load(path, "--lr", "4e-4", "--min-lr", "2e-5", "--lr-warmup-iters", "5", "--train-iters", "20")
@@ -146,7 +146,7 @@ def test_deepspeed_runs_the_schedule_the_flags_ask_for():
 
 
 def test_batch_flags_drop_the_files_accumulation_steps(tmp_path):
-    from zoo.training.run_config import validate_for_world
+    from zoo.config.run_config import validate_for_world
 
     content = json.loads(DEMO.read_text())
     content["gradient_accumulation_steps"] = 2     # 8 = 4 x 2 x dp 1
@@ -158,7 +158,7 @@ def test_batch_flags_drop_the_files_accumulation_steps(tmp_path):
 
 
 def test_batch_arithmetic_is_one_sentence():
-    from zoo.training.run_config import validate_for_world
+    from zoo.config.run_config import validate_for_world
 
     config = load(DEMO, "--global-batch-size", "12", "--tensor-parallel-size", "1")
     with pytest.raises(ValueError) as err:
@@ -207,8 +207,8 @@ def test_schedule_flags_without_a_schedule_to_take_them(tmp_path):
 
 # ----------------------------------------------------------------------------------------- settings shown and kept
 def test_effective_settings_block_and_config_json(tmp_path, capsys):
+    from zoo.config.run_config import deepspeed_dict, load_run_config
     from zoo.training.effective_settings import record_effective_settings
-    from zoo.training.run_config import deepspeed_dict, load_run_config
 
     prefix = tiny_corpus(tmp_path / "corpus")
     save = tmp_path / "run"
@@ -264,10 +264,10 @@ def _settings_worker(rank, world_size, data_path, save):
     import contextlib
     import io
 
-    from zoo.training.deepspeed_overrides import apply_overrides
+    from zoo.config.deepspeed_overrides import apply_overrides
+    from zoo.config.run_config import RunConfig, validate_static
     from zoo.training.metrics import read_metrics
     from zoo.training.pretrain import pretrain
-    from zoo.training.run_config import RunConfig, validate_static
 
     config = RunConfig(tensor_parallel_size=2, model="gpt2-tiny", seq_length=32, train_iters=3, data_path=data_path,
                        split="80,20,0", save=save, log_interval=1, eval_interval=0, eval_iters=1,
@@ -299,7 +299,7 @@ def test_the_writer_alone_shows_and_keeps_the_settings_and_deepspeed_trains_with
 # ----------------------------------------------------------------------------------------- refused before launch
 def test_paper_scale_config_without_data_path_is_one_sentence(tmp_path):
     from zoo.models.families import shape_of
-    from zoo.training.planner import model_config_of
+    from zoo.planning.planner import model_config_of
     from zoo.training.preflight import check_bundled_corpus
 
     config = load(REPO / "ds_configs" / "tp2.json")
@@ -318,8 +318,8 @@ def test_paper_scale_config_without_data_path_is_one_sentence(tmp_path):
 def test_fit_check_refuses_what_the_planner_says_does_not_fit(tmp_path):
     """The memory figure is an argument (the CLI measures it): a stub of exactly the planner's smallest
     footprint fits, one byte less is refused with the plan's numbers and the changes that help."""
-    from zoo.training.fit_check import DeviceMemory
-    from zoo.training.planner import gb, plan
+    from zoo.planning.fit_check import DeviceMemory
+    from zoo.planning.planner import gb, plan
     from zoo.training.preflight import check_before_launch
 
     prefix = tiny_corpus(tmp_path / "corpus")
@@ -343,7 +343,7 @@ def test_fit_check_refuses_what_the_planner_says_does_not_fit(tmp_path):
 
 
 def test_host_memory_is_measured_and_shared_by_the_nodes_ranks(tmp_path):
-    from zoo.training.fit_check import device_memory, host_available_bytes, ranks_on_this_node
+    from zoo.planning.fit_check import device_memory, host_available_bytes, ranks_on_this_node
 
     meminfo = tmp_path / "meminfo"
     meminfo.write_text("MemTotal:       25000000 kB\nMemFree:  100 kB\nMemAvailable:   20000000 kB\n")
@@ -359,7 +359,7 @@ def test_gpu_memory_is_the_free_memory_of_the_ranks_gpu(monkeypatch):
     which device, and which planner row the name selects."""
     import torch
 
-    from zoo.training.fit_check import device_memory, planner_device
+    from zoo.planning.fit_check import device_memory, planner_device
 
     asked = []
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
@@ -372,7 +372,7 @@ def test_gpu_memory_is_the_free_memory_of_the_ranks_gpu(monkeypatch):
 
 
 def test_a_missing_config_names_the_closest_file(tmp_path, monkeypatch):
-    from zoo.training.run_config import read_ds_config
+    from zoo.config.run_config import read_ds_config
 
     monkeypatch.chdir(REPO)
     with pytest.raises(FileNotFoundError, match=r"DeepSpeed config ds_configs/tp_2.json does not exist; pass "

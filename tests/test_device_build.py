@@ -9,10 +9,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from zoo.config.run_config import RunConfig
 from zoo.parallel import ParallelState
 from zoo.parallel.utils import merge_shards
 from zoo.training.pretrain import build_pretraining_model
-from zoo.training.run_config import RunConfig
 
 MODELS = ["gpt2-tiny", "bert-tiny"]
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from zoo.training.planner import plan
+from zoo.planning.planner import plan
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -66,8 +66,8 @@ def _shape(preset: str, **overrides):
 def test_the_shape_formulas_are_the_papers_for_gpt2_and_bert(preset):
     """The part-by-part formulas on GPT-2's and BERT's shape give the closed forms of Korthikanti et al. and
     Megatron exactly (the FLOPs to 1e-15 relative: the closed form rounds s / (6 h))."""
-    from zoo.training.metrics import megatron_flops_per_iteration, model_flops_per_iteration
-    from zoo.training.planner import (
+    from zoo.planning.flops import megatron_flops_per_iteration, model_flops_per_iteration
+    from zoo.planning.planner import (
         activation_bytes,
         activation_bytes_of,
         attention_scores_bytes,
@@ -102,7 +102,7 @@ def test_llama_parameters_are_transformers_count(preset, tp):
     import transformers
 
     from zoo.models.families import model_config
-    from zoo.training.planner import count_parameters
+    from zoo.planning.planner import count_parameters
 
     config = model_config(preset)
     with torch.device("meta"):
@@ -138,7 +138,7 @@ def test_llama_flops_per_iteration_are_what_torch_counts(tmp_path, recompute):
     from torch.utils.flop_counter import FlopCounterMode
 
     from zoo.models.families import build_model
-    from zoo.training.planner import model_config_of, run_config_of
+    from zoo.planning.planner import model_config_of, run_config_of
 
     seq = 64
     path = _llama_ds_config(tmp_path, "flops", seq_length=seq, checkpoint_activations=recompute)
@@ -181,7 +181,7 @@ def test_llama_activation_bytes_are_what_the_model_saves_for_backward(tmp_path, 
     import torch
 
     from zoo.models.families import build_model
-    from zoo.training.planner import model_config_of, run_config_of
+    from zoo.planning.planner import model_config_of, run_config_of
 
     block = {"model_overrides": {"recompute_granularity": recompute}} if recompute else {}
     path = _llama_ds_config(tmp_path, "memory", dtype=dtype, seq_length=64, **block)
@@ -254,7 +254,7 @@ def test_gpt2_bpe_sample_prompts_are_refused_for_a_llama_vocabulary_they_do_not_
     """llama2-7b's 32,000-token vocabulary cannot take GPT-2 BPE ids (up to 50,256): the sample prompts of such
     a run are refused before training, naming the run's ``tokenizer`` setting."""
     from zoo.errors import UserError
-    from zoo.training.planner import run_config_of
+    from zoo.planning.planner import run_config_of
 
     with pytest.raises(UserError, match=r"bundled GPT-2 tokenizer \(50257 tokens\), more than the vocab_size 32000 "
                                         r"of model 'llama2-7b'; set the zoo block's \"tokenizer\""):
@@ -272,7 +272,7 @@ def test_sample_prompts_are_encoded_and_decoded_with_the_runs_tokenizer(tmp_path
     from zoo.data.tokenizers import load_gpt2_tokenizer
     from zoo.inference import sample_lines
     from zoo.models.families import build_model
-    from zoo.training.planner import model_config_of, run_config_of
+    from zoo.planning.planner import model_config_of, run_config_of
 
     trained = ByteLevelBPETokenizer()
     trained.train_from_iterator(["the history of the river", "in the united states the river flows"] * 10,

@@ -55,8 +55,8 @@ def test_log_line_carries_mfu_memory_and_skipped_and_nan_counts():
 
 
 def test_mfu_is_against_the_planner_peak_of_the_device():
+    from zoo.planning.planner import peak_tflops_of
     from zoo.training.loop import mfu_percent
-    from zoo.training.planner import peak_tflops_of
 
     assert mfu_percent(98.94, peak_tflops_of("NVIDIA H100 80GB HBM3")) == pytest.approx(10.0)
     assert mfu_percent(98.94, None) is None

@@ -10,7 +10,9 @@ layer's package and any package of a lower layer; packages of one layer are inde
     zoo.distributed
     zoo.checkpoint.hf                            (transformers' directories, which the models read and write)
     zoo.models | zoo.data
-    zoo.checkpoint                               (every other checkpoint kind; its __init__ imports nothing)
+    zoo.checkpoint | zoo.config                  (every other checkpoint kind; its __init__ imports nothing |
+                                                  a run's configuration: RunConfig, DeepSpeed-key overrides)
+    zoo.planning                                 (does a run fit, how long an iteration takes, FLOPs)
     zoo.training | zoo.eval | zoo.inference
     zoo.finetune | zoo.smoke
     zoo.cli                                      (every entry point's parse-and-run)
@@ -36,7 +38,8 @@ LAYERS: list[set[str]] = [
     {"zoo.distributed"},
     {"zoo.checkpoint.hf"},
     {"zoo.models", "zoo.data"},
-    {"zoo.checkpoint"},
+    {"zoo.checkpoint", "zoo.config"},
+    {"zoo.planning"},
     {"zoo.training", "zoo.eval", "zoo.inference"},
     {"zoo.finetune", "zoo.smoke"},
     {"zoo.cli"},

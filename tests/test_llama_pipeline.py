@@ -153,7 +153,7 @@ def test_the_llama3_8b_3d_config_plans_two_balanced_stages_on_h100s():
     """ds_configs/llama3_8b_tp8_pp2.json (tp 8 x pp 2 x dp 2 on 4 nodes of 8 H100s): the planner splits the
     32 decoder layers 16/16 (the embedding on the first stage, norm and untied head on the last) and fits."""
     from tests.helpers.repo import REPO
-    from zoo.training.planner import plan
+    from zoo.planning.planner import plan
 
     result = plan(REPO / "ds_configs" / "llama3_8b_tp8_pp2.json", 8, num_nodes=4, gpu="H100",
                   with_deepspeed_estimate=False)

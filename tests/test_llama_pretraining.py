@@ -89,7 +89,7 @@ def test_llama_tiny_pretrains_at_tp2_resumes_and_exports_to_transformers(tmp_pat
 
 def test_llama_gpu_configs_fit_an_80gb_gpu_by_the_planner():
     """The Llama ds_configs the README points to plan on H100s (80 GB) without a refusal, and fit."""
-    from zoo.training.planner import plan
+    from zoo.planning.planner import plan
 
     for name, gpus, nodes in (("llama2_7b_tp8.json", 8, 1), ("llama3_8b_tp8_zero1.json", 8, 2)):
         result = plan(REPO / "ds_configs" / name, gpus, num_nodes=nodes, gpu="H100", with_deepspeed_estimate=False)

@@ -156,7 +156,7 @@ def test_stage_init_equals_one_stage_model(tp, pp, method):
     """Also: the planner's stage bounds are the ones DeepSpeed's PipelineModule computed."""
     from zoo.models import GPT2LMHeadModel
     from zoo.parallel import ParallelState
-    from zoo.training.pipeline_plan import entry_parameters, stage_bounds
+    from zoo.planning.pipeline_plan import entry_parameters, stage_bounds
 
     results = spawn(_stage, tp * pp, tp, pp, torch.float32, False, method)
     grid = ParallelState(tp_size=tp, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,
@@ -239,9 +239,9 @@ def test_stages_load_transformers_weights(tmp_path):
 def test_a_pipeline_run_takes_its_shapes_from_the_pretrained_directory(tmp_path):
     """--pretrained with stages: the directory's config (here 3 layers of width 64) with the run's dropout,
     recomputation and sequence-parallel fields, as a one-stage run takes it."""
+    from zoo.config.run_config import RunConfig
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.training.pipeline import pipeline_model_config
-    from zoo.training.run_config import RunConfig
 
     GPT2LMHeadModel(gpt2_config("gpt2-tiny", n_layer=3, n_embd=64, n_head=4)).save_pretrained(tmp_path)
     config = RunConfig(model="gpt2-tiny", pretrained=str(tmp_path), pipeline_model_parallel_size=2,

@@ -1,4 +1,4 @@
-"""launch/plan.py and zoo.training.planner: the paper's Table 1 parameter counts, the per-rank bytes, the
+"""launch/plan.py and zoo.planning.planner: the paper's Table 1 parameter counts, the per-rank bytes, the
 activation formulas of Korthikanti et al. 2022 against hand-computed numbers, and one-sentence errors."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 from tests.spawn import spawn
 from zoo.cli.plan import main
-from zoo.training.planner import (
+from zoo.planning.planner import (
     activation_bytes,
     attention_scores_bytes,
     deepspeed_estimate,
@@ -323,7 +323,7 @@ def test_a_pipeline_plan_counts_each_stage_and_the_bubble(tmp_path):
     layers' activations and the last stage one, the bubble is (P - 1) / (m + P - 1) and stretches the time."""
     import json
 
-    from zoo.training.pipeline_plan import bubble_fraction
+    from zoo.planning.pipeline_plan import bubble_fraction
 
     config = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
     config["zoo"].update(tensor_parallel_size=2, pipeline_model_parallel_size=2, pipeline_partition_method="uniform",

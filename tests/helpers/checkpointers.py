@@ -12,9 +12,9 @@ from tests.helpers.pretraining import run_config
 def single_rank_checkpointer(tmp_path, is_writer=False, **changes):
     """The Checkpointer of a gpt2-tiny run at tp = dp = 1 saving under ``tmp_path/run``, around a stand-in
     engine whose module is one Linear; ``changes`` set RunConfig fields."""
+    from zoo.config.run_config import deepspeed_dict
     from zoo.parallel import ParallelState
     from zoo.training.checkpointer import Checkpointer
-    from zoo.training.run_config import deepspeed_dict
 
     config = run_config(str(tmp_path / "data"), str(tmp_path / "run"), 1, 1, 1, train_iters=10, **changes)
     single = ParallelState(tp_size=1, tp_rank=0, tp_group=None, dp_size=1, dp_rank=0, dp_group=None,

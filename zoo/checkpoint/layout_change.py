@@ -14,7 +14,7 @@ rank's partition of a ZeRO or BF16 optimizer. The low-precision weight is the ma
 step leaves it. The LR schedule, DeepSpeed's step counters, the loss scaler (fp16 to fp16) and zoo's client
 state come from the checkpoint's first rank.
 
-Memory, per rank, in the planner's terms (:mod:`zoo.training.planner`: ``params_per_rank`` parameters on a rank,
+Memory, per rank, in the planner's terms (:mod:`zoo.planning.planner`: ``params_per_rank`` parameters on a rank,
 12 bytes each of fp32 master and two Adam moments): the move holds at most its own share, 12 x params_per_rank
 bytes, plus the largest merged tensor (4 bytes x the numel of the largest parameter, merged over the source's TP
 ranks at its padding). In fact it holds one parameter's three slices of this rank and, for a ZeRO/BF16 source, the

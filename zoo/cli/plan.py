@@ -1,6 +1,6 @@
 """``launch/plan.py``: does a config fit, and how long will an iteration take? Per-rank memory (weights,
 gradients, optimizer, activations) and seconds per iteration, from the ds_config alone (no GPU, no process
-group; see zoo.training.planner).
+group; see zoo.planning.planner).
 
     python launch/plan.py --deepspeed_config ds_configs/tp8.json --num-gpus 8 [--num-nodes 1]
         [--gpu V100|A100|H100|H200|cpu] [--gpu-memory 32GB] [--mfu 0.4] [--json]
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from zoo.cli.command import run_command
 from zoo.options import add_options, option
-from zoo.training.planner import CPU, GPUS, format_plan, plan
+from zoo.planning.planner import CPU, GPUS, format_plan, plan
 
 
 @dataclass(kw_only=True)

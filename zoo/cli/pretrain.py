@@ -20,9 +20,9 @@ from __future__ import annotations
 import argparse
 
 from zoo.cli.command import command_parser, run_command
+from zoo.config.run_config import build_parser as run_config_parser
+from zoo.config.run_config import load_run_config
 from zoo.errors import alike_on_every_rank
-from zoo.training.run_config import build_parser as run_config_parser
-from zoo.training.run_config import load_run_config
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -51,7 +51,7 @@ def check_launch(config) -> None:
     ds_config nor --load asks for a DeepSpeed universal checkpoint (zoo.checkpoint.universal)."""
     from zoo.checkpoint.universal import check_no_load_universal, check_not_universal  # local: torch import cost
     from zoo.distributed.local_rank import launcher_local_rank  # local: torch import cost, after parsing
-    from zoo.training.fit_check import device_memory  # local: torch import cost, after parsing
+    from zoo.planning.fit_check import device_memory  # local: torch import cost, after parsing
     from zoo.training.preflight import check_before_launch, launcher_world_size  # local: torch import cost
 
     check_no_load_universal(config.ds_config, config.ds_config_path)

@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from zoo.config.run_config import check_ds_config, read_ds_config
 from zoo.errors import UserError
 from zoo.options import (
     add_deepspeed_config_argument,
@@ -24,7 +25,6 @@ from zoo.options import (
     merged_settings,
     option,
 )
-from zoo.training.run_config import check_ds_config, read_ds_config
 
 # The paper's Table 6 grid uses these defaults' neighbourhood; a single run gets sensible ones.
 DEFAULT_MAX_SEQ_LENGTH = {"mnli": 128, "qqp": 128, "race": 512, "squad": 384, "same-article": 64}

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from zoo.config.run_config import check_ds_config, read_ds_config
 from zoo.errors import MissingInput, UserError
-from zoo.training.run_config import check_ds_config, read_ds_config
 
 BERT_DIRECTORY = "a BERT directory in transformers' layout (config.json, model.safetensors, vocab.txt)"
 TASK_DATA = "the task's data (a directory in the original or HF hub layout, a file the task reads, or hub:NAME[/CONFIG])"

@@ -53,8 +53,8 @@ MLM_SOP = "mlm_sop"         # masked LM plus sentence-order prediction on senten
 
 @dataclass(frozen=True)
 class ModelShape:
-    """What the FLOPs formula (:func:`zoo.training.metrics.model_flops_per_iteration`) and the planner's
-    activation formulas (:mod:`zoo.training.planner`) read of a model: its sizes and how its layer is built.
+    """What the FLOPs formula (:func:`zoo.planning.flops.model_flops_per_iteration`) and the planner's
+    activation formulas (:mod:`zoo.planning.planner`) read of a model: its sizes and how its layer is built.
 
     Attention has ``heads`` query heads and ``kv_heads`` key/value heads (fewer: grouped-query attention) of
     width ``head_dim``; the MLP has ``ffn_matrices`` GEMMs of inner width ``ffn_hidden`` (2: up and down around

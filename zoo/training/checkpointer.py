@@ -42,11 +42,11 @@ from zoo.checkpoint.safe_load import weights_only_loads
 from zoo.checkpoint.save import save_checkpoint
 from zoo.checkpoint.training_state import precision_of, zero_stage_of
 from zoo.checkpoint.zero_reshard import partition_files
+from zoo.config.run_config import RunConfig, lr_schedule, schedule_change_warning
 from zoo.distributed import first_rank_result, raise_on_any_rank
 from zoo.errors import MissingInput
 from zoo.parallel.random import model_parallel_seed, seed_after_layout_change
 from zoo.training.loop import LoopState
-from zoo.training.run_config import RunConfig, lr_schedule, schedule_change_warning
 
 __all__ = ["Checkpointer", "resumed_line", "rng_state", "set_rng_state"]
 

@@ -1,7 +1,7 @@
 """The settings a pretraining run resolved, shown once at its start and kept in ``<save>/config.json``.
 
 Megatron prints its arguments at start; zoo's settings come from three places (the ds_config, its zoo block,
-the flags: :mod:`zoo.training.deepspeed_overrides`) plus what the world size decides. The writer prints one
+the flags: :mod:`zoo.config.deepspeed_overrides`) plus what the world size decides. The writer prints one
 block (model shape, layout tp x pp x dp, batch arithmetic, precision, optimizer, schedule with what
 ``--train-iters`` rewrote, data with each corpus's weight, documents, tokens and epochs covered) and writes
 the same as ``<save>/config.json``:
@@ -23,11 +23,11 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import check_writable_directory, unwritable_directory, write_text_atomic
+from zoo.config.deepspeed_overrides import OVERRIDE_FIELDS
+from zoo.config.run_config import SCHEDULES_OVER_TRAIN_ITERS, ZOO_TOP_LEVEL_KEYS, RunConfig, deepspeed_dict
 from zoo.errors import UserError
 from zoo.options import settings_of
-from zoo.training.deepspeed_overrides import OVERRIDE_FIELDS
-from zoo.training.planner import count_parameters, model_config_of, zero_stage_of
-from zoo.training.run_config import SCHEDULES_OVER_TRAIN_ITERS, ZOO_TOP_LEVEL_KEYS, RunConfig, deepspeed_dict
+from zoo.planning.planner import count_parameters, model_config_of, zero_stage_of
 
 __all__ = ["CONFIG_FILE", "effective_settings", "format_effective_settings", "record_effective_settings",
            "run_config_file"]

@@ -206,8 +206,8 @@ def mfu_percent(tflops_per_device: float, peak_tflops: float | None) -> float | 
 
 
 def device_peak_tflops(device: torch.device) -> float | None:
-    """The planner's dense peak of ``device`` (:data:`zoo.training.planner.GPUS`), None off CUDA."""
-    from zoo.training.planner import peak_tflops_of  # local: the one table of GPU peaks
+    """The planner's dense peak of ``device`` (:data:`zoo.planning.planner.GPUS`), None off CUDA."""
+    from zoo.planning.planner import peak_tflops_of  # local: the one table of GPU peaks
 
     if device.type != "cuda":
         return None

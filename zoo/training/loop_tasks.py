@@ -9,12 +9,13 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from zoo.config.run_config import RunConfig
+from zoo.planning.flops import model_flops_per_iteration
 from zoo.training.families import forward_with_metrics
 from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm
 from zoo.training.loop import LogWindow, LoopState
-from zoo.training.metrics import format_log_line, model_flops_per_iteration
+from zoo.training.metrics import format_log_line
 from zoo.training.pretraining_data import PretrainingData
-from zoo.training.run_config import RunConfig
 
 __all__ = ["TrainTask", "PretrainTask", "format_log_line"]
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from zoo.config.run_config import RunConfig
 from zoo.distributed import raise_on_any_rank
 from zoo.training.grad_norm import (
     current_loss_scale,
@@ -43,7 +44,6 @@ from zoo.training.grad_norm import (
 from zoo.training.loop_tasks import PretrainTask
 from zoo.training.loss_scaling import scale_pipeline_losses_once
 from zoo.training.pretraining_data import PretrainingData
-from zoo.training.run_config import RunConfig
 
 __all__ = ["pipeline_ds_dict", "build_pipeline_model", "setup_pipeline_engine", "StageGradClipping",
            "PipelinePretrainTask", "pipeline_validation_means", "is_pipeline_engine", "pipeline_grad_norm",

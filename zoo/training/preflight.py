@@ -2,11 +2,11 @@
 DeepSpeed is imported, a process group exists or a model is built.
 
 - The rank grid and the batch arithmetic against the launcher's world size (micro-batch x accumulation
-  steps x dp = global batch: :func:`zoo.training.run_config.validate_for_world`).
+  steps x dp = global batch: :func:`zoo.config.run_config.validate_for_world`).
 - The sequence length against the model's position table.
 - A model larger than the demo's without ``--data-path``: the bundled Wikipedia sample is the demo
   configs' corpus, and a paper-scale model would train on it silently (:func:`check_bundled_corpus`).
-- The planner's fit check on this rank's device (:func:`zoo.training.fit_check.check_fit`), unless
+- The planner's fit check on this rank's device (:func:`zoo.planning.fit_check.check_fit`), unless
   ``--skip-fit-check``; the device's memory is an argument, filled by the caller from the device.
 """
 
@@ -15,11 +15,11 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
+from zoo.config.run_config import RunConfig, validate_for_world
 from zoo.distributed.local_rank import world_size_of
 from zoo.errors import UserError
-from zoo.training.fit_check import DeviceMemory, check_fit
-from zoo.training.planner import model_config_of
-from zoo.training.run_config import RunConfig, validate_for_world
+from zoo.planning.fit_check import DeviceMemory, check_fit
+from zoo.planning.planner import model_config_of
 
 __all__ = ["BUNDLED_CORPUS_MAX_LAYER_PARAMETERS", "check_before_launch", "check_bundled_corpus",
            "launcher_world_size"]

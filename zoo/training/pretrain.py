@@ -19,6 +19,14 @@ import torch.distributed as dist
 
 from zoo.atomic import check_writable_directory
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR
+from zoo.config.run_config import (
+    RunConfig,
+    clipped_warmup_warning,
+    deepspeed_dict,
+    pipeline_bubble_warning,
+    pipeline_sampling_warning,
+    validate_for_world,
+)
 from zoo.distributed import host_group, raise_on_any_rank
 from zoo.errors import UserError
 from zoo.models import model_config as build_model_config
@@ -46,14 +54,6 @@ from zoo.training.pipeline import (
     setup_pipeline_engine,
 )
 from zoo.training.pretraining_data import PretrainingData
-from zoo.training.run_config import (
-    RunConfig,
-    clipped_warmup_warning,
-    deepspeed_dict,
-    pipeline_bubble_warning,
-    pipeline_sampling_warning,
-    validate_for_world,
-)
 from zoo.training.run_directory import claim_pretraining_directory
 from zoo.training.validator import Validator
 

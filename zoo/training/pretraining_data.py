@@ -10,13 +10,13 @@ import sys
 
 import torch
 
+from zoo.config.run_config import RunConfig
 from zoo.data.blend_cache import shared_blend_index
 from zoo.data.blending import BlendedDataset, check_data_path
 from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader, shut_down_workers
 from zoo.data.indexed_dataset import IndexedDataset
 from zoo.distributed import raise_on_any_rank, run_on_first_rank
 from zoo.training.families import build_dataset, default_corpus, objective_of
-from zoo.training.run_config import RunConfig
 
 __all__ = ["PretrainingData", "can_start_workers"]
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import torch
 
+from zoo.config.run_config import RunConfig
 from zoo.distributed import means_over_dp
 from zoo.training.families import forward_with_metrics
 from zoo.training.loop import LoopState, to_device
 from zoo.training.metrics import MetricsLogger, perplexity
 from zoo.training.pipeline import is_pipeline_engine, pipeline_validation_means
 from zoo.training.pretraining_data import PretrainingData
-from zoo.training.run_config import RunConfig
 
 __all__ = ["Validator", "validation_means"]
 

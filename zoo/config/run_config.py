@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from zoo.config.deepspeed_overrides import apply_overrides, precision_flags_given
 from zoo.errors import MissingInput, UserError
 from zoo.options import (
     add_deepspeed_config_argument,
@@ -58,7 +59,6 @@ from zoo.options import (
     option,
     shown,
 )
-from zoo.training.deepspeed_overrides import apply_overrides, precision_flags_given
 
 
 @dataclass
@@ -129,7 +129,7 @@ class RunConfig:
     tokenizer: str | None = option(None, group="logging", flag=None,
                                    help="the tokenizer directory the data was preprocessed with, which encodes and "
                                         "decodes sample_prompts (default: the bundled GPT-2 BPE)")
-    # Megatron's flags for what the DeepSpeed part of the ds_config says (zoo.training.deepspeed_overrides):
+    # Megatron's flags for what the DeepSpeed part of the ds_config says (zoo.config.deepspeed_overrides):
     # None leaves the ds_config's own value.
     lr: float | None = option(None, group="learning rate",
                               help="peak learning rate (the optimizer's lr; WarmupDecayLR's warmup_max_lr)")

@@ -4,7 +4,7 @@ The memory a rank may use is measured on the device the run will take (:func:`de
 memory of this rank's GPU where torch sees one (and DeepSpeed is not told to use the CPU), else the host's
 available memory (``MemAvailable``) shared by the ranks of this node. :func:`check_fit` takes that figure as
 an argument and refuses, in one sentence with the planner's numbers and what to change, a run whose
-smallest possible footprint (:func:`zoo.training.planner.plan` without the attention scores, which zoo's
+smallest possible footprint (:func:`zoo.planning.planner.plan` without the attention scores, which zoo's
 fused attention does not keep) exceeds it.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoo.errors import UserError
-from zoo.training.planner import CPU, GPUS, Plan, gb, plan
+from zoo.planning.planner import CPU, GPUS, Plan, gb, plan
 
 __all__ = ["DeviceMemory", "check_fit", "device_memory", "host_available_bytes", "ranks_on_this_node"]
 

@@ -14,7 +14,7 @@ rates (``warmup_max_lr``, ``warmup_min_lr``; WarmupDecayLR decays back to ``warm
 of all three. A schedule zoo cannot rewrite this way (OneCycle, LRRangeTest, none at all) refuses the
 flags it cannot honour in one sentence. The batch flags drop a file's ``gradient_accumulation_steps``:
 it follows from micro x accumulation x dp = global, checked once the world size is known
-(:func:`zoo.training.run_config.validate_for_world`).
+(:func:`zoo.config.run_config.validate_for_world`).
 
 Applying the overrides twice gives the same ds_config, so a config that was resolved once may be resolved
 again (the planner does).

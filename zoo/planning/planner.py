@@ -9,7 +9,7 @@ Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer
 Every formula reads the family's shape from the registry (:class:`zoo.models.families.ModelShape`: heads
 and key/value heads, MLP width and GEMMs, norm, dropouts, attention kernel), so GPT-2 and BERT get the
 paper's numbers and Llama its own. Time is Megatron's FLOPs formula generalised to the shape
-(:func:`zoo.training.metrics.model_flops_per_iteration`) over an
+(:func:`zoo.planning.flops.model_flops_per_iteration`) over an
 assumed model-FLOPs utilisation of the named GPU's dense peak.
 
     python launch/plan.py --deepspeed_config ds_configs/tp8.json --num-gpus 8 [--gpu V100] [--json]   # zoo.cli.plan
@@ -30,17 +30,17 @@ from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
-from zoo.errors import UserError
-from zoo.training.deepspeed_overrides import apply_overrides
-from zoo.training.metrics import model_flops_per_iteration
-from zoo.training.pipeline_plan import bubble_fraction, plan_stages
-from zoo.training.run_config import (
+from zoo.config.deepspeed_overrides import apply_overrides
+from zoo.config.run_config import (
     RunConfig,
     check_field_types,
     load_run_config,
     validate_for_world,
     validate_static,
 )
+from zoo.errors import UserError
+from zoo.planning.flops import model_flops_per_iteration
+from zoo.planning.pipeline_plan import bubble_fraction, plan_stages
 
 
 @dataclass(frozen=True)
