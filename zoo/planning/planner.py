@@ -477,6 +477,32 @@ def model_config_of(config: RunConfig):
     return built.validate(config.tensor_parallel_size)
 
 
+def check_plan_arguments(num_gpus: int, num_nodes: int, mfu: float) -> None:
+    """Device counts are positive integers and the MFU a fraction, else one sentence naming the flag."""
+    for name, value in (("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UserError(f"{name} {value!r} must be a positive integer; pass the number of devices per node "
+                             "and of nodes.")
+    if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
+        raise UserError(f"--mfu {mfu!r} must be a fraction in (0, 1]; pass e.g. --mfu 0.4.")
+
+
+def check_layout_divides(config: RunConfig, num_gpus: int, num_nodes: int) -> None:
+    """tp x pp divides the world, else one sentence naming the layout, the devices and the fix."""
+    tp, pp, world = config.tensor_parallel_size, config.pipeline_model_parallel_size, num_gpus * num_nodes
+    if world % (tp * pp) != 0:
+        layout = f"tensor_parallel_size {tp}" + (f" x pipeline_model_parallel_size {pp}" if pp > 1 else "")
+        raise UserError(f"{layout} of {config.ds_config_path} does not divide the {world} devices ({num_gpus} per "
+                         f"node x {num_nodes} nodes); plan a multiple of {tp * pp} devices.")
+
+
+def check_sequence_fits(config: RunConfig, shape) -> None:
+    """The run's sequences fit the model's position table, else one sentence naming both."""
+    if config.seq_length > shape.max_positions:
+        raise UserError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
+                         f"{shape.max_positions}; pass a seq_length of {shape.max_positions} or less.")
+
+
 def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: int, *, num_nodes: int = 1,
          gpu: str = "V100", gpu_memory: str | int | None = None, mfu: float = 0.4,
          with_deepspeed_estimate: bool = True) -> Plan:
@@ -495,28 +521,18 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     from zoo.models.config import recompute_mode  # local: torch and transformers import cost
     from zoo.models.families import family_of  # local: torch and transformers import cost
 
-    for name, value in (("--num-gpus", num_gpus), ("--num-nodes", num_nodes)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise UserError(f"{name} {value!r} must be a positive integer; pass the number of devices per node "
-                             "and of nodes.")
-    if isinstance(mfu, bool) or not isinstance(mfu, (int, float)) or not 0 < mfu <= 1:
-        raise UserError(f"--mfu {mfu!r} must be a fraction in (0, 1]; pass e.g. --mfu 0.4.")
+    check_plan_arguments(num_gpus, num_nodes, mfu)
     spec = None if str(gpu).lower() == CPU else gpu_spec(gpu)
     memory = parse_memory(gpu_memory) if gpu_memory is not None else (spec.memory_bytes if spec else None)
 
     config = run_config_of(source)
     tp, pp, world = config.tensor_parallel_size, config.pipeline_model_parallel_size, num_gpus * num_nodes
-    if world % (tp * pp) != 0:
-        layout = f"tensor_parallel_size {tp}" + (f" x pipeline_model_parallel_size {pp}" if pp > 1 else "")
-        raise UserError(f"{layout} of {config.ds_config_path} does not divide the {world} devices ({num_gpus} per node x {num_nodes} nodes); plan a "
-                         f"multiple of {tp * pp} devices.")
+    check_layout_divides(config, num_gpus, num_nodes)
     gas = validate_for_world(config, world)
     model_config = model_config_of(config)
     family = family_of(model_config)
     shape = family.shape(model_config)
-    if config.seq_length > shape.max_positions:
-        raise UserError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
-                         f"{shape.max_positions}; pass a seq_length of {shape.max_positions} or less.")
+    check_sequence_fits(config, shape)
 
     dp = world // (tp * pp)
     dtype, zero_stage = config.dtype_name, zero_stage_of(config.ds_config)
