@@ -347,6 +347,44 @@ def _run_in_process(command: list[str], env: dict[str, str], log_path: Path) -> 
         os.environ.update(saved)
 
 
+def tracking_environment(spec: SweepSpec, project: str | None, entity: str | None, path, track_wandb: bool) -> dict:
+    """The W&B variables every run of the grid gets; ``--no-wandb`` disables W&B, and naming a project or an
+    entity with it is one sentence."""
+    if track_wandb:
+        return wandb_environment(spec, project, entity, path)
+    if project is not None or entity is not None:
+        flag = "--project" if project is not None else "--entity"
+        raise UserError(f"{flag} names a W&B {flag[2:]} but --no-wandb runs the grid untracked; drop one of them.")
+    return {"WANDB_MODE": "disabled"}
+
+
+def run_point(command: list[str], setting: dict, spec: SweepSpec, save: Path, env: dict, in_process: bool) -> dict:
+    """One grid point run to its end, its output in ``<save>.log`` beside it: the row of its grid values, run
+    name, exit code and score (None for a failed run, which is said in one line)."""
+    log_path = save.parent / f"{save.name}.log"
+    if in_process:
+        returncode = _run_in_process(command, env, log_path)
+    else:
+        with log_path.open("w") as log:
+            returncode = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT).returncode
+    score = None
+    if returncode == 0 and (save / "results.json").is_file():
+        score = metric_of(json.loads((save / "results.json").read_text()), spec.metric)
+    else:
+        print(f"run {save.name} failed (exit {returncode}); see {log_path}")
+    return {**{k: setting[k] for k in spec.grid}, "run": save.name, "exit_code": returncode, "score": score}
+
+
+def write_results(rows: list[dict], summary: list[dict], spec: SweepSpec, out_dir: Path) -> str:
+    """runs.csv, summary.csv, summary.md and sweep.png in ``out_dir``; returns the summary table."""
+    table = format_table(summary, spec)
+    _write_csv(out_dir / "runs.csv", rows)
+    _write_csv(out_dir / "summary.csv", summary)
+    write_text_atomic(out_dir / "summary.md", f"# sweep {spec.name} ({spec.metric}, median over seeds)\n\n{table}\n")
+    plot_sweep(rows, summary, spec, out_dir / "sweep.png")
+    return table
+
+
 def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, count: int | None = None,
               dry_run: bool = False, launcher: str | None = None, project: str | None = None,
               extra_env: dict[str, str] | None = None, in_process: bool = False, *,
@@ -365,13 +403,7 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
         raise UserError(f"--count {count} must be 1 or more (the number of grid points to run); leave it out to "
                          "run them all.")
     spec = apply_overrides(spec, overrides)
-    if track_wandb:
-        wandb_env = wandb_environment(spec, project, entity, path)
-    elif project is not None or entity is not None:
-        flag = "--project" if project is not None else "--entity"
-        raise UserError(f"{flag} names a W&B {flag[2:]} but --no-wandb runs the grid untracked; drop one of them.")
-    else:
-        wandb_env = {"WANDB_MODE": "disabled"}
+    wandb_env = tracking_environment(spec, project, entity, path, track_wandb)
     out_dir = Path(out or Path("runs") / "sweeps" / spec.name)
     settings = spec.settings()[: count or None]
     saves = [out_dir / run_name(setting, spec) for setting in settings]
@@ -394,26 +426,10 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
     check_file_values(spec.fixed, spec.grid, overrides, str(path))
     out_dir.mkdir(parents=True, exist_ok=True)
     for setting, save in tqdm(list(zip(settings, saves)), desc=f"sweep {spec.name}", unit="run", file=sys.stdout):
-        log_path = out_dir / f"{save.name}.log"
-        if in_process:
-            returncode = _run_in_process(command_for(setting, spec, save, "", overwrite), env, log_path)
-        else:
-            with log_path.open("w") as log:
-                returncode = subprocess.run(command_for(setting, spec, save, launcher, overwrite), env=env,
-                                            stdout=log, stderr=subprocess.STDOUT).returncode
-        score = None
-        if returncode == 0 and (save / "results.json").is_file():
-            score = metric_of(json.loads((save / "results.json").read_text()), spec.metric)
-        else:
-            print(f"run {save.name} failed (exit {returncode}); see {log_path}")
-        rows.append({**{k: setting[k] for k in spec.grid}, "run": save.name, "exit_code": returncode,
-                     "score": score})
+        command = command_for(setting, spec, save, "" if in_process else launcher, overwrite)
+        rows.append(run_point(command, setting, spec, save, env, in_process))
     summary = summarize(rows, spec)
-    table = format_table(summary, spec)
-    _write_csv(out_dir / "runs.csv", rows)
-    _write_csv(out_dir / "summary.csv", summary)
-    write_text_atomic(out_dir / "summary.md", f"# sweep {spec.name} ({spec.metric}, median over seeds)\n\n{table}\n")
-    plot_sweep(rows, summary, spec, out_dir / "sweep.png")
+    table = write_results(rows, summary, spec, out_dir)
     print(table)
     print(f"{len(rows)} runs; table in {out_dir / 'summary.md'}, plot in {out_dir / 'sweep.png'}; "
           f"{tracking_note(env, spec, track_wandb)}")
