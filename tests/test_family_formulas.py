@@ -224,8 +224,9 @@ def _llama_saved_bytes_at_tp(rank: int, world_size: int, seq: int, micro_batch: 
 
 def test_llama_activation_bytes_at_tp2_with_and_without_sequence_parallelism(tmp_path):
     """At tp = 2 each rank saves what the planner says, without sequence parallelism and with it, where the
-    norms, the MLP's input and the head's input are this rank's s/2 tokens but the q/k/v GEMMs keep their
-    all-gathered input (s tokens); the norms' per-row 1/rms and the rotary tables left out as above."""
+    norms, the q/k/v GEMMs' shared input, the MLP's input and the head's input are this rank's s/2 tokens (an
+    attention that kept its all-gathered input, s tokens, would save v h s b / 2 more per layer and fail); the
+    norms' per-row 1/rms and the rotary tables left out as above."""
     from tests.spawn import spawn
 
     seq, micro_batch, head_dim, layers = 64, 4, 32, 2

@@ -62,8 +62,7 @@ class ModelShape:
     transformers' LlamaRMSNorm). ``layer_dropouts``: dropout masks a layer keeps for backward (after attention
     and after the MLP), ``embedding_dropout``: one after the embeddings. ``fused_attention``: the attention core
     keeps what SDPA's fused kernels keep (its inputs, output and log-sum-exp) rather than the attention
-    scores of Korthikanti et al.'s count. ``gathered_attention_input``: under sequence parallelism the q/k/v
-    GEMMs keep their all-gathered input (s tokens) instead of this rank's s/p.
+    scores of Korthikanti et al.'s count.
     """
 
     layers: int
@@ -79,7 +78,6 @@ class ModelShape:
     layer_dropouts: int
     embedding_dropout: bool
     fused_attention: bool
-    gathered_attention_input: bool = False
 
 
 def gpt2_shape(config: GPT2Config) -> ModelShape:
@@ -102,12 +100,11 @@ def bert_shape(config: BertConfig) -> ModelShape:
 
 def llama_shape(config: LlamaConfig) -> ModelShape:
     """Llama: grouped-query attention through SDPA's fused kernel (no attention dropout in any preset), a
-    SwiGLU MLP, RMSNorm, no dropout in the residual stream; q/k/v read the all-gathered input under
-    sequence parallelism (:class:`zoo.models.llama.layers.LlamaAttention`)."""
+    SwiGLU MLP, RMSNorm, no dropout in the residual stream."""
     return ModelShape(config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.vocab_size,
                       config.max_position_embeddings, kv_heads=config.kv_heads, head_dim=config.attention_head_dim,
                       ffn_hidden=config.intermediate_size, ffn_matrices=3, norm="rmsnorm", layer_dropouts=0,
-                      embedding_dropout=False, fused_attention=True, gathered_attention_input=True)
+                      embedding_dropout=False, fused_attention=True)
 
 
 @dataclass(frozen=True)

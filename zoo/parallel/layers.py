@@ -80,60 +80,88 @@ def uses_sequence_parallel(parallel: ParallelState | None, requested: bool, seq_
 
 
 class _ColumnParallelLinear(torch.autograd.Function):
-    """Y_i = f(X) A_i^T + b_i, or with sequence parallelism Y_i = AG(X_i) A_i^T + b_i, with Megatron's
-    backward overlap (its ``LinearWithGradAccumulationAndAsyncCommunication``).
+    """Y_j,i = f(X) A_j,i^T + b_j,i for n >= 1 column-parallel weights A_1 ... A_n that read the same X, or with
+    sequence parallelism Y_j,i = AG(X_i) A_j,i^T + b_j,i, with Megatron's backward overlap (its
+    ``LinearWithGradAccumulationAndAsyncCommunication``). The n GEMMs share one f (or one all-gather), so the
+    input is kept once and its gradient crosses the wire once, summed: dX = sum_j dY_j A_j,i.
 
-    Backward, plain: dX = all-reduce(dY A_i) (this is f's backward) runs asynchronously while the weight
-    gradient dA_i = dY^T X is computed. The all-reduce writes into dY A_i, a fresh tensor, so f's copy
-    of the gradient is not needed.
+    Backward, plain: dX = all-reduce(sum_j dY_j A_j,i) (this is f's backward) runs asynchronously while the
+    weight gradients dA_j,i = dY_j^T X are computed. The all-reduce writes into the summed product, a fresh
+    tensor, so f's copy of the gradient is not needed.
 
-    Backward, sequence parallel (Korthikanti et al. 2022, 4.2.2): only the local tokens X_i (b, s/p, in)
-    are kept; their all-gather is started first and overlaps dY A_i, then the reduce-scatter of dY A_i
-    along the sequence (the conjugate of the forward gather) overlaps dA_i = dY^T AG(X_i).
+    Backward, sequence parallel (Korthikanti et al. 2022, 4.2.2): only the local tokens X_i (b, s/p, in) are
+    kept; their all-gather is started first and overlaps sum_j dY_j A_j,i, then the one reduce-scatter of that
+    sum along the sequence (the conjugate of the forward gather) overlaps dA_j,i = dY_j^T AG(X_i).
+
+    ``apply(x, parallel, sequence_parallel, *weights, *biases)`` with n weights and n biases (None where a GEMM
+    has none); returns the n outputs.
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, parallel: ParallelState,
-                sequence_parallel: bool) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, parallel: ParallelState, sequence_parallel: bool,
+                *weights_and_biases: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+        n = len(weights_and_biases) // 2
+        weights, biases = weights_and_biases[:n], weights_and_biases[n:]
         ctx.parallel = parallel
         ctx.sequence_parallel = sequence_parallel
-        ctx.has_bias = bias is not None
-        ctx.grad_dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.has_bias = tuple(bias is not None for bias in biases)
+        ctx.grad_dtypes = (x.dtype, *(t.dtype for t in weights), *(None if t is None else t.dtype for t in biases))
         # Under autocast F.linear would compute in the autocast dtype; backward runs outside autocast, so the
         # operands are cast here, once, and saved as cast (as torch.amp.custom_fwd(cast_inputs=...) does).
         dtype = autocast_dtype(x.device.type)
         if dtype is not None:
-            x, weight, bias = (None if t is None else t.to(dtype) for t in (x, weight, bias))
-        ctx.save_for_backward(x, weight)
+            x, weights, biases = x.to(dtype), [w.to(dtype) for w in weights], [_cast(b, dtype) for b in biases]
+        ctx.save_for_backward(x, *weights)
         total = _gather_sequence(x, parallel) if sequence_parallel else x             # (b, s, in)
-        return F.linear(total, weight, bias)                                          # (b, s, out / p)
+        return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))        # n x (b, s, out_j / p)
 
     @staticmethod
-    def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
+    def backward(ctx, *grads):
+        x, *weights = ctx.saved_tensors
+        n = len(weights)
         parallel, sequence_parallel = ctx.parallel, ctx.sequence_parallel
-        need_input, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        gather = _start_gather_sequence(x, parallel)[1] if sequence_parallel and need_weight else None
+        need_input = ctx.needs_input_grad[0]
+        need_weights, need_biases = ctx.needs_input_grad[3:3 + n], ctx.needs_input_grad[3 + n:]
+        gather = _start_gather_sequence(x, parallel)[1] if sequence_parallel and any(need_weights) else None
         grad_input = work = None
         if need_input:
-            grad_input = grad.matmul(weight)                                          # (b, s, in), partial
+            grad_input = _summed_input_gradient(grads, weights)                      # (b, s, in), partial
         x_full = gather() if gather is not None else x                                # (b, s, in)
         if need_input:
             if sequence_parallel:
                 work, grad_input = _start_reduce_scatter_sequence(grad_input, parallel)  # -> (b, s/p, in)
             else:
                 work = start_tp_all_reduce_(grad_input, parallel.tp_group)
-        grad_weight = grad_bias = None
-        grad_2d = grad.reshape(-1, grad.shape[-1])                                    # (b*s, out / p)
-        if need_weight:
-            grad_weight = grad_2d.t().matmul(x_full.reshape(-1, x_full.shape[-1]))   # (out / p, in)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = grad_2d.sum(dim=0)
+        x_2d = x_full.reshape(-1, x_full.shape[-1])                                  # (b*s, in)
+        grad_weights, grad_biases = [None] * n, [None] * n
+        for j, grad in enumerate(grads):
+            grad_2d = grad.reshape(-1, grad.shape[-1])                                # (b*s, out_j / p)
+            if need_weights[j]:
+                grad_weights[j] = grad_2d.t().matmul(x_2d)                            # (out_j / p, in)
+            if ctx.has_bias[j] and need_biases[j]:
+                grad_biases[j] = grad_2d.sum(dim=0)
         if work is not None:
             work.wait()
-        grads = tuple(None if g is None else g.to(dtype)
-                      for g, dtype in zip((grad_input, grad_weight, grad_bias), ctx.grad_dtypes))
-        return (*grads, None, None)
+        return tuple(None if g is None else g.to(dtype)
+                     for g, dtype in zip((grad_input, None, None, *grad_weights, *grad_biases),
+                                         (ctx.grad_dtypes[0], None, None, *ctx.grad_dtypes[1:])))
+
+
+def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    return None if tensor is None else tensor.to(dtype)
+
+
+def _summed_input_gradient(grads: tuple[torch.Tensor, ...], weights: list[torch.Tensor]) -> torch.Tensor:
+    """sum_j dY_j A_j (b, s, in), this rank's partial input gradient, accumulated in place into the first
+    product (one (b, s, in) buffer whatever the number of weights)."""
+    total = grads[0].matmul(weights[0])                                               # (b, s, in)
+    if len(weights) == 1:
+        return total
+    total = total.contiguous()
+    total_2d = total.view(-1, total.shape[-1])                                        # (b*s, in)
+    for grad, weight in zip(grads[1:], weights[1:]):
+        total_2d.addmm_(grad.reshape(-1, grad.shape[-1]), weight)
+    return total
 
 
 def autocast_dtype(device_type: str) -> torch.dtype | None:
@@ -152,9 +180,28 @@ def column_parallel_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     local tokens being kept for backward (an all-gather forward, another in backward, and a reduce-scatter of
     the input gradient, its conjugate). The backward collectives overlap the GEMMs (see
     :class:`_ColumnParallelLinear`). At tp = 1 it is F.linear."""
+    return column_parallel_linears(x, (weight,), (bias,), parallel, sequence_parallel)[0]
+
+
+def column_parallel_linears(x: torch.Tensor, weights, biases, parallel: ParallelState,
+                            sequence_parallel: bool = False) -> tuple[torch.Tensor, ...]:
+    """Y_j = F.linear(f(x), A_j, b_j) for column-parallel weights A_j (out_j / p, in) that read the same ``x``
+    (Llama's q, k and v): Y_j,i = f(X) A_j,i^T + b_j,i, or with ``sequence_parallel`` Y_j,i = AG(X_i) A_j,i^T
+    + b_j,i on this rank's tokens X_i (b, s/p, in). One f (or one all-gather) forward, the input kept once for
+    backward (with sequence parallelism only its s/p local tokens, re-gathered once in backward for every
+    dA_j = dY_j^T AG(X_i)), and one all-reduce (or reduce-scatter) of the summed input gradient
+    sum_j dY_j A_j,i, overlapped with the weight gradients (see :class:`_ColumnParallelLinear`).
+
+    ``biases``: one per weight (None where a GEMM has none), or None for no biases. Returns one output per
+    weight, (b, s, out_j / p). At tp = 1 it is F.linear for each weight."""
+    weights = tuple(weights)
+    biases = (None,) * len(weights) if biases is None else tuple(biases)
+    if not weights or len(biases) != len(weights):
+        raise ValueError(f"column_parallel_linears got {len(weights)} weights and {len(biases)} biases; pass at "
+                         "least one weight and one bias (or None) per weight.")
     if parallel.tp_size == 1:
-        return F.linear(x, weight, bias)
-    return _ColumnParallelLinear.apply(x, weight, bias, parallel, sequence_parallel)
+        return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    return _ColumnParallelLinear.apply(x, parallel, sequence_parallel, *weights, *biases)
 
 
 class SequenceParallelLayerNorm(nn.LayerNorm):

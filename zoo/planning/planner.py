@@ -186,8 +186,8 @@ def layer_activation_bytes_of(shape, s: int, b: int, t: int = 1, sequence_parall
 
     - replicated over TP ranks (split by sequence parallelism): the two norms' kept tensors
       (:func:`norm_bytes_per_token`), the input of the q/k/v GEMMs and of the MLP's first GEMMs, v h each,
-      and ``layer_dropouts`` masks, m h each, per token; with ``gathered_attention_input`` the q/k/v GEMMs'
-      input stays whole (s tokens) under sequence parallelism;
+      and ``layer_dropouts`` masks, m h each, per token (the q/k/v GEMMs keep their input once, and under
+      sequence parallelism only this rank's s/t tokens: :func:`zoo.parallel.layers.column_parallel_linears`);
     - split by tp: the attention core and the output projection's input. Counted as Korthikanti does
       (``fused_attention`` False): Q, K, V and the projection input, v (2 n d + 2 n_kv d), plus the scores
       (:func:`attention_scores_bytes`) without recomputation. Through SDPA's fused kernel: Q, K and V as the
@@ -204,7 +204,6 @@ def layer_activation_bytes_of(shape, s: int, b: int, t: int = 1, sequence_parall
     if recompute == "full":
         return v * s * b * h / (t if sequence_parallel else 1)
     replicated = (2 * norm_bytes_per_token(shape, v) + 2 * v * h + shape.layer_dropouts * m * h) * s * b
-    kept_whole = v * h * s * b if sequence_parallel and shape.gathered_attention_input else 0
     attention, key_value = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
     if shape.fused_attention and recompute == "none":
         core = 4 * v * attention + 4 * shape.heads
@@ -212,7 +211,7 @@ def layer_activation_bytes_of(shape, s: int, b: int, t: int = 1, sequence_parall
         core = v * (2 * attention + 2 * key_value)
     mlp = v * shape.ffn_hidden * (2 if shape.ffn_matrices == 2 else 4)
     split = (core + mlp) * s * b
-    per_layer = ((replicated - kept_whole) / t if sequence_parallel else replicated) + kept_whole + split / t
+    per_layer = (replicated / t if sequence_parallel else replicated) + split / t
     if recompute == "none" and not shape.fused_attention:
         per_layer += attention_scores_bytes(s, b, shape.heads, t, value_bytes=v, mask_bytes=m)
     return per_layer

@@ -4,7 +4,7 @@
     y = h + down_proj(SiLU(gate_proj(m)) * up_proj(m)),                        m = RMSNorm_2(h)
 
 Tensor parallelism (Shoeybi et al. 2019, section 3, with grouped-query attention): q, k and v are
-column-parallel and share one f, so rank i holds query heads i*n/p ... (i+1)*n/p - 1 and key/value heads
+column-parallel and share one f (:func:`zoo.parallel.layers.column_parallel_linears`), so rank i holds query heads i*n/p ... (i+1)*n/p - 1 and key/value heads
 i*n_kv/p ... (i+1)*n_kv/p - 1, which are exactly the KV heads its query heads read (query head h reads
 KV head h // (n/n_kv)); o_proj is row-parallel, followed by g. gate and up are one column-parallel GEMM
 (``gate_up_proj``), down_proj is row-parallel, followed by g. A layer does 2 all-reduces forward and 2
@@ -12,8 +12,9 @@ backward, as GPT-2's. RMSNorm and the residuals are replicated on every rank.
 
 Sequence parallelism (Korthikanti et al. 2022), ``sequence_parallel=True``: the layer's input and output are
 this rank's tokens (b, s/p, h); RMSNorm and the residual adds run on them, the column-parallel GEMMs
-all-gather their input along the sequence in place of f and the row-parallel GEMMs reduce-scatter their
-output in place of g. RMSNorm weights then get their gradients summed over the TP group.
+all-gather their input along the sequence in place of f (q, k and v one all-gather together) and keep only
+the s/p local tokens for backward, and the row-parallel GEMMs reduce-scatter their output in place of g.
+RMSNorm weights then get their gradients summed over the TP group.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from zoo.errors import UserError
 from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.rope import apply_rotary
 from zoo.models.transformer import LayerCache, recomputed
-from zoo.parallel import ColumnParallelLinear, RowParallelLinear, copy_to_tp_region, scaled_init_std, tp_rng_fork
-from zoo.parallel.layers import mark_sequence_parallel, uses_sequence_parallel
-from zoo.parallel.mappings import all_reduce_grads_of_replicated, gather_from_sequence_parallel_region
+from zoo.parallel import ColumnParallelLinear, RowParallelLinear, scaled_init_std, tp_rng_fork
+from zoo.parallel.layers import column_parallel_linears, mark_sequence_parallel, uses_sequence_parallel
+from zoo.parallel.mappings import all_reduce_grads_of_replicated
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide
 
@@ -60,20 +61,12 @@ class LlamaRMSNorm(nn.Module):
         return f"{tuple(self.weight.shape)}, eps={self.eps}"
 
 
-def enter_tp_region(x: torch.Tensor, parallel: ParallelState, sequence_parallel: bool) -> torch.Tensor:
-    """The input of several column-parallel GEMMs that read the same X: f(X) once (identity forward, one
-    all-reduce of the summed input gradients backward), or with sequence parallelism AG(X_i) once
-    (all-gather along the sequence forward, reduce-scatter backward): (b, s or s/p, h) -> (b, s, h)."""
-    if sequence_parallel:
-        return gather_from_sequence_parallel_region(x, parallel)
-    return copy_to_tp_region(x, parallel)
-
-
 class LlamaAttention(nn.Module):
     """Grouped-query self-attention with heads split across TP ranks.
 
     Q_i = f(X) W_q,i, K_i = f(X) W_k,i, V_i = f(X) W_v,i (column-parallel, one f shared by the three;
-    rank i holds n/p query heads and n_kv/p key/value heads), RoPE on Q_i and K_i, each query head attends
+    rank i holds n/p query heads and n_kv/p key/value heads; with sequence parallelism f is one all-gather
+    AG(X_i) and only X_i, (b, s/p, h), is kept for backward), RoPE on Q_i and K_i, each query head attends
     with its group's key/value head, softmax(Q K^T / sqrt(d) + mask) V, then O = g(A_i W_o,i) (row-parallel).
     Attention-probability dropout draws from the TP-rank stream. The key/value cache holds this rank's
     key/value heads after RoPE, (b, n_kv/p, P, d) each, and needs no communication.
@@ -102,11 +95,12 @@ class LlamaAttention(nn.Module):
         """(b, s, h) -> (b, s, h), or (b, s/p, h) -> (b, s/p, h) with ``sequence_parallel``; ``cos``/``sin``
         (b or 1, s, d) are the rotary angles of the s query positions. After a cached past a causal query
         of more than one token needs ``attn_bias`` with the offset causal mask."""
-        x = enter_tp_region(x, self.parallel, sequence_parallel)                   # (b, s, h)
-        b, s, _ = x.shape
-        q = F.linear(x, self.q_proj.weight).view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
-        k = F.linear(x, self.k_proj.weight).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
-        v = F.linear(x, self.v_proj.weight).view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        weights = (self.q_proj.weight, self.k_proj.weight, self.v_proj.weight)
+        q, k, v = column_parallel_linears(x, weights, None, self.parallel, sequence_parallel)  # (b, s, {n, n_kv} d / p)
+        b, s, _ = q.shape
+        q = q.view(b, s, self.local_heads, self.head_dim).transpose(1, 2)
+        k = k.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
+        v = v.view(b, s, self.local_kv_heads, self.head_dim).transpose(1, 2)
         # q: (b, heads_local, s, d); k, v: (b, kv_heads_local, s, d)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         has_past = cache is not None and cache.past is not None
