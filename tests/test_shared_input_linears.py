@@ -9,7 +9,9 @@ attention), the first and last with a bias, the middle without. Checked on every
 - what autograd saves for backward, parameters left out: the input as the rank holds it, once (under sequence
   parallelism its s/p local tokens, not the all-gathered s);
 - the collectives: with sequence parallelism one all-gather forward, one re-gather and one reduce-scatter (of the
-  summed input gradient) backward; without it nothing forward and one all-reduce backward.
+  summed input gradient) backward; without it nothing forward and one all-reduce backward; in backward Megatron's
+  overlap order (the re-gather around the input-gradient GEMMs, the reduce-scatter or all-reduce around the weight
+  GEMMs), as tests/test_comm_overlap.py checks for one weight.
 
 Tolerances (as tests/test_parallel_layers.py):
 - float32: max|zoo - ref| <= 1e-6 x max of the same computation on the operands' absolute values (the rounding of
@@ -50,32 +52,84 @@ def _reference(X, weights, biases, upstream) -> tuple:
             [None if b is None else b.grad for b in biases])
 
 
-class _CountCollectives:
-    """Within the block, count the torch.distributed all_reduce, all_gather and reduce-scatter calls."""
+class _RecordCollectives:
+    """Within the block, log ("start", kind) for every torch.distributed all_reduce, all_gather and reduce-scatter
+    call and ("wait", kind) when it has finished (its handle's wait(), or its return if blocking)."""
 
-    def __init__(self):
+    def __init__(self, events: list):
         import torch.distributed as dist
 
-        self.dist = dist
+        self.dist, self.events = dist, events
         scatter = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
-        self.names = {"all_reduce": "all_reduce", "all_gather": "all_gather", scatter: "reduce_scatter"}
-        self.counts = dict.fromkeys(self.names.values(), 0)
+        self.kinds = {"all_reduce": "all_reduce", "all_gather": "all_gather", scatter: "reduce_scatter"}
 
     def __enter__(self):
-        self.real = {name: getattr(self.dist, name) for name in self.names}
+        self.real = {name: getattr(self.dist, name) for name in self.kinds}
         for name, real in self.real.items():
-            setattr(self.dist, name, self._counted(name, real))
-        return self.counts
+            setattr(self.dist, name, self._logged(self.kinds[name], real))
+        return self.events
 
-    def _counted(self, name, real):
+    def _logged(self, kind, real):
+        events = self.events
+
+        class Logged:
+            def __init__(self, work):
+                self.work = work
+
+            def wait(self, *args, **kwargs):
+                events.append(("wait", kind))
+                return self.work.wait(*args, **kwargs)
+
         def call(*args, **kwargs):
-            self.counts[self.names[name]] += 1
-            return real(*args, **kwargs)
+            events.append(("start", kind))
+            work = real(*args, **kwargs)
+            if kwargs.get("async_op"):
+                return Logged(work)
+            events.append(("wait", kind))
+            return work
         return call
 
     def __exit__(self, *exc):
         for name, real in self.real.items():
             setattr(self.dist, name, real)
+
+
+class _GemmLog(torch.utils._python_dispatch.TorchDispatchMode):
+    """Logs ("gemm", shape of the result) for every aten mm, addmm and addmm_."""
+
+    def __init__(self, events: list):
+        super().__init__()
+        self.events = events
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func.overloadpacket.__name__ in ("mm", "addmm", "addmm_"):
+            self.events.append(("gemm", tuple(out.shape)))
+        return out
+
+
+def _collective_counts(events: list) -> dict[str, int]:
+    return {kind: events.count(("start", kind)) for kind in ("all_gather", "reduce_scatter", "all_reduce")}
+
+
+def _backward_overlaps(events: list, sequence_parallel: bool, tp: int) -> bool:
+    """Megatron's order: with sequence parallelism the re-gather is started before the input-gradient GEMMs
+    (dY_j A_j, (b*s, in)) and awaited after them, the reduce-scatter of their sum started before the weight
+    GEMMs (dY_j^T X, (out_j / p, in)) and awaited after them; without it the all-reduce sits between the two."""
+    def at(event):
+        return events.index(event) if event in events else -1
+
+    input_gemms = [i for i, e in enumerate(events) if e == ("gemm", (B * S, IN))]
+    weight_gemms = [i for i, e in enumerate(events) if e[0] == "gemm" and e[1] in {(out // tp, IN) for out in OUTS}]
+    if len(input_gemms) != len(OUTS) or len(weight_gemms) != len(OUTS):
+        return False
+    if sequence_parallel:
+        gather = (at(("start", "all_gather")), at(("wait", "all_gather")))
+        scatter = (at(("start", "reduce_scatter")), at(("wait", "reduce_scatter")))
+        return (gather[0] < min(input_gemms) and max(input_gemms) < gather[1] < scatter[0] < min(weight_gemms)
+                and max(weight_gemms) < scatter[1])
+    reduce = (at(("start", "all_reduce")), at(("wait", "all_reduce")))
+    return max(input_gemms) < reduce[0] < min(weight_gemms) and max(weight_gemms) < reduce[1]
 
 
 def _saved_storages(parameters):
@@ -121,10 +175,11 @@ def _checks(ps, sequence_parallel: bool, dtype: torch.dtype) -> dict:
     local_weights = [mine(w, 0).clone().requires_grad_() for w in weights]  # (out_j / p, in)
     local_biases = [None if b is None else mine(b, 0).clone().requires_grad_() for b in biases]
     saved, hooks = _saved_storages([*local_weights, *(b for b in local_biases if b is not None)])
-    with _CountCollectives() as forward_calls, hooks:
+    forward_events, backward_events = [], []
+    with _RecordCollectives(forward_events), hooks:
         ys = column_parallel_linears(x, local_weights, local_biases, ps, sp)
     loss = sum((y * mine(g, -1)).sum() for y, g in zip(ys, upstream))
-    with _CountCollectives() as backward_calls:
+    with _RecordCollectives(backward_events), _GemmLog(backward_events):
         loss.backward()
 
     out: dict = {"saved is the input as held, once": saved == {x.untyped_storage().data_ptr(): x.nbytes},
@@ -134,8 +189,9 @@ def _checks(ps, sequence_parallel: bool, dtype: torch.dtype) -> dict:
                           {"all_gather": 1, "reduce_scatter": 1, "all_reduce": 0}) if sp else (
                           {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 0},
                           {"all_gather": 0, "reduce_scatter": 0, "all_reduce": 1})
-        out["collectives forward"] = forward_calls == expected_calls[0]
-        out["collectives backward"] = backward_calls == expected_calls[1]
+        out["collectives forward"] = _collective_counts(forward_events) == expected_calls[0]
+        out["collectives backward"] = _collective_counts(backward_events) == expected_calls[1]
+        out["backward overlaps its collectives with the GEMMs"] = _backward_overlaps(backward_events, sp, tp)
     expected_x_grad, x_grad_mag = (mine(x_grad, 1), mine(x_mag, 1)) if sp else (x_grad, x_mag)
     out["input grad"] = error(x.grad, expected_x_grad, x_grad_mag)
     for j in range(len(OUTS)):
@@ -143,8 +199,6 @@ def _checks(ps, sequence_parallel: bool, dtype: torch.dtype) -> dict:
         out[f"weight {j} grad"] = error(local_weights[j].grad, mine(w_grads[j], 0), mine(w_mags[j], 0))
         if HAS_BIAS[j]:
             out[f"bias {j} grad"] = error(local_biases[j].grad, mine(b_grads[j], 0), mine(b_mags[j], 0))
-        else:
-            out[f"bias {j} absent"] = local_biases[j] is None
     return out
 
 
