@@ -1,6 +1,6 @@
 """zoo's tools refuse DeepSpeed universal checkpoints (zoo.checkpoint.universal): ``launch/pretrain.py`` and
 ``launch/reshard.py`` given a universal checkpoint as --load, or a ds_config with ``"checkpoint":
-{"load_universal": true}``, exit 2 with one sentence naming the fix (resume the zoo checkpoint at the new layout,
+{"load_universal": true}``, exit 2 with one sentence naming the fix (``launch/export.py`` too, for --load and --tag) (resume the zoo checkpoint at the new layout,
 or convert it with launch/reshard.py) before anything is built or written; a run whose own ``latest`` names a zoo
 tag is not refused because a universal folder lies beside it.
 
@@ -180,3 +180,21 @@ def test_a_run_whose_latest_names_a_zoo_tag_is_resumed_as_usual(universal, tmp_p
     assert universal_folder(save) is None and universal_folder(save.parent) is None
     check_not_universal(save.parent)
     assert universal_folder(universal) == universal
+
+
+@pytest.mark.parametrize("form", [*LOADS, "--tag naming it"])
+def test_export_refuses_a_universal_checkpoint(universal, form, tmp_path, capsys):
+    from zoo.cli.export import main
+
+    if form == "--tag naming it":
+        load, tag = universal.parent.parent, ["--tag", universal.name]
+    else:
+        load, tag = LOADS[form](universal, tmp_path), []
+    before = tree(tmp_path)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--load", str(load), *tag, "--out", str(tmp_path / "hf")])
+    line = one_error_line(capsys, from_zoo=True)
+    assert exit_info.value.code == 2, line
+    assert " is a DeepSpeed universal checkpoint" in line and "export the zoo checkpoint it was converted" in line, line
+    assert tree(tmp_path) == before
+

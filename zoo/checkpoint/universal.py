@@ -17,7 +17,8 @@ checkpoints", has the measured comparison). So a universal checkpoint or ``load_
 * :func:`check_not_universal`: a ``--load`` that is a universal folder, or a save directory (or run directory)
   whose ``latest`` names one or that has only a ``latest_universal``;
 * :func:`check_conversion_not_universal`: both, for ``launch/reshard.py`` (its ds_config is ``--deepspeed_config``
-  or the run's ``config.json``).
+  or the run's ``config.json``);
+* :func:`check_export_not_universal`: ``launch/export.py``'s ``--load`` and ``--tag``.
 
 A run directory that holds zoo's own ``latest`` tag is resumed as usual, whatever else lies beside it.
 """
@@ -32,7 +33,8 @@ from typing import Any
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR, LATEST_FILE
 from zoo.errors import UserError
 
-__all__ = ["check_conversion_not_universal", "check_no_load_universal", "check_not_universal", "universal_folder"]
+__all__ = ["check_conversion_not_universal", "check_export_not_universal", "check_no_load_universal",
+           "check_not_universal", "universal_folder"]
 
 LATEST_UNIVERSAL = "latest_universal"             # written by ds_to_universal beside the tags
 UNIVERSAL_OPTIMIZER_STATE = ("zero", "optimizer_state.pt")
@@ -104,3 +106,19 @@ def check_conversion_not_universal(load: str | os.PathLike, ds_config_path: str 
         return
     if isinstance(settings, dict):
         check_no_load_universal(settings, path)
+
+
+def check_export_not_universal(load: str | os.PathLike, tag: str | None) -> None:
+    """Raise UserError when ``launch/export.py`` would read a DeepSpeed universal checkpoint: ``--tag`` naming a
+    universal folder in the save directory (``load`` or ``load/checkpoints``), or without ``--tag`` a ``--load``
+    that leads to one (:func:`universal_folder`)."""
+    if tag is None:
+        folder = universal_folder(load)
+    else:
+        folders = (Path(load) / CHECKPOINT_SUBDIR / tag, Path(load) / tag)
+        folder = next((path for path in folders if is_universal_folder(path)), None)
+    if folder is not None:
+        named = f"--load {load}" + (f" --tag {tag}" if tag is not None else "")
+        raise UserError(f"{named} is a DeepSpeed universal checkpoint ({folder}, written by ds_to_universal), which "
+                         "zoo does not read; export the zoo checkpoint it was converted from (zoo exports a tag "
+                         "saved at any tp and pp).")

@@ -41,7 +41,9 @@ def main(argv: list[str] | None = None) -> None:
     def work() -> None:
         from zoo.checkpoint.deepspeed_export import export_checkpoint  # local: torch import cost, after parsing
         from zoo.checkpoint.hf.hf_io import max_shard_size_of  # local: torch import cost, after parsing
+        from zoo.checkpoint.universal import check_export_not_universal  # local: torch import cost, after parsing
 
+        check_export_not_universal(args.load, args.tag)
         size = max_shard_size_of(args.max_shard_size)
         result = export_checkpoint(args.load, args.out, args.tag, torch_dtype(args.dtype), size)
         print(f"exported {result.tag_dir} (tp={result.tp_size}"
