@@ -81,7 +81,7 @@ GPT2 = {"model_type": "gpt2", "vocab_size": 100, "n_positions": 16, "n_embd": 32
 BERT = {"model_type": "megatron-bert", "vocab_size": 30522, "hidden_size": 32, "num_hidden_layers": 1,
         "num_attention_heads": 2, "intermediate_size": 64, "max_position_embeddings": 128}
 CONFIG_JSON_CASES = {
-    "gpt2-a-list": ("gpt2", [], "holds a JSON list, not a JSON object"),
+    "gpt2-a-list": ("gpt2", [], "holds a list, not a JSON object"),
     "gpt2-n_layer-a-string": ("gpt2", {**GPT2, "n_layer": "two"}, 'field n_layer is "two" (a string), not an integer'),
     "gpt2-n_positions-negative": ("gpt2", {**GPT2, "n_positions": -1}, "field n_positions is -1, not a positive integer"),
     "gpt2-vocab-1e12": ("gpt2", {**GPT2, "vocab_size": 1e12},
@@ -90,7 +90,7 @@ CONFIG_JSON_CASES = {
                           "field vocab_size is 1000000000000, above zoo's bound of 10,000,000"),
     "gpt2-no-n_embd": ("gpt2", _without(GPT2, "n_embd"), "has no n_embd field, and zoo does not guess a model's shape"),
     "gpt2-dropout-a-string": ("gpt2", {**GPT2, "resid_pdrop": "0.1"}, 'field resid_pdrop is "0.1" (a string)'),
-    "bert-a-list": ("bert", [], "holds a JSON list, not a JSON object"),
+    "bert-a-list": ("bert", [], "holds a list, not a JSON object"),
     "bert-no-hidden_size": ("bert", _without(BERT, "hidden_size"), "has no hidden_size field"),
     "bert-heads-0": ("bert", {**BERT, "num_attention_heads": 0}, "field num_attention_heads is 0, not a positive"),
     "bert-positions-10**9": ("bert", {**BERT, "model_type": "bert",

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from zoo.checkpoint.hf.hf_io import check_json_object, json_kind, shown_json
+from zoo.checkpoint.hf.hf_io import check_json_object
 from zoo.errors import UserError
+from zoo.options import json_kind, shown
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 # zoo's own fields: they change how a model is run, never its parameters, and are not written to config.json.
@@ -60,7 +61,7 @@ def shape_field_problem(value: Any, maximum: int, nullable: bool) -> str | None:
     if value is None and nullable:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        return f"is {shown_json(value)} ({json_kind(value)}), not an integer"
+        return f"is {shown(value)} ({json_kind(value)}), not an integer"
     if value < 1:
         return f"is {value}, not a positive integer"
     if value > maximum:
@@ -72,7 +73,7 @@ def shape_field_problem(value: Any, maximum: int, nullable: bool) -> str | None:
 def probability_problem(value: Any) -> str | None:
     """What is wrong with a dropout probability, or None when it is a number in [0, 1]."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return f"is {shown_json(value)} ({json_kind(value)}), not a number"
+        return f"is {shown(value)} ({json_kind(value)}), not a number"
     if not 0 <= value <= 1:
         return f"is {value}, not a probability in [0, 1]"
     return None

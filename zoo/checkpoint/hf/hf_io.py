@@ -36,6 +36,7 @@ from safetensors import SafetensorError, safe_open
 from zoo.atomic import check_output_directory
 from zoo.checkpoint.hf.safetensors_io import safetensors_order, stream_directory
 from zoo.errors import MissingInput, UserError
+from zoo.options import json_kind
 from zoo.parallel.gather import gather_to_first
 from zoo.parallel.partition import PartitionSpec, partition_specs
 from zoo.parallel.state import ParallelState, as_state
@@ -497,19 +498,3 @@ def check_json_object(values: Any, path: Any) -> None:
     if not isinstance(values, dict):
         raise UserError(f"{path} holds {json_kind(values)}, not a JSON object; pass a model directory whose "
                          "config.json is the model's configuration as save_pretrained writes it.")
-
-
-def shown_json(value: Any) -> str:
-    """``value`` as the JSON a user wrote, else its repr (for messages)."""
-    try:
-        return json.dumps(value)
-    except (TypeError, ValueError):
-        return repr(value)
-
-
-def json_kind(value: Any) -> str:
-    """What JSON value ``value`` is, in words (for messages)."""
-    if value is None:
-        return "null"
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a JSON list",
-            dict: "a JSON object"}.get(type(value), type(value).__name__)
