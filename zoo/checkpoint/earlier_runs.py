@@ -46,7 +46,6 @@ def refuse_symlinked_checkpoints(run_dir: Path) -> None:
                          "(or what it points to) yourself, or pass another --save.")
 
 
-LEFT_SHOWN = 5
 ZOO_TAG = re.compile(r"iter_\d{7}")                        # zoo.training.checkpointer's tag names
 ATOMIC_TEMPORARY = re.compile(r"\..+\.[^.]+\.tmp")          # zoo.atomic's temporary names, beside the target
 

@@ -1,4 +1,4 @@
-"""One run owns its run directory: an advisory lock, and a fresh run never writes over an earlier run's outputs.
+"""One run owns its run directory: an advisory lock that the writer rank takes before it writes there.
 
 The writer rank (global rank 0) takes the lock before anything is written into the directory and holds it
 for the whole run. A second run on the same directory is refused with one sentence naming the holder

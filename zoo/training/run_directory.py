@@ -8,7 +8,6 @@ import os
 from pathlib import Path
 
 from zoo.checkpoint.earlier_runs import (
-    LEFT_SHOWN,
     checkpoint_summary,
     refuse_symlinked_checkpoints,
     remove_earlier_checkpoints,
@@ -18,6 +17,8 @@ from zoo.operations.run_lock import RunDirectoryLock
 from zoo.training.metrics import METRICS_FILE, check_metrics_file
 
 __all__ = ["FINETUNING_OUTPUTS", "claim_pretraining_directory", "claim_finetuning_directory"]
+
+LEFT_SHOWN = 5   # the files --overwrite left that its line names, then "and N more"
 
 
 def claim_pretraining_directory(run_dir: str | os.PathLike, *, resuming: bool, overwrite: bool) -> RunDirectoryLock:
