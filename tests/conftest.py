@@ -1,8 +1,18 @@
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+# This interpreter's bin first on PATH, for the suite and every process it starts, as `make test` puts the venv's:
+# DeepSpeed JIT-builds its ops with the first `ninja` on PATH, and two ninja versions (the venv's wheel and the
+# system's) each rebuild what the other built in ~/.cache/torch_extensions (deepspeed_shm_comm: 25-50 s on 2 cores,
+# paid by whichever rank loads it next). A suite started without the Makefile then loads the ops `make test` and
+# `make demo` built instead of rebuilding them.
+_INTERPRETER_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _INTERPRETER_BIN:
+    os.environ["PATH"] = os.pathsep.join([_INTERPRETER_BIN, os.environ.get("PATH", "")])
 
 import torch  # noqa: E402
 

@@ -2,8 +2,9 @@
 and fp16 (FP16_UnfusedOptimizer and FP16_Optimizer) checkpoints with pipeline stages on either side resume at
 another layout (zoo.checkpoint.layout_change through the layout-free reader, zoo.checkpoint.training_state).
 
-One spawn of 2 ranks trains each source run 4 iterations (dropout off, checkpoint at iteration 2), then resumes
-the iteration-2 checkpoint at the new layout:
+One spawn of 2 ranks (tests/helpers/precision_launch.py, shared with tests/test_offline_reshard.py) trains each
+source run 4 iterations (dropout off, checkpoint at iteration 2), then resumes the iteration-2 checkpoint at the
+new layout:
   bf16 + ZeRO-1 tp1 x pp2 -> tp2 x pp1 and -> tp1 x pp1 x dp2;
   fp16 (both optimizers) tp2 x pp1 -> tp1 x pp2, with its dynamic loss scaler.
 Claims: right after the move every rank's fp32 masters and Adam moments (read back through DeepSpeed's own
@@ -19,62 +20,24 @@ The code before this move refused all four ("fp32 runs without ZeRO only").
 
 from __future__ import annotations
 
-import os
-import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.layout_change_runs import KEYS, SAVED_AT, engine_state, precision_run_config
+from tests.helpers.layout_change_runs import KEYS, SAVED_AT
+from tests.helpers.precision_launch import MOVES, SOURCES, precision_runs
 from tests.helpers.pretraining import train_events
-from tests.helpers.random_corpus import make_corpus
-from tests.spawn import spawn
 
 RTOL = 2e-3
-SOURCES = {"bf16-tp1-pp2": (1, 2, "bf16"), "fp16u-tp2": (2, 1, "fp16u"), "fp16f-tp2": (2, 1, "fp16f")}
-MOVES = {"bf16-to-tp2": ("bf16-tp1-pp2", 2, 1), "bf16-to-dp2": ("bf16-tp1-pp2", 1, 1),
-         "fp16u-to-pp2": ("fp16u-tp2", 1, 2), "fp16f-to-pp2": ("fp16f-tp2", 1, 2)}
-
-
-def _runs(rank, world_size, data, root):
-    os.environ["LOCAL_RANK"] = str(rank)
-    import torch.distributed as dist
-    from deepspeed.accelerator import get_accelerator
-
-    from zoo.training import checkpointer
-    from zoo.training.pretrain import pretrain
-
-    # This CPU has no native fp16: DeepSpeed refuses fp16 by a capability check although torch computes it;
-    # overriding the check runs DeepSpeed's real fp16 optimizers (DESIGN.md, "fp16 on CPU").
-    get_accelerator().is_fp16_supported = lambda: True
-    root = Path(root)
-    for name, (tp, pp, precision) in SOURCES.items():
-        pretrain(precision_run_config(data, str(root / name), tp, pp, precision))
-        if rank == 0:   # the iteration-2 checkpoint as a run directory of its own
-            tag = f"iter_{SAVED_AT:07d}"
-            shutil.copytree(root / name / "checkpoints" / tag, root / f"{name}-saved" / "checkpoints" / tag)
-            (root / f"{name}-saved" / "checkpoints" / "latest").write_text(tag)
-        dist.barrier()
-    original_load, moved = checkpointer.Checkpointer.load, {}
-
-    def load_and_record(self, load, *args, **kwargs):
-        client = original_load(self, load, *args, **kwargs)
-        moved[self.config.save] = engine_state(self.engine)
-        return client
-
-    checkpointer.Checkpointer.load = load_and_record   # this rank's process ends with the spawn
-    for name, (source, tp, pp) in MOVES.items():
-        precision = SOURCES[source][2]
-        pretrain(precision_run_config(data, str(root / name), tp, pp, precision, load=str(root / f"{source}-saved")))
-    return {name: moved[str(root / name)] for name in MOVES}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("precisions")
-    corpus = make_corpus(root / "random")
-    return root, spawn(_runs, 2, corpus, str(root))
+    """The shared spawn's root and each rank's recorded states after every move (tests/helpers/precision_launch.py,
+    which also serves tests/test_offline_reshard.py: its bf16 source and on-resume move are the same runs)."""
+    root, per_rank = precision_runs(tmp_path_factory)
+    return root, [result["moved"] for result in per_rank]
 
 
 def source_state(tag_dir: Path, tp: int):

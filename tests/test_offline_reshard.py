@@ -2,7 +2,8 @@
 there with exactly the state the on-resume move gives, and without a second move; every bad case is one sentence,
 exit code 2 and nothing written.
 
-One spawn of 2 ranks trains bf16 + ZeRO-1 (BF16_Optimizer) at tp1 x pp2 for 2 iterations (dropout off), then
+One spawn of 2 ranks (tests/helpers/precision_launch.py, shared with tests/test_layout_change_precisions.py) trains
+bf16 + ZeRO-1 (BF16_Optimizer) at tp1 x pp2 (dropout off), keeps its iteration-2 checkpoint as the latest, then
   (a) resumes that checkpoint at tp2 x pp1 (the on-resume move, zoo.checkpoint.layout_change) for iterations 3, 4;
   (b) converts it offline to tp2 x pp1 x dp1 (into the default <run>-tp2pp1dp1 beside it);
   (c) resumes the converted run at tp2 x pp1 for iterations 3 and 4;
@@ -17,78 +18,24 @@ move's exactly and the converted run is resumed without a move.
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.helpers.layout_change_runs import ITERS, KEYS, engine_state, precision_run_config
+from tests.helpers.layout_change_runs import KEYS
+from tests.helpers.precision_launch import ON_RESUME, precision_runs
 from tests.helpers.pretraining import train_events
-from tests.helpers.random_corpus import make_corpus
-from tests.spawn import spawn
-
-SOURCE_TP, SOURCE_PP, NEW_TP, NEW_PP = 1, 2, 2, 1
-
-
-def snapshot(directory: Path) -> dict[str, tuple[int, int]]:
-    return {str(p.relative_to(directory)): (p.stat().st_size, p.stat().st_mtime_ns)
-            for p in sorted(directory.rglob("*")) if p.is_file()}
-
-
-def _runs(rank, world_size, data, root):
-    os.environ["LOCAL_RANK"] = str(rank)
-    import torch.distributed as dist
-
-    from zoo.training import checkpointer
-    from zoo.training.offline_reshard import convert_checkpoint, plan_conversion
-    from zoo.training.pretrain import pretrain
-
-    root = Path(root)
-    source = root / "source"
-    pretrain(precision_run_config(data, str(source), SOURCE_TP, SOURCE_PP, "bf16"))   # 4 iterations, saved at 2, 4
-    if rank == 0:   # the iteration-2 checkpoint as the run's latest
-        (source / "checkpoints" / "latest").write_text("iter_0000002")
-        shutil.rmtree(source / "checkpoints" / "iter_0000004")
-    dist.barrier()
-    before = snapshot(source)
-    original_load, loaded = checkpointer.Checkpointer.load, {}
-
-    def load_and_record(self, load, *args, **kwargs):
-        client = original_load(self, load, *args, **kwargs)
-        loaded[self.config.save] = (engine_state(self.engine), "resharded_from" in client)
-        return client
-
-    checkpointer.Checkpointer.load = load_and_record   # this rank's process ends with the spawn
-    on_resume = root / "on-resume"
-    pretrain(precision_run_config(data, str(on_resume), NEW_TP, NEW_PP, "bf16", load=str(source)))
-    plan = plan_conversion(str(source), NEW_TP, NEW_PP, None, None, None, None, world_size)
-    record = convert_checkpoint(plan)
-    converted = root / "source-tp2pp1dp1"
-    written = {"latest": (converted / "checkpoints" / "latest").read_text().strip(),
-               "files": sorted(p.name for p in (converted / "checkpoints" / "iter_0000002").iterdir())}
-    pretrain(precision_run_config(data, str(converted), NEW_TP, NEW_PP, "bf16", load=str(converted)))
-    # one stage on both sides, tp2 x dp1 -> tp1 x dp2: the offline tool against the on-resume move
-    one_stage = {}
-    for name in ("one-stage-on-resume", "one-stage-converted"):
-        out = root / name
-        if name == "one-stage-converted":
-            convert_checkpoint(plan_conversion(str(converted), 1, 1, 2, None, None, str(out), world_size))
-        load = out if name == "one-stage-converted" else converted
-        cfg = precision_run_config(data, str(out), 1, 1, "bf16", load=str(load))
-        cfg.train_iters = ITERS + 1
-        pretrain(cfg)
-        one_stage[name] = loaded[str(out)]
-    return {"one_stage": one_stage, "on_resume": loaded[str(on_resume)], "converted": loaded[str(converted)], "record": record,
-            "output": str(plan.output), "written": written, "source_unchanged": snapshot(source) == before}
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("offline")
-    corpus = make_corpus(root / "random")
-    return root, spawn(_runs, 2, corpus, str(root))
+    """The shared spawn's root and each rank's results of the conversion (tests/helpers/precision_launch.py: the
+    bf16 tp1 x pp2 source and its on-resume move to tp2 x pp1 are the runs tests/test_layout_change_precisions.py
+    checks)."""
+    root, per_rank = precision_runs(tmp_path_factory)
+    return root, [result["offline"] for result in per_rank]
 
 
 def test_converted_checkpoint_resumes_with_the_on_resume_moves_state_and_no_second_move(runs):
@@ -116,7 +63,7 @@ def test_converted_checkpoint_resumes_with_the_on_resume_moves_state_and_no_seco
             assert moved[key] and set(moved[key]) == set(converted[key]), (rank, key)
             for name, want in moved[key].items():
                 assert torch.equal(converted[key][name], want), (rank, key, name)
-    reference, resumed = train_events(root / "on-resume"), train_events(converted_dir)
+    reference, resumed = train_events(root / ON_RESUME), train_events(converted_dir)
     assert [e["iteration"] for e in resumed] == [3, 4] == [e["iteration"] for e in reference], (resumed, reference)
     for got, want in zip(resumed, reference):
         assert (got["loss"], got["grad_norm"]) == (want["loss"], want["grad_norm"]), (got, want)
