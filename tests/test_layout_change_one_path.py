@@ -5,6 +5,8 @@ One spawn of 4 ranks (dropout off):
   gpt2    ZeRO-1 fp32 at tp2 x dp2, 3 iterations, checkpoint at iteration 2;
   counted that checkpoint resumed at tp4 x dp1 (ZeRO-1) for iteration 3: every rank's move record (files opened,
           bytes of source tensors read, peak bytes held, share + largest tensor) and the resume line;
+  dp4     that checkpoint, and a bf16 (BF16_Optimizer) ZeRO-1 tp2 x dp2 one, resumed at tp1 x dp4 (ZeRO-1) for
+          iteration 3: each rank reads and holds only its own dp partition's elements;
   bert    BERT (pre-norm, SOP) at tp2 x dp2, 4 iterations, checkpoint at 2, resumed at tp1 x dp4 for 3 and 4;
   bad     on resume, the checkpoint missing a rank's file and the checkpoint resumed in bf16: one sentence each,
           the same on every rank, the same sentence the offline conversion gives (one check function), nothing
