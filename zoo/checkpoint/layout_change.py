@@ -23,6 +23,14 @@ copy of one source shard that straddles two partitions while it is read; the mer
 rank opens only the files of the names it holds and copies out of them only the ranges of its own slices (a
 straddling shard whole); its bytes read are about its share (tests/test_layout_change_one_path.py counts both).
 
+Under ZeRO-1/2 or BF16_Optimizer the share is this rank's flat fp32 partition, 12 bytes per element: about
+1/(tp x dp) of the model's state. Each parameter's element range in the partition is known first
+(:meth:`PartitionedTarget.wanted`), and only the rows of dimension 0 that range touches are copied out of the
+source (:meth:`zoo.checkpoint.training_state.CheckpointTrainingState.fragment`), one key at a time: a rank reads
+its share plus at most a partial row at each end of its partition per group, and holds one key's window of it
+(plus, where a source shard straddles two source partitions, the copy of just those rows). The low-precision
+weights are then the partitions rounded and gathered over dp, as DeepSpeed's step leaves them.
+
 Every bad case is refused in one sentence before anything is moved (:func:`check_layout_change`, shared with
 the offline conversion).
 """
@@ -251,30 +259,44 @@ class PartitionedTarget:
     """ZeRO-1/2 and BF16_Optimizer: this dp rank's fragment of each parameter's fp32 master and moments.
 
     DeepSpeed maps each parameter to its fragment of the rank's flat fp32 partition (``_hp_mapping``: where the
-    fragment starts in the parameter and in the partition; None outside this rank's partition); the partition
-    is the one parameter of the wrapped optimizer's group, and Adam's state of it is flat alike. The master
-    goes in through DeepSpeed's ``safe_set_full_fp32_param``; the moments are copied at the same addresses
-    (DeepSpeed links its own moment views only at the first step)."""
+    fragment starts in the flattened parameter and in the partition; None outside this rank's partition),
+    which is DeepSpeed's own answer to the layout :mod:`zoo.checkpoint.zero_reshard` describes (groups in
+    ``param_groups`` order, parameters flattened in order, each group padded to a multiple of
+    ``ALIGNMENT_FACTOR`` x dp and cut into dp equal slices). The partition is the one parameter of the wrapped
+    optimizer's group, and Adam's state of it is flat alike. So a rank needs, of each parameter, only the
+    element range :meth:`wanted` names: :meth:`put` copies the master and each moment of that range to the
+    fragment's addresses (DeepSpeed links its own moment views only at the first step), and :meth:`finish`
+    rounds every rank's fp32 partition into its low-precision partition and all-gathers those over dp, as
+    DeepSpeed's step does, so every rank's weights are the masters rounded."""
 
     def __init__(self, optimizer):
         self.optimizer, self.inner = optimizer, optimizer.optimizer
 
-    def put(self, param, master, moments, step) -> None:
-        from deepspeed.utils import safe_set_full_fp32_param
-
-        param.copy_(master)
-        safe_set_full_fp32_param(param, master)
+    @staticmethod
+    def wanted(param) -> tuple[int, int] | None:
+        """(start, numel) of the elements of ``param``'s flattened tensor in this rank's partition, or None."""
         mapping = param._hp_mapping
         if mapping is None:
-            return
-        hp, lp = mapping.get_hp_fragment_address(), mapping.lp_fragment_address
+            return None
+        return mapping.lp_fragment_address.start, mapping.lp_fragment_address.numel
+
+    def put(self, param, key: str, fragment: torch.Tensor, step: Any) -> None:
+        """``key`` ("master" or an Adam moment) of the elements :meth:`wanted` names, flat, into the partition."""
+        mapping = param._hp_mapping
+        hp = mapping.get_hp_fragment_address()
         (partition,) = self.inner.param_groups[mapping.param_group_index]["params"]
+        if key == "master":
+            partition.data.narrow(0, hp.start, hp.numel).copy_(fragment)
+            return
         state = self.inner.state[partition]
         if not state:   # Adam builds its state at the first step: build it as Adam would
-            state.update({key: torch.zeros_like(partition) for key in moments})
+            state.update({moment: torch.zeros_like(partition) for moment in MOMENTS})
             state["step"] = fresh_step(self.inner, step)
-        for key, value in moments.items():
-            state[key].narrow(0, hp.start, hp.numel).copy_(value.reshape(-1).narrow(0, lp.start, lp.numel))
+        state[key].narrow(0, hp.start, hp.numel).copy_(fragment)
+
+    def finish(self) -> None:
+        """Collective over dp: every rank's low-precision weights from the fp32 partitions just filled."""
+        self.optimizer.update_lp_params()
 
 
 def optimizer_target(engine):
@@ -300,10 +322,15 @@ def set_loss_scaler(optimizer, saved: dict[str, Any] | None) -> None:
 
 
 # --------------------------------------------------------------------------- the move
-def held_bytes(module) -> tuple[int, int]:
-    """(This rank's share in the planner's terms: 12 bytes (fp32 master and two Adam moments) per parameter it
-    holds; 0, filled by the move with the largest merged tensor's bytes)."""
-    return 12 * sum(param.numel() for param in module.parameters()), 0
+def held_bytes(module) -> int:
+    """This rank's share in the planner's terms: 12 bytes (fp32 master and two Adam moments) per parameter it
+    holds."""
+    return 12 * sum(param.numel() for param in module.parameters())
+
+
+def partition_share(target: PartitionedTarget) -> int:
+    """This rank's share under ZeRO/BF16: 12 bytes per element of its flat fp32 partitions (padding included)."""
+    return 12 * sum(param.numel() for group in target.inner.param_groups for param in group["params"])
 
 
 @torch.no_grad()
@@ -318,7 +345,8 @@ def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], parallel,
     shards; the three slices are held until the optimizer target has them. So the bytes the move holds at once
     (:class:`zoo.checkpoint.training_state.ReadAccount`) are one parameter's slices and, for a ZeRO/BF16 source,
     one straddling shard's copy: at most this rank's share plus the largest merged tensor, as the module
-    docstring states."""
+    docstring states. Into a ZeRO/BF16 partition only the elements the partition keeps are copied, one key at a
+    time, and the low-precision weights are gathered over dp afterwards (collective)."""
     started = time.perf_counter()
     precision, files = engine_precision(engine), engine_optimizer_files(engine)
     stage = engine.zero_optimization_stage()
@@ -327,27 +355,42 @@ def load_at_new_layout(engine, tag_dir: Path, source: tuple[int, int], parallel,
     names = one_stage_names(engine.module)
     state = raise_on_any_rank(lambda: CheckpointTrainingState(tag_dir, *source, wanted=set(names.values())))
     target = raise_on_any_rank(lambda: optimizer_target(engine))
-    share, largest = held_bytes(engine.module)
-    account = state.account
+    account, specs = state.account, partition_specs(engine.module)
+    share = partition_share(target) if isinstance(target, PartitionedTarget) else held_bytes(engine.module)
+    largest = raise_on_any_rank(lambda: max((state.merged_bytes(names[local_name], specs[local_name])
+                                             for local_name, _ in engine.module.named_parameters()), default=0))
 
-    def fill() -> int:
-        nonlocal largest
-        specs = partition_specs(engine.module)
+    def fill_whole() -> None:
         for local_name, param in engine.module.named_parameters():
             name, spec = names[local_name], specs[local_name]
-            pieces = {}
-            for key in ("master",) + MOMENTS:   # this rank's slice, straight out of the source's shards
-                pieces[key], merged_bytes = state.local(name, spec, key, param.shape, parallel.tp_rank, parallel.tp_size,
-                                                        param.device)
-                largest = max(largest, merged_bytes)
+            pieces = {key: state.local(name, spec, key, param.shape, parallel.tp_rank, parallel.tp_size,
+                                       param.device)[0]
+                      for key in ("master",) + MOMENTS}   # this rank's slice, straight out of the source's shards
             master = pieces.pop("master")
             target.put(param, master, pieces, state.step(name))
             account.release(master.nbytes + sum(piece.nbytes for piece in pieces.values()))
             del master, pieces
+
+    def fill_partition() -> None:
+        for local_name, param in engine.module.named_parameters():
+            wanted = target.wanted(param)
+            if wanted is None:
+                continue
+            name, spec = names[local_name], specs[local_name]
+            for key in ("master",) + MOMENTS:   # one key's fragment at a time, only this partition's elements
+                fragment, held = state.fragment(name, spec, key, param.shape, parallel.tp_rank, parallel.tp_size,
+                                                *wanted, param.device)
+                target.put(param, key, fragment, state.step(name))
+                del fragment
+                account.release(held)
+
+    def fill() -> None:
+        (fill_partition if isinstance(target, PartitionedTarget) else fill_whole)()
         set_steps(target.inner, state.step(next(iter(names.values()))))
-        return largest
 
     raise_on_any_rank(fill)
+    if isinstance(target, PartitionedTarget):
+        raise_on_any_rank(target.finish)
     first = state.first
     # The schedule-driven values of each group (the lr; betas under a cycle schedule) are the checkpoint's:
     # the scheduler sets them only at its next step, after this iteration's update.

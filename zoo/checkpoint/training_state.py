@@ -21,7 +21,8 @@ checkpoint carries the loss scaler (fp16), the LR schedule, DeepSpeed's counters
 all read from the first rank's file. Nothing is read before it is asked for: the files are memory-mapped,
 and a reader built for the names one rank holds opens only the files that hold them (with stages: the
 stages that held those names, from the recorded ``pipeline_parts``), so a rank holds its own share and
-the tensor it is working on.
+the tensor it is working on; a rank that keeps only a range of a parameter's elements (a ZeRO/BF16 partition)
+reads only the rows of that range (:meth:`CheckpointTrainingState.fragment`).
 """
 
 from __future__ import annotations
@@ -183,11 +184,14 @@ class ModelStatesOptimizer:
         self.group_of = {name: g for g, group in enumerate(groups) for name in group}
         self.group_steps = [group.get("step") for group in inner.get("param_groups", [])]
 
-    def tensor(self, name: str, key: str) -> tuple[torch.Tensor, int]:
-        """(``key`` of ``name``: a view of the memory-mapped file, 0 bytes copied)."""
+    def tensor(self, name: str, key: str, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, int]:
+        """(``key`` of ``name``, or its indices ``rows`` = [first, stop) of dimension 0: a view of the
+        memory-mapped file, 0 bytes copied)."""
         if key != "master":
-            return self.state[name][key], 0
-        return (self.masters[name] if self.masters is not None else self.weights()[name]), 0
+            tensor = self.state[name][key]
+        else:
+            tensor = self.masters[name] if self.masters is not None else self.weights()[name]
+        return (tensor if rows is None else tensor.narrow(0, rows[0], rows[1] - rows[0])), 0
 
     def step(self, name: str) -> Any:
         step = self.state[name].get("step")
@@ -221,7 +225,7 @@ class CheckpointTrainingState:
                              "not move to another layout; resume it at its own layout, or export it "
                              "(launch/export.py) and start the new layout with --pretrained.")
         model_config = self.first["model_config"]
-        shapes = local_shapes(model_config, tp, first_path)
+        shapes = self.shapes = local_shapes(model_config, tp, first_path)
         self.partitions = partition_files(self.tag_dir)
         self.stages, n_layer = pipeline_stages_of(model_config, first_path) if pp > 1 else (None, 0)
         entries = sorted({self.stages.entry_of(name, n_layer) for name in wanted}) if pp > 1 else []
@@ -326,6 +330,62 @@ class CheckpointTrainingState:
             del shard
             self.account.release(copied)
         return out, merged_bytes
+
+    def fragment(self, name: str, spec, key: str, shape: torch.Size, tp_rank: int, tp_size: int, start: int,
+                 numel: int, device: torch.device | str = "cpu") -> tuple[torch.Tensor, int]:
+        """(Elements [``start``, ``start + numel``) of the flattened TP slice that :meth:`local` gives, the bytes
+        held for them): what one ZeRO/BF16 partition of the new layout keeps of ``name``. Only the indices of
+        dimension 0 that those elements touch are copied out of the source's shards (for a split dimension 0,
+        only the source rows that map to them; for a split column, those rows of each source shard), so the
+        bytes read and held are the fragment's plus at most two partial rows; a source shard that straddles
+        two ZeRO/BF16 partitions is copied only over those rows. The returned fragment is a view of a window
+        of those rows, held (:attr:`account`) until the caller releases the returned bytes."""
+        row = shape.numel() // shape[0] if len(shape) else 1
+        first, stop = start // row, -(-(start + numel) // row)
+        window = torch.zeros((stop - first, *shape[1:]), dtype=torch.float32, device=device)
+        self.account.hold(window.nbytes)
+        for source_rank in range(self.tp) if spec.is_sharded else range(1):
+            for rows, into in self.source_rows(spec, source_rank, tp_rank, tp_size, shape, first, stop, name):
+                part, copied = self.owner[source_rank][name].tensor(name, key, rows)
+                self.account.hold(copied)
+                target = window.narrow(0, into, rows[1] - rows[0])
+                read = self.copy_ranges(part, target, spec, source_rank, tp_rank, tp_size) \
+                    if spec.is_sharded and spec.dim != 0 else target.copy_(part).nbytes
+                self.account.bytes_read += copied or read
+                del part
+                self.account.release(copied)
+        return window.reshape(-1).narrow(0, start - first * row, numel), window.nbytes
+
+    def source_rows(self, spec, source_rank: int, tp_rank: int, tp_size: int, shape: torch.Size, first: int,
+                    stop: int, name: str) -> list[tuple[tuple[int, int], int]]:
+        """The pieces of source TP rank ``source_rank``'s shard of ``name`` that fill indices [``first``, ``stop``)
+        of dimension 0 of new TP rank ``tp_rank``'s slice (shaped ``shape``): ((first, stop) of the shard's
+        dimension 0, where the piece starts in the window). Dimension 0 unsplit (replicated, or a split column):
+        the same indices of the shard, whose columns :meth:`copy_ranges` then picks. Dimension 0 split: per block
+        of its stride, the merged indices both ranks cover (:meth:`copy_ranges`' coordinates), the
+        vocabulary's padding rows left out (zeros in the window)."""
+        if not spec.is_sharded or spec.dim != 0:
+            return [((first, stop), 0)]
+        stride = spec.stride
+        piece = self.shapes[name][0] // stride          # rows of one block on one source rank
+        new_piece = shape[0] // stride                  # rows of one block on one new rank
+        pieces = []
+        for block in range(stride):
+            have = block * piece * self.tp + source_rank * piece
+            want = block * new_piece * tp_size + tp_rank * new_piece
+            local_lo, local_hi = max(first, block * new_piece), min(stop, (block + 1) * new_piece)
+            lo = max(have, want + local_lo - block * new_piece)
+            hi = min(have + piece, want + local_hi - block * new_piece)
+            if spec.vocab_rows is not None:
+                hi = min(hi, spec.vocab_rows)
+            if lo < hi:
+                pieces.append(((block * piece + lo - have, block * piece + hi - have),
+                               block * new_piece + lo - want - first))
+        return pieces
+
+    def merged_bytes(self, name: str, spec) -> int:
+        """Bytes of ``name``'s merged fp32 tensor at the source's padding."""
+        return self.shapes[name].numel() * 4 * (self.tp if spec.is_sharded else 1)
 
     def copy_ranges(self, shard: torch.Tensor, out: torch.Tensor, spec, source_rank: int, tp_rank: int,
                     tp_size: int) -> int:

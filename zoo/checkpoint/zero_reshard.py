@@ -161,19 +161,25 @@ class PartitionedState:
                              "checkpoint, re-save it.")
         return size
 
-    def tensor(self, name: str, key: str) -> tuple[torch.Tensor, int]:
-        """(Parameter ``name``'s fp32 ``key`` ("master", "exp_avg" or "exp_avg_sq") shaped like the parameter, the
-        bytes copied for it): a view of the mapped file, or, where the parameter straddles two partitions, a copy
-        of its pieces (copied bytes = its size)."""
+    def tensor(self, name: str, key: str, rows: tuple[int, int] | None = None) -> tuple[torch.Tensor, int]:
+        """(Parameter ``name``'s fp32 ``key`` ("master", "exp_avg" or "exp_avg_sq") shaped like the parameter, or
+        only its indices ``rows`` = [first, stop) of dimension 0; the bytes copied for it): a view of the mapped
+        file, or, where those elements straddle two partitions, a copy of just them (copied bytes = their size)."""
         g, offset, shape = self.where[name]
         size = self.partition_size(g)
-        lo, hi = offset, offset + shape.numel()
+        row = shape.numel() // shape[0] if len(shape) else 1
+        first, stop = rows if rows is not None else (0, shape[0] if len(shape) else 1)
+        if rows is not None:
+            shape = torch.Size((stop - first, *shape[1:]))
+        lo, hi = offset + first * row, offset + stop * row
+        if hi <= lo:
+            return torch.zeros(shape), 0
         pieces = []
         for dp_rank in range(lo // size, (hi - 1) // size + 1):
             flat = (self.partition(dp_rank)[FP32][g] if key == "master" else self.base_state(dp_rank, g)[key])
             start = max(lo, dp_rank * size) - dp_rank * size
-            stop = min(hi, (dp_rank + 1) * size) - dp_rank * size
-            pieces.append(flat.reshape(-1).narrow(0, start, stop - start))
+            stop_at = min(hi, (dp_rank + 1) * size) - dp_rank * size
+            pieces.append(flat.reshape(-1).narrow(0, start, stop_at - start))
         if len(pieces) == 1:
             return pieces[0].view(shape), 0
         copy = torch.cat(pieces).view(shape)
