@@ -5,16 +5,21 @@ in a transformers config.json, as one-sentence errors. Each family's config clas
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Self
 
 from zoo.checkpoint.hf.hf_io import check_json_object
 from zoo.errors import UserError
 from zoo.options import json_kind, shown
+from zoo.parallel.utils import pad_vocab_size
 
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 # zoo's own fields: they change how a model is run, never its parameters, and are not written to config.json.
 ZOO_RUN_FIELDS = ("make_vocab_size_divisible_by", "activation_checkpointing", "sequence_parallel",
                   "recompute_granularity")
+
+# config.json fields transformers keeps for itself; a config rewrites them, never passes them through.
+HF_BOOKKEEPING_FIELDS = ("architectures", "model_type", "transformers_version")
 
 # Upper bounds on a model's shape fields. They are sanity limits, far above any released model (vocabularies
 # reach ~256k tokens, contexts ~1M positions, widths ~25k, depths ~200 layers), that stop a typo or a hostile
@@ -25,6 +30,33 @@ MAX_POSITIONS = 1_048_576
 MAX_HIDDEN_SIZE = 65_536
 MAX_LAYERS = 4_096
 MAX_TOKEN_TYPES = 1_024
+
+
+class FamilyConfig:
+    """What every family's config dataclass shares: its fields named as in transformers' config.json, the
+    fields zoo does not know kept in ``extra`` and written back, zoo's own run fields never written."""
+
+    def padded_vocab_size(self, tp_size: int) -> int:
+        return pad_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
+
+    def replace(self, **changes) -> Self:
+        return dataclasses.replace(self, **changes)
+
+    @classmethod
+    def split_hf_values(cls, values: dict[str, Any], not_fields: tuple[str, ...] = ()) -> tuple[dict, dict]:
+        """(the values of this class's fields, the rest) of a config.json's ``values``; ``not_fields`` are
+        fields config.json does not set."""
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra", *not_fields}
+        return ({k: v for k, v in values.items() if k in names}, {k: v for k, v in values.items() if k not in names})
+
+    def hf_field_values(self, skip: tuple[str, ...] = ()) -> dict[str, Any]:
+        """The fields config.json gets: all but ``extra``, zoo's run fields and ``skip``."""
+        left_out = ("extra", *ZOO_RUN_FIELDS, *skip)
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in left_out}
+
+    def passthrough(self, not_written: tuple[str, ...] = HF_BOOKKEEPING_FIELDS) -> dict[str, Any]:
+        """The fields of the read config.json that zoo does not know, written back as they were."""
+        return {k: v for k, v in self.extra.items() if k not in not_written}
 
 
 def recompute_mode(config: Any) -> str | None:

@@ -3,7 +3,6 @@ place, and the check of a BERT config.json's values."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -14,13 +13,12 @@ from zoo.models.config import (
     MAX_POSITIONS,
     MAX_TOKEN_TYPES,
     MAX_VOCAB_SIZE,
-    ZOO_RUN_FIELDS,
+    FamilyConfig,
     check_field_values,
     check_hf_fields,
     recompute_mode,
     validate_tp_shapes,
 )
-from zoo.parallel.utils import pad_vocab_size
 
 # field -> (upper bound, None allowed) of the integer shape fields; each must be at least 1.
 BERT_SHAPE_FIELDS = {"vocab_size": (MAX_VOCAB_SIZE, False), "hidden_size": (MAX_HIDDEN_SIZE, False),
@@ -35,7 +33,7 @@ _BERT_ACTIVATIONS = {"gelu": "none", "gelu_new": "tanh", "gelu_pytorch_tanh": "t
 
 
 @dataclass
-class BertConfig:
+class BertConfig(FamilyConfig):
     """BERT hyper-parameters, named as in ``transformers.BertConfig`` / ``MegatronBertConfig``.
 
     ``pre_norm`` picks the layer order: True is the paper's Figure 7b (LayerNorm inside the residual
@@ -75,9 +73,6 @@ class BertConfig:
     def gelu_approximate(self) -> str:
         return _BERT_ACTIVATIONS[self.hidden_act]
 
-    def padded_vocab_size(self, tp_size: int) -> int:
-        return pad_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
-
     def validate(self, tp_size: int = 1) -> BertConfig:
         check_field_values(self, BERT_SHAPE_FIELDS, BERT_PROBABILITY_FIELDS, "BERT config")
         validate_tp_shapes(self.hidden_size, self.num_attention_heads, self.ffn_hidden_size, tp_size,
@@ -93,9 +88,7 @@ class BertConfig:
 
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> BertConfig:
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra", "pre_norm"}
-        known = {k: v for k, v in values.items() if k in names}
-        extra = {k: v for k, v in values.items() if k not in names}
+        known, extra = cls.split_hf_values(values, not_fields=("pre_norm",))
         model_type = values.get("model_type")
         if model_type not in ("bert", "megatron-bert"):
             raise UserError(f"model_type {model_type!r} is not a BERT; zoo's BERT reads 'bert' (post-norm) or "
@@ -103,17 +96,10 @@ class BertConfig:
         return cls(**known, pre_norm=model_type == "megatron-bert", extra=extra)
 
     def to_hf_dict(self, architecture: str) -> dict[str, Any]:
-        skip = ("extra", "pre_norm", *ZOO_RUN_FIELDS)
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
-        values["intermediate_size"] = self.ffn_hidden_size
-        passthrough = {k: v for k, v in self.extra.items()
-                       if k not in ("architectures", "model_type", "transformers_version")}
+        values = {**self.hf_field_values(skip=("pre_norm",)), "intermediate_size": self.ffn_hidden_size}
         prefix = "MegatronBert" if self.pre_norm else "Bert"
-        return {**passthrough, **values, "model_type": self.model_type,
+        return {**self.passthrough(), **values, "model_type": self.model_type,
                 "architectures": [prefix + architecture], "tie_word_embeddings": True}
-
-    def replace(self, **changes) -> BertConfig:
-        return dataclasses.replace(self, **changes)
 
 
 def check_bert_config_values(values: Any, path: Any) -> None:

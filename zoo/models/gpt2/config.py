@@ -3,7 +3,6 @@ a GPT-2 config.json's values."""
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -13,13 +12,12 @@ from zoo.models.config import (
     MAX_LAYERS,
     MAX_POSITIONS,
     MAX_VOCAB_SIZE,
-    ZOO_RUN_FIELDS,
+    FamilyConfig,
     check_field_values,
     check_hf_fields,
     recompute_mode,
     validate_tp_shapes,
 )
-from zoo.parallel.utils import pad_vocab_size
 
 # HF config.json fields of GPT-2 that change the maths; zoo implements only their defaults.
 _GPT2_UNSUPPORTED = {
@@ -38,7 +36,7 @@ GPT2_PROBABILITY_FIELDS = ("resid_pdrop", "embd_pdrop", "attn_pdrop")
 
 
 @dataclass
-class GPT2Config:
+class GPT2Config(FamilyConfig):
     """GPT-2 hyper-parameters, named as in ``transformers.GPT2Config``.
 
     ``make_vocab_size_divisible_by``, ``activation_checkpointing``, ``sequence_parallel`` and
@@ -80,9 +78,6 @@ class GPT2Config:
     def gelu_approximate(self) -> str:
         return _GELU_APPROXIMATION[self.activation_function]
 
-    def padded_vocab_size(self, tp_size: int) -> int:
-        return pad_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
-
     def validate(self, tp_size: int = 1) -> GPT2Config:
         """Refuse impossible shapes with one sentence naming the numbers and the fix."""
         check_field_values(self, GPT2_SHAPE_FIELDS, GPT2_PROBABILITY_FIELDS, "GPT-2 config")
@@ -101,21 +96,12 @@ class GPT2Config:
     # ---------------------------------------------------------------- HF config.json
     @classmethod
     def from_dict(cls, values: dict[str, Any]) -> GPT2Config:
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
-        known = {k: v for k, v in values.items() if k in names}
-        extra = {k: v for k, v in values.items() if k not in names}
+        known, extra = cls.split_hf_values(values)
         return cls(**known, extra=extra)
 
     def to_hf_dict(self) -> dict[str, Any]:
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
-                  if f.name not in ("extra", *ZOO_RUN_FIELDS)}
-        passthrough = {k: v for k, v in self.extra.items()
-                       if k not in ("architectures", "model_type", "transformers_version")}
-        return {**passthrough, **values, "model_type": self.model_type,
+        return {**self.passthrough(), **self.hf_field_values(), "model_type": self.model_type,
                 "architectures": ["GPT2LMHeadModel"], "tie_word_embeddings": True}
-
-    def replace(self, **changes) -> GPT2Config:
-        return dataclasses.replace(self, **changes)
 
 
 def check_gpt2_config_values(values: Any, path: Any) -> None:

@@ -9,7 +9,6 @@ config.json is read in both of transformers' spellings of the rotary settings: `
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,11 +19,11 @@ from zoo.models.config import (
     MAX_POSITIONS,
     MAX_VOCAB_SIZE,
     ZOO_RUN_FIELDS,
+    FamilyConfig,
     check_field_values,
     recompute_mode,
     shape_field_problem,
 )
-from zoo.parallel.utils import pad_vocab_size
 
 # field -> (upper bound, None allowed); every one must be at least 1.
 LLAMA_SHAPE_FIELDS = {"vocab_size": (MAX_VOCAB_SIZE, False), "hidden_size": (MAX_HIDDEN_SIZE, False),
@@ -43,7 +42,7 @@ _NOT_WRITTEN = ("architectures", "model_type", "transformers_version", "rope_the
 
 
 @dataclass
-class LlamaConfig:
+class LlamaConfig(FamilyConfig):
     """Llama hyper-parameters, named as in ``transformers.LlamaConfig``.
 
     ``rope_theta`` and ``rope_scaling`` hold the rotary settings (``rope_scaling`` None, or a dict with
@@ -101,9 +100,6 @@ class LlamaConfig:
     def rope_type(self) -> str:
         return (self.rope_scaling or {}).get("rope_type", (self.rope_scaling or {}).get("type", "default"))
 
-    def padded_vocab_size(self, tp_size: int) -> int:
-        return pad_vocab_size(self.vocab_size, tp_size, self.make_vocab_size_divisible_by)
-
     def validate(self, tp_size: int = 1) -> LlamaConfig:
         """Refuse impossible or unimplemented settings with one sentence naming the value and the fix."""
         check_field_values(self, LLAMA_SHAPE_FIELDS, LLAMA_PROBABILITY_FIELDS, "Llama config")
@@ -139,24 +135,17 @@ class LlamaConfig:
             rope = dict(rope)
             values["rope_theta"] = rope.pop("rope_theta", values.get("rope_theta", 10000.0))
             values["rope_scaling"] = rope if rope.get("rope_type", "default") != "default" else None
-        names = {f.name for f in dataclasses.fields(cls)} - {"extra", *ZOO_RUN_FIELDS}
-        known = {k: v for k, v in values.items() if k in names}
-        extra = {k: v for k, v in values.items() if k not in names}
+        known, extra = cls.split_hf_values(values, not_fields=ZOO_RUN_FIELDS)
         return cls(**known, extra=extra)
 
     def to_hf_dict(self, architecture: str = "LlamaForCausalLM") -> dict[str, Any]:
         """config.json as the installed transformers writes a Llama's (``rope_parameters``, the explicit
         ``head_dim`` and ``num_key_value_heads``)."""
-        skip = ("extra", "rope_theta", "rope_scaling", *ZOO_RUN_FIELDS)
-        values = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name not in skip}
+        values = self.hf_field_values(skip=("rope_theta", "rope_scaling"))
         values.update(head_dim=self.attention_head_dim, num_key_value_heads=self.kv_heads,
                       rope_parameters={**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta})
-        passthrough = {k: v for k, v in self.extra.items() if k not in _NOT_WRITTEN}
-        return {**passthrough, **values, "model_type": self.model_type, "architectures": [architecture],
+        return {**self.passthrough(_NOT_WRITTEN), **values, "model_type": self.model_type, "architectures": [architecture],
                 "tie_word_embeddings": False}
-
-    def replace(self, **changes) -> LlamaConfig:
-        return dataclasses.replace(self, **changes)
 
 
 def check_tp_divides_heads(heads: int, kv_heads: int, intermediate_size: int, tp_size: int) -> None:
