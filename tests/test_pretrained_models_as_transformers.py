@@ -4,7 +4,10 @@
   (GPT-2, BERT's pretraining and task heads, Llama);
 * training still trains with dropout: pretraining ``--pretrained`` and finetuning, each run twice for one step
   from the same weights and batch, with the directory's dropout 0.1 and with dropout 0, log first losses that
-  differ beyond fp32 rounding (1e-5 relative; equal ones would mean the model stayed in eval mode).
+  differ beyond fp32 rounding (1e-5 relative; equal ones would mean the model stayed in eval mode);
+* the logits are the real vocabulary (1,000 columns, padded to 1,024 inside) at tp = 1, with and without
+  ``gather_output``, and with ``gather_output`` at tp = 2, equal to transformers' (<= 1e-5 relative, fp32, eval
+  mode); at tp = 2 without it, this rank's shard of 512 columns.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.checks import rel_err
 from tests.helpers.pretraining import run_config
 from tests.spawn import spawn
 
@@ -21,7 +25,8 @@ from tests.spawn import spawn
 pytestmark = pytest.mark.filterwarnings("ignore::zoo.models.pretrained.BundledTokenizerWarning")
 
 REPO = Path(__file__).resolve().parent.parent
-VOCAB, SEQ = 1000, 12
+VOCAB, PADDED, SEQ = 1000, 1024, 12
+REL_TOL = 1e-5
 
 
 @pytest.fixture(scope="module")
@@ -50,6 +55,16 @@ def zoo_class(name: str):
     from zoo.models import BertForPreTraining, GPT2LMHeadModel, LlamaForCausalLM
 
     return {"gpt2": GPT2LMHeadModel, "llama": LlamaForCausalLM, "bert": BertForPreTraining}[name]
+
+
+def transformers_logits(directory: str, name: str, ids: torch.Tensor) -> torch.Tensor:
+    import transformers
+
+    cls = {"gpt2": transformers.GPT2LMHeadModel, "llama": transformers.LlamaForCausalLM,
+           "bert": transformers.MegatronBertForPreTraining}[name]
+    with torch.no_grad():
+        out = cls.from_pretrained(directory).eval()(ids)
+    return out.prediction_logits if name == "bert" else out.logits
 
 
 def logits_of(output) -> torch.Tensor:
@@ -111,3 +126,35 @@ def test_from_pretrained_returns_eval_mode_and_training_still_drops_out(director
         with_dropout, without = losses[run, None], losses[run, 0.0]
         # the same ops on the same weights and batch unless dropout acts: beyond fp32 rounding (1e-5 relative)
         assert abs(with_dropout - without) > 1e-5 * without, (run, losses)
+
+
+def _tp2_logits(rank, world_size, directories, ids):
+    from zoo.parallel import ParallelState
+
+    ps = ParallelState.initialize(2)
+    results = {}
+    for name, directory in directories.items():
+        model = zoo_class(name).from_pretrained(directory, parallel=ps).eval()   # .eval(): tested above
+        with torch.no_grad():
+            results[name] = (logits_of(model(ids)), logits_of(model(ids, gather_output=True)))
+    return results
+
+
+def test_logits_are_the_real_vocabulary_at_tp1_and_gathered_at_tp2(directories):
+    ids = torch.randint(0, VOCAB, (2, SEQ), generator=torch.Generator().manual_seed(2))
+    ranks = spawn(_tp2_logits, 2, directories, ids)
+    for name, directory in directories.items():
+        expected = transformers_logits(directory, name, ids)                     # (b, s, V)
+        model = zoo_class(name).from_pretrained(directory).eval()                # tp = 1
+        for gather in (False, True):
+            with torch.no_grad():
+                logits = logits_of(model(ids, gather_output=gather))
+            assert logits.shape == (2, SEQ, VOCAB), (name, gather, tuple(logits.shape))
+            assert rel_err(logits, expected) <= REL_TOL, (name, gather)
+        for rank, results in enumerate(ranks):                                   # tp = 2
+            shard, gathered = results[name]
+            assert shard.shape == (2, SEQ, PADDED // 2), (name, rank, tuple(shard.shape))
+            real = shard[..., :VOCAB - rank * PADDED // 2]                       # rank 1 holds the 24 padding columns
+            assert rel_err(real, expected[..., rank * PADDED // 2:][..., :real.shape[-1]]) <= REL_TOL, (name, rank)
+            assert gathered.shape == (2, SEQ, VOCAB), (name, rank, tuple(gathered.shape))
+            assert rel_err(gathered, expected) <= REL_TOL, (name, rank)
