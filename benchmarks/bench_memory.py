@@ -117,6 +117,7 @@ def rank_worker(workdir: Path, tp: int, rank: int, port: int, seq_length: int) -
                                                 attn_pdrop=0.0))
 
     def train_step():
+        model.train()   # from_pretrained returns eval mode; the step measured is a training step
         optimizer = torch.optim.AdamW(param_groups(model, 0.01), lr=1e-4)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config(seq_length), mpu=ps)
         ids = torch.randint(0, model.config.vocab_size, (1, seq_length), generator=torch.Generator().manual_seed(0))

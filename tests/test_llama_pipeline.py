@@ -141,9 +141,9 @@ def test_llama_tp1_pp2_pretrains_and_its_checkpoint_exports_to_transformers(tmp_
     (valid,) = [e for e in events if e.get("split") == "valid"]
     export_main(["--load", str(run), "--out", str(tmp_path / "hf")])
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
-    dataset = build_dataset(model_config("llama-tiny"), IndexedDataset(prefix), seq, 1234, split, "valid",
-                            config["train_micro_batch_size_per_gpu"])
-    batch = torch.stack([dataset[i]["input_ids"] for i in range(config["train_micro_batch_size_per_gpu"])])
+    samples = config["train_batch_size"]   # --eval-iters 1: one global batch
+    dataset = build_dataset(model_config("llama-tiny"), IndexedDataset(prefix), seq, 1234, split, "valid", samples)
+    batch = torch.stack([dataset[i]["input_ids"] for i in range(samples)])
     with torch.no_grad():
         expected = hf(input_ids=batch, labels=batch).loss.item()
     assert abs(valid["val_loss"] - expected) <= 1e-5 * expected, (valid["val_loss"], expected)

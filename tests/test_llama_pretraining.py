@@ -19,7 +19,7 @@ from tests.spawn import spawn
 
 REPO = Path(__file__).resolve().parents[1]
 SEQ = 64
-MICRO = 4          # the demo config's micro-batch; dp = 1 at tp = 2 on 2 ranks
+GLOBAL = 8         # the demo config's global batch: a validation of --eval-iters 1 scores one global batch
 SPLIT = "80,20,0"
 
 
@@ -80,8 +80,8 @@ def test_llama_tiny_pretrains_at_tp2_resumes_and_exports_to_transformers(tmp_pat
     hf = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "hf", torch_dtype=torch.float32).eval()
     assert hf.config.num_key_value_heads == 2 and not hf.config.tie_word_embeddings
 
-    dataset = build_dataset(model_config("llama-tiny"), IndexedDataset(prefix), SEQ, 1234, SPLIT, "valid", MICRO)
-    batch = torch.stack([dataset[i]["input_ids"] for i in range(MICRO)])
+    dataset = build_dataset(model_config("llama-tiny"), IndexedDataset(prefix), SEQ, 1234, SPLIT, "valid", GLOBAL)
+    batch = torch.stack([dataset[i]["input_ids"] for i in range(GLOBAL)])
     with torch.no_grad():
         expected = hf(input_ids=batch, labels=batch).loss.item()
     assert abs(valid["val_loss"] - expected) <= 1e-5 * expected, (valid["val_loss"], expected)

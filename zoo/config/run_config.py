@@ -92,7 +92,8 @@ class RunConfig:
                                     help="transformers-layout directory to start from (instead of random init)")
     log_interval: int = option(10, group="logging", help="iterations between log lines")
     eval_interval: int = option(1000, group="training", help="iterations between validations (0: never)")
-    eval_iters: int = option(10, group="training", help="batches per validation")
+    eval_iters: int = option(10, group="training",
+                            help="global batches per validation: the same samples at every layout")
     save_interval: int = option(0, group="checkpointing", help="iterations between checkpoints (0: at the end only)")
     checkpoint_activations: bool = option(
         False, group="training",

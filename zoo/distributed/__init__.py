@@ -16,7 +16,7 @@
 """
 
 from zoo.distributed.build_once import build_once
-from zoo.distributed.data_parallel import dp_block, dp_sum, means_over_dp
+from zoo.distributed.data_parallel import dp_block, dp_sum, weighted_means_over_dp
 from zoo.distributed.host_agreement import (
     SLOWEST_BYTES_PER_S,
     WAIT_MARGIN,
@@ -87,7 +87,6 @@ __all__ = [
     "loop_run_number",
     "master_port_in_use",
     "master_port_named",
-    "means_over_dp",
     "process_group_left_on_success",
     "raise_on_any_rank",
     "ranks_that_did_not_arrive",
@@ -99,4 +98,5 @@ __all__ = [
     "single_process_env",
     "unlink_shared_memory_buffer",
     "visible_nvidia_gpus",
+    "weighted_means_over_dp",
 ]

@@ -29,13 +29,16 @@ def dp_sum(values: Sequence[float], parallel: ParallelState | None,
     return totals.tolist()
 
 
-def means_over_dp(sums: dict[str, torch.Tensor], count: int, parallel: ParallelState,
-                  device: torch.device | str | None = None) -> dict[str, float]:
-    """Per-key means over ``count`` micro-batches and the DP ranks, in one all-reduce on ``device``
-    (the engine's: NCCL reduces only accelerator tensors)."""
-    stacked = torch.stack([torch.as_tensor(v, dtype=torch.float32) for v in sums.values()]) / count
+def weighted_means_over_dp(sums: dict[str, tuple[torch.Tensor, torch.Tensor]], parallel: ParallelState,
+                           device: torch.device | str | None = None) -> dict[str, float]:
+    """Per-key means over every item the DP ranks evaluated: sum(value * weight) / sum(weight), from each rank's
+    (weighted sum, total weight) pair, in fp64 (token counts pass 2^24 in fp32), in one all-reduce on
+    ``device`` (the engine's: NCCL reduces only accelerator tensors). Each item counts once with its weight,
+    so the mean is the same however the items were split over ranks and micro-batches. A key whose weight is
+    0 on every rank gives nan."""
+    stacked = torch.stack([torch.as_tensor(value, dtype=torch.float64) for pair in sums.values() for value in pair])
     if parallel.dp_size > 1:
         stacked = stacked.to(device) if device is not None else stacked
         dist.all_reduce(stacked, group=parallel.dp_group)
-        stacked /= parallel.dp_size
-    return dict(zip(sums, stacked.tolist()))
+    totals = stacked.view(-1, 2).tolist()
+    return {key: (total / weight if weight else float("nan")) for key, (total, weight) in zip(sums, totals)}

@@ -106,7 +106,8 @@ class HFPretrainedMixin:
     def from_pretrained(cls, directory: str | os.PathLike, parallel: ParallelState | None = None,
                         dtype: torch.dtype | None = None, **config_overrides):
         """Build from a transformers directory (config.json + safetensors), reading only this rank's
-        slices. ``config_overrides`` set config fields, e.g. ``activation_checkpointing=True``."""
+        slices, in eval mode as transformers returns it (dropout off; call ``.train()`` to train).
+        ``config_overrides`` set config fields, e.g. ``activation_checkpointing=True``."""
         values = read_config_json(directory)
         config = cls.config_from_hf(values)   # a config.json of another model type is named as such first
         cls.check_hf_config(values, Path(directory) / "config.json")
@@ -121,7 +122,8 @@ class HFPretrainedMixin:
     @classmethod
     def load_into(cls, directory: str | os.PathLike, config, parallel: ParallelState | None = None,
                   dtype: torch.dtype | None = None, new_params_seed: int | None = None):
-        """Build ``cls(config, parallel)`` on the meta device and fill it from ``directory``.
+        """Build ``cls(config, parallel)`` on the meta device and fill it from ``directory``; returned in eval
+        mode, as transformers' ``from_pretrained`` returns its models, so that two forwards of the same input agree.
 
         Parameters named in ``cls.new_param_prefixes`` (a task head the checkpoint may not have)
         are drawn fresh from ``new_params_seed`` when absent, identically on every rank."""
@@ -141,7 +143,7 @@ class HFPretrainedMixin:
         model.tokenizer_dir = tokenizer_dir_of(directory, cls.default_tokenizer_dir)
         if dtype is not None:
             model.to(dtype)
-        return model
+        return model.eval()
 
     @classmethod
     def check_checkpoint_keys(cls, directory, file_keys: set[str], config) -> None:

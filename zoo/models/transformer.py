@@ -136,16 +136,25 @@ def causal_lm_head_outputs(local_logits: torch.Tensor, labels: torch.Tensor | No
                            vocab_size: int, gather_output: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(loss, logits) of a causal LM from this rank's vocab-parallel logits (b, s, V_padded / p): the loss
     of position t predicting label t+1 (the labels are shifted, not the logits: no logits-sized copy), None
-    without labels; the logits gathered over TP and cut to the real vocabulary (b, s, V) with
-    ``gather_output``, else this rank's shard."""
+    without labels; the logits as :func:`user_logits` hands them out."""
     loss = None
     if labels is not None:
         targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)   # (b, s)
         loss = lm_loss(local_logits, targets, parallel, vocab_size)
-    logits = local_logits
-    if gather_output:
-        logits = gather_from_tp_region(local_logits, parallel)[..., :vocab_size]   # (b, s, V)
-    return loss, logits
+    return loss, user_logits(local_logits, parallel, vocab_size, gather_output)
+
+
+def user_logits(local_logits: torch.Tensor, parallel: ParallelState, vocab_size: int,
+                gather_output: bool) -> torch.Tensor:
+    """The ``.logits`` a model returns from this rank's vocab shard (..., V_padded / p): the real vocabulary
+    (..., V), gathered over TP, with ``gather_output`` and always at tp = 1 (where the shard is the whole
+    vocabulary, so no padding column, whose logit is a meaningless 0, ever reaches a softmax of the caller: a
+    view, no copy); at tp > 1 without ``gather_output``, this rank's shard, padding included, for the
+    vocab-parallel consumers (:func:`zoo.parallel.vocab_parallel_cross_entropy`,
+    :func:`zoo.parallel.argmax.vocab_parallel_argmax`), which take ``vocab_size`` to leave it out."""
+    if not gather_output and parallel.tp_size > 1:
+        return local_logits                                                     # (..., V_padded / p)
+    return gather_from_tp_region(local_logits, parallel)[..., :vocab_size]      # (..., V)
 
 
 class ParallelSelfAttention(nn.Module):

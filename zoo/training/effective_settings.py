@@ -179,8 +179,8 @@ def format_effective_settings(s: dict[str, Any], path: str | Path | None = None)
     for index, corpus in enumerate(s["data"]):
         lines.append(f"  {'data' if index == 0 else '':<10} {describe_corpus(corpus)}")
     run = s["run"]
-    evaluation = (f"validation every {run['eval_interval']} ({run['eval_iters']} batches)" if run["eval_interval"]
-                  else "no validation")
+    evaluation = (f"validation every {run['eval_interval']} ({run['eval_iters']} global batches = "
+                  f"{run['eval_iters'] * batch['global']:,} samples)" if run["eval_interval"] else "no validation")
     saving = f"checkpoints every {run['save_interval']}" if run["save_interval"] else "a checkpoint at the end"
     lines.append(f"  run        {run['train_iters']:,} iterations = {run['samples']:,} samples, {evaluation}, {saving}, "
                  f"a log line every {run['log_interval']}, seed {run['seed']}")

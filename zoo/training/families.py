@@ -52,6 +52,27 @@ def mlm_sop_metrics(output, batch: dict[str, torch.Tensor]) -> Metrics:
             "sop_acc": (sop_logits.argmax(-1) == labels).float().mean()}
 
 
+def causal_lm_weights(metrics: Metrics, batch: dict[str, torch.Tensor]) -> Metrics:
+    """What a causal LM's loss on ``batch`` is a mean over: the labels it scores (shifted by one, -100 ignored)."""
+    return {"loss": (batch["labels"][:, 1:] != -100).sum()}
+
+
+def mlm_sop_weights(metrics: Metrics, batch: dict[str, torch.Tensor]) -> Metrics:
+    """What BERT's metrics on ``batch`` are means over: the masked tokens (MLM loss) and the sentence pairs (SOP
+    loss and accuracy); without SOP metrics the loss is the MLM loss alone."""
+    masked = (batch["labels"] != -100).sum()
+    if "sop_loss" not in metrics:
+        return {"loss": masked}
+    pairs = torch.tensor(batch["next_sentence_label"].numel(), device=masked.device)
+    return {"mlm_loss": masked, "sop_loss": pairs, "sop_acc": pairs}
+
+
+def mlm_sop_validation_loss(means: dict[str, float]) -> float:
+    """BERT's loss over a validation: the mean MLM loss over every masked token plus the mean SOP loss over every
+    pair (each part weighted as the model's own loss weights it within a micro-batch)."""
+    return means["loss"] if "loss" in means else means["mlm_loss"] + means["sop_loss"]
+
+
 def mlm_sop_log_parts(event: dict[str, Any]) -> list[str]:
     """The MLM/SOP fields of a training log line (none where the event lacks them)."""
     if "sop_acc" not in event:
@@ -87,7 +108,9 @@ class PretrainingObjective:
     which, num_samples)``: the samples. ``extra_metrics(output, batch)``: device metrics beside "loss".
     ``log_parts(event)``: their fields on a training log line; ``closing_line(last)``: their line at the end
     of a run (None: nothing to add); ``validation_line(means, unigram)``: the closing validation line beside its
-    baselines.
+    baselines. ``validation_weights(metrics, batch)``: what each metric of a micro-batch is a mean over (its
+    tokens or pairs), so that a validation weights every token or pair of its samples once, however they were
+    cut into micro-batches; ``validation_loss(means)``: the validation's loss from the weighted means.
     """
 
     default_corpus: Callable[[bool], str]
@@ -96,12 +119,15 @@ class PretrainingObjective:
     log_parts: Callable[[dict[str, Any]], list[str]] = lambda event: []
     closing_line: Callable[[dict[str, Any]], str | None] = lambda last: None
     validation_line: Callable[[dict[str, Any], float | None], str] = causal_lm_validation_line
+    validation_weights: Callable[[Metrics, dict[str, torch.Tensor]], Metrics] = causal_lm_weights
+    validation_loss: Callable[[dict[str, float]], float] = lambda means: means["loss"]
 
 
 OBJECTIVES: dict[str, PretrainingObjective] = {
     CAUSAL_LM: PretrainingObjective(lambda progress: default_corpus_prefix(progress=progress), gpt_dataset),
     MLM_SOP: PretrainingObjective(lambda progress: default_bert_corpus_prefix(progress=progress), bert_dataset,
-                                  mlm_sop_metrics, mlm_sop_log_parts, mlm_sop_closing_line, mlm_sop_validation_line),
+                                  mlm_sop_metrics, mlm_sop_log_parts, mlm_sop_closing_line, mlm_sop_validation_line,
+                                  mlm_sop_weights, mlm_sop_validation_loss),
 }
 
 

@@ -90,8 +90,10 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
 
 def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], parallel, weight_decay: float,
                  refresh_masters: bool):
-    """The DeepSpeed engine of ``model`` (AdamW groups without decay on biases and norms, zoo's mpu);
-    ``refresh_masters`` copies weights loaded before ``initialize`` into fp16/bf16 master weights."""
+    """The DeepSpeed engine of ``model`` (AdamW groups without decay on biases and norms, zoo's mpu), in training
+    mode: a model from ``from_pretrained`` arrives in eval mode and DeepSpeed's engine keeps its module's mode
+    (only the pipeline engine's ``train_batch`` sets it). ``refresh_masters`` copies weights loaded before
+    ``initialize`` into fp16/bf16 master weights."""
     import deepspeed  # local: DeepSpeed costs seconds to import
 
     fit_cuda_arch_list_for_deepspeed()
@@ -99,6 +101,7 @@ def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], parallel, we
                                            config=ds_config, mpu=parallel)
     if refresh_masters:
         refresh_fp32_master_weights(engine)
+    engine.train()
     return engine
 
 

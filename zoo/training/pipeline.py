@@ -28,6 +28,7 @@ What zoo adds to DeepSpeed's engine:
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from typing import Any
 
@@ -215,8 +216,14 @@ class PipelinePretrainTask(PretrainTask):
 
 
 def pipeline_validation_means(engine, data: PretrainingData, config: RunConfig) -> dict[str, float]:
-    """The validation loss over ``eval_iters`` micro-batches and the DP replicas, through the pipeline."""
-    batches = data.valid_micro_batches(config.eval_iters)
-    loss = engine.eval_batch(stage_pairs(batches, engine.device), num_micro_batches=len(batches))
+    """The validation loss over the valid split's first ``eval_iters`` global batches, through the pipeline: one
+    ``engine.eval_batch`` per global batch, whose loss DeepSpeed averages over its micro-batches and the DP replicas.
+    That is the mean over every scored token, as a one-stage engine computes it
+    (:func:`zoo.training.validator.validation_means`), because the pipelined families are causal LMs whose samples
+    all score ``seq_length - 1`` tokens: every micro-batch and every global batch weighs the same."""
+    total = 0.0
+    with contextlib.closing(data.valid_iterations(config.eval_iters)) as iterations:
+        for batches in iterations:
+            total += float(engine.eval_batch(stage_pairs(batches, engine.device), num_micro_batches=len(batches)))
     engine.train()
-    return {"loss": float(loss)}
+    return {"loss": total / config.eval_iters}

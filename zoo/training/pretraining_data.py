@@ -7,6 +7,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -55,11 +56,13 @@ class PretrainingData:
         self.blend = [(weight, prefix) for weight, prefix in blend if weight > 0]
         self.parallel = parallel
         self.micro_batch = micro_batch
+        # micro-batches of this rank per global batch (DeepSpeed checked that micro * dp divides global_batch)
+        self.micro_steps = global_batch // (micro_batch * parallel.dp_size)
         self.workers = workers if can_start_workers() else 0
         self.pin_memory = pin_memory
         self.agreement_group = agreement_group
         train_samples = config.train_iters * global_batch
-        valid_samples = config.eval_iters * micro_batch * parallel.dp_size if config.eval_interval else 0
+        valid_samples = config.eval_iters * global_batch if config.eval_interval else 0
         index = None
         if len(self.blend) > 1:  # one index serves both splits: valid uses its first valid_samples entries
             index = shared_blend_index(self.blend, max(train_samples, valid_samples))
@@ -112,12 +115,17 @@ class PretrainingData:
             self._train_batches = iter(self.loader(self.train, consumed))
         return self.next_micro_batches(self._train_batches, count)
 
-    def valid_micro_batches(self, count: int) -> list[dict[str, torch.Tensor]]:
+    def valid_iterations(self, eval_iters: int) -> Iterator[list[dict[str, torch.Tensor]]]:
+        """This rank's micro-batches of each of the valid split's first ``eval_iters`` global batches, one
+        global batch at a time (at most one global batch's share is held). Over the DP ranks every sample of
+        the ``eval_iters * global_batch`` is read once. Close the iterator when done (``contextlib.closing``):
+        that shuts the loader's workers down, also when reading or evaluating failed, never at exit."""
         batches = iter(self.loader(self.valid, 0))
         try:
-            return self.next_micro_batches(batches, count)
+            for _ in range(eval_iters):
+                yield self.next_micro_batches(batches, self.micro_steps)
         finally:
-            shut_down_workers(batches)   # here, also when reading failed, never at exit
+            shut_down_workers(batches)
 
 
 def can_start_workers() -> bool:

@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from zoo.config.run_config import RunConfig
-from zoo.distributed import means_over_dp
+from zoo.distributed import weighted_means_over_dp
 from zoo.training.families import forward_with_metrics
 from zoo.training.loop import LoopState, to_device
 from zoo.training.metrics import MetricsLogger, perplexity
@@ -17,21 +19,33 @@ __all__ = ["Validator", "validation_means"]
 
 
 def validation_means(engine, data: PretrainingData, config: RunConfig, parallel) -> dict[str, float]:
-    """Validation means over ``eval_iters`` micro-batches and the DP ranks: "loss", plus BERT's
-    "mlm_loss", "sop_loss" and "sop_acc". Summed on the device, one synchronisation at the end. A pipeline
-    engine evaluates through its own schedule (:func:`zoo.training.pipeline.pipeline_validation_means`)."""
+    """The validation's means: "loss", plus BERT's "mlm_loss", "sop_loss" and "sop_acc", over the valid split's
+    first ``eval_iters`` global batches (:meth:`PretrainingData.valid_iterations`).
+
+    The same number at every layout: the same samples are evaluated at any tp, pp, dp and micro-batch size, each
+    by one DP rank, and each metric is a mean over all their tokens (or pairs) together, each counted once (the
+    objective's ``validation_weights``), not a mean of micro-batch means. Summed on the device in fp64, one
+    synchronisation at the end. A pipeline engine evaluates through its own schedule
+    (:func:`zoo.training.pipeline.pipeline_validation_means`)."""
     if is_pipeline_engine(engine):
         return pipeline_validation_means(engine, data, config)
+    objective = data.objective
+    sums: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     engine.eval()
-    sums: dict[str, torch.Tensor] = {}
-    batches = data.valid_micro_batches(config.eval_iters)
-    with torch.no_grad():
-        for batch in batches:
-            _, metrics = forward_with_metrics(engine, to_device(batch, engine.device), data.objective.extra_metrics)
-            for key, value in metrics.items():
-                sums[key] = sums.get(key, 0.0) + value
-    engine.train()
-    return means_over_dp(sums, config.eval_iters, parallel, engine.device)
+    try:
+        with torch.no_grad(), contextlib.closing(data.valid_iterations(config.eval_iters)) as iterations:
+            for batches in iterations:
+                for batch in batches:
+                    batch = to_device(batch, engine.device)
+                    _, metrics = forward_with_metrics(engine, batch, objective.extra_metrics)
+                    for key, weight in objective.validation_weights(metrics, batch).items():
+                        weight = weight.double()
+                        total, count = sums.get(key, (0.0, 0.0))
+                        sums[key] = (total + metrics[key].double() * weight, count + weight)
+    finally:
+        engine.train()
+    means = weighted_means_over_dp(sums, parallel, engine.device)
+    return {"loss": objective.validation_loss(means), **{k: v for k, v in means.items() if k != "loss"}}
 
 
 class Validator:

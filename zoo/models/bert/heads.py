@@ -91,7 +91,8 @@ class _BertTaskModel(_BertCheckpoints, nn.Module):
                         num_labels: int | None = None, labels: list[str] | None = None, head_seed: int = 0,
                         **config_overrides):
         """Any pre- or post-norm BERT directory: a bare encoder, pretraining heads (dropped) or this
-        task's own head. A head absent from the directory is initialised from ``head_seed``."""
+        task's own head. A head absent from the directory is initialised from ``head_seed``. Returned in eval
+        mode, as transformers returns it."""
         values = read_config_json(directory)
         cls.check_overrides(directory, values, config_overrides)
         config = cls.configure_head(cls.config_from_hf(values).replace(**config_overrides), num_labels, labels)

@@ -21,8 +21,9 @@ from zoo.models.transformer import (
     lm_loss,
     region_dropout,
     run_layers,
+    user_logits,
 )
-from zoo.parallel import VocabParallelEmbedding, gather_from_tp_region, mark_tensor_parallel, scaled_init_std
+from zoo.parallel import VocabParallelEmbedding, mark_tensor_parallel, scaled_init_std
 from zoo.parallel.layers import SequenceParallelLayerNorm, mark_sequence_parallel, uses_sequence_parallel
 from zoo.parallel.mappings import (
     all_reduce_grads_of_replicated,
@@ -271,8 +272,8 @@ class BertModel(_BertCheckpoints, nn.Module):
 class BertForPreTraining(_BertCheckpoints, nn.Module):
     """Masked-LM + sentence-order heads. MLM: dense -> GeLU -> LayerNorm -> decoder tied to the
     vocab-parallel word embedding, plus a vocab-parallel bias; the loss uses the fused
-    vocab-parallel cross-entropy. ``.prediction_logits`` is this rank's vocab shard unless
-    ``gather_output``; ``next_sentence_label`` is the sentence-order label (1 = swapped).
+    vocab-parallel cross-entropy. ``.prediction_logits`` is this rank's vocab shard (b, s, V_padded / p) at
+    tp > 1 unless ``gather_output``, else the real vocabulary (b, s, V); ``next_sentence_label`` is the sentence-order label (1 = swapped).
 
     With sequence parallelism the MLM transform (dense, GeLU, LayerNorm) runs on this rank's s/p tokens
     (its replicated parameters get their gradients summed over the TP group) and the decoder's input is
@@ -322,9 +323,7 @@ class BertForPreTraining(_BertCheckpoints, nn.Module):
             loss = lm_loss(local_logits, labels, self.parallel, self.config.vocab_size)
             if next_sentence_label is not None:
                 loss = loss + F.cross_entropy(at_least_fp32(sop_logits), next_sentence_label.view(-1))
-        logits = local_logits
-        if gather_output:
-            logits = gather_from_tp_region(local_logits, self.parallel)[..., :self.config.vocab_size]
+        logits = user_logits(local_logits, self.parallel, self.config.vocab_size, gather_output)
         return BertForPreTrainingOutput(loss=loss, prediction_logits=logits, seq_relationship_logits=sop_logits)
 
     @classmethod

@@ -122,8 +122,8 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
     """GPT-2 language model; the LM head is tied to the vocab-parallel input embedding.
 
     ``forward`` follows transformers: labels are shifted inside, -100 is ignored. ``.logits`` is
-    this rank's vocab shard (b, s, V_padded / p) by default and the full unpadded vocabulary
-    (b, s, V) with ``gather_output=True``. The loss never gathers logits (fused cross-entropy).
+    this rank's vocab shard (b, s, V_padded / p) by default at tp > 1, and the full unpadded vocabulary
+    (b, s, V) with ``gather_output=True`` and always at tp = 1. The loss never gathers logits (fused cross-entropy).
 
     Decoding: ``use_cache=True`` returns ``.past_key_values``, a tuple of one (k, v) per layer, each
     (b, heads_local, P + s, d) for this rank's heads; pass it back with only the new tokens.

@@ -111,8 +111,8 @@ class LlamaForCausalLM(LlamaCheckpointMixin, nn.Module):
     """Llama language model: :class:`LlamaModel` plus an untied vocab-parallel LM head.
 
     ``forward`` follows transformers: labels are shifted inside, -100 is ignored. ``.logits`` is this rank's
-    vocab shard (b, s, V_padded / p) by default and the full unpadded vocabulary (b, s, V) with
-    ``gather_output=True``. The loss is the fused vocab-parallel cross-entropy (the logits are never
+    vocab shard (b, s, V_padded / p) by default at tp > 1, and the full unpadded vocabulary (b, s, V) with
+    ``gather_output=True`` and always at tp = 1. The loss is the fused vocab-parallel cross-entropy (the logits are never
     gathered for it). ``use_cache=True`` returns ``.past_key_values`` (see :class:`LlamaModel`), to be passed
     back with only the new tokens; ``logits_to_keep`` = n > 0 computes the logits of the last n positions only.
     """
