@@ -1,16 +1,12 @@
 """Every command knows every model family: each runs on each family it claims, and refuses in one sentence (exit
-code 2) the family it does not apply to. In-process, on tiny models:
+code 2) a family it does not apply to. In-process, on tiny models and a tp=2 DeepSpeed checkpoint of each family
+written without processes:
 
-    export     a tp=2 DeepSpeed checkpoint of each family (GPT-2, Llama, BERT) -> its transformers directory
-    generate   GPT-2 and Llama directories generate; a BERT directory is refused
-    evaluate   WikiText perplexity of GPT-2 and Llama directories; a BERT directory is refused
-    reshard    each family's conversion passes every check before the launched ranks' work; BERT's pipeline
-               stages are refused (the launched conversions: tests/test_offline_reshard.py for GPT-2,
-               tests/test_llama_layout_change.py for Llama)
-    import     Megatron-LM checkpoints of a Llama or a BERT are refused by name (GPT-2's import:
-               tests/test_import_megatron.py)
-    smoke      a Llama preset passes --model's checks; a BERT preset for --model is refused
-    plan       each family's CPU demo config plans; bf16 on the V100 (no bf16) is refused
+    runs       export (GPT-2, Llama, BERT), generate and evaluate (GPT-2, Llama), reshard's checks (all; pipeline
+               stages for GPT-2 and Llama), plan (all), smoke's --model (GPT-2, Llama)
+    refusals   generate, evaluate and smoke's --model of a BERT; reshard of a BERT into pipeline stages; the
+               import of a Megatron-LM Llama or BERT
+    plan       bf16 on the V100 (which has no bf16) is refused
     pretrain   Megatron's model-shape flags land in model_overrides under each family's own field names; a flag the
                family lacks, and an unknown flag, are one sentence naming the fix
 """
@@ -37,10 +33,10 @@ TINY = {
 }
 
 
-def one_line_exit_2(capsys, run) -> str:
-    """The sentence of a command that ends with exit code 2: one ``error:`` line on stderr."""
+def one_line_exit_2(capsys, main, argv: list[str]) -> str:
+    """The sentence of ``main(argv)``, a command that ends with exit code 2: one ``error:`` line on stderr."""
     with pytest.raises(SystemExit) as exit_info:
-        run()
+        main(argv)
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1, err
@@ -66,136 +62,107 @@ def write_deepspeed_checkpoint(root: Path, family: str) -> Path:
     return root
 
 
-@pytest.fixture(scope="module")
-def exports(tmp_path_factory):
-    """Each family's tp=2 checkpoint exported by launch/export.py's main: {family: directory}."""
-    from zoo.cli.export import main
+DEMO_CONFIGS = {"gpt2": "cpu_demo.json", "llama": "llama_cpu_demo.json", "bert": "bert_cpu_demo.json"}
+MODEL_TYPES = {"gpt2": "gpt2", "llama": "llama", "bert": "megatron-bert"}
+GENERATES_TEXT = ("gpt2", "llama")
 
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each family's tp=2 checkpoint in a run directory whose config.json is the family's CPU demo config with the
+    tiny shapes: {family: run directory}."""
     root = tmp_path_factory.mktemp("families")
     out = {}
     for family in TINY:
         run = write_deepspeed_checkpoint(root / family, family)
-        main(["--load", str(run), "--out", str(root / f"{family}-hf")])
-        out[family] = root / f"{family}-hf"
+        config = json.loads((REPO / "ds_configs" / DEMO_CONFIGS[family]).read_text())
+        config["zoo"]["model_overrides"] = dict(TINY[family][1])
+        (run / "config.json").write_text(json.dumps(config))
+        out[family] = run
     return out
 
 
-@pytest.mark.parametrize("family, model_types", [("gpt2", ("gpt2",)), ("llama", ("llama",)),
-                                                 ("bert", ("megatron-bert",))])
-def test_export_writes_each_family(exports, family, model_types):
-    config = json.loads((exports[family] / "config.json").read_text())
-    assert config["model_type"] in model_types
-
-
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_generate_runs_on_each_family_that_generates_text(exports, family, capsys):
-    from zoo.cli.generate import main
-
-    results = main(["--load", str(exports[family]), "--prompt", "The history of", "--max-new-tokens", "3", "--greedy"])
-    assert len(results) == 1 and len(results[0].tokens) == 3
-    assert capsys.readouterr().out.startswith("--- [0] (3 tokens, length)")
-
-
-@pytest.mark.parametrize("family", ["gpt2", "llama"])
-def test_evaluate_runs_on_each_family_that_generates_text(exports, family, tmp_path, capsys):
-    from zoo.cli.evaluate import main
+def test_every_command_runs_each_family_it_claims(runs, tmp_path, capsys):
+    """export (every family), generate and evaluate (the families that generate text), reshard's checks before the
+    launched ranks' work (pipeline stages for GPT-2 and Llama, data parallelism for all; the launched conversions:
+    tests/test_offline_reshard.py, tests/test_llama_layout_change.py), plan and smoke's --model checks."""
+    from zoo.cli import evaluate, export, generate, plan
+    from zoo.cli.smoke import parse_args
+    from zoo.training.offline_reshard import plan_conversion
 
     data = tmp_path / "wiki.test.tokens"
     data.write_text(" = Title = \n\n The tensor @-@ parallel layer splits every matrix across the ranks . \n" * 3)
-    results = main(["--task", "wikitext", "--data", str(data), "--load", str(exports[family]), "--seq-length", "16",
-                    "--overlap", "8"])
-    assert results["task"] == "wikitext" and results["ppl"] > 1
-    assert "\nwikitext: loss " in capsys.readouterr().out
+    for family, run in runs.items():
+        hf = tmp_path / f"{family}-hf"
+        export.main(["--load", str(run), "--out", str(hf)])
+        assert json.loads((hf / "config.json").read_text())["model_type"] == MODEL_TYPES[family]
+        layout = (1, 2, 1) if family in GENERATES_TEXT else (1, 1, 2)
+        conversion = plan_conversion(str(run), *layout, None, None, None, world_size=2)
+        assert conversion.layout == layout and conversion.source[:2] == (TP, 1)
+        plan.main(["--deepspeed_config", str(REPO / "ds_configs" / DEMO_CONFIGS[family]), "--num-gpus", "2",
+                   "--gpu", "cpu", "--json"])
+        capsys.readouterr()
+        if family not in GENERATES_TEXT:
+            continue
+        results = generate.main(["--load", str(hf), "--prompt", "The history of", "--max-new-tokens", "3", "--greedy"])
+        assert len(results) == 1 and len(results[0].tokens) == 3, family
+        scores = evaluate.main(["--task", "wikitext", "--data", str(data), "--load", str(hf), "--seq-length", "16",
+                                "--overlap", "8"])
+        assert scores["ppl"] > 1, family
 
-
-@pytest.mark.parametrize("command", ["generate", "evaluate"])
-def test_a_bert_directory_is_refused_by_the_text_commands(exports, command, tmp_path, capsys):
-    import importlib
-
-    data = tmp_path / "wiki.test.tokens"
-    data.write_text(" = Title = \n")
-    argv = {"generate": ["--prompt", "Hello"], "evaluate": ["--task", "wikitext", "--data", str(data)]}[command]
-    main = importlib.import_module(f"zoo.cli.{command}").main
-    err = one_line_exit_2(capsys, lambda: main(["--load", str(exports["bert"]), *argv]))
-    assert "holds a BERT model (model_type 'megatron-bert')" in err and "pass a GPT-2 or Llama directory" in err
-
-
-@pytest.mark.parametrize("family, args, named", [
-    ("Llama", dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True), "Llama"),
-    ("BERT", dict(bert_binary_head=True, tokenizer_type="BertWordPieceLowerCase"), "BERT"),
-])
-def test_import_refuses_a_megatron_checkpoint_of_another_family(tmp_path, capsys, family, args, named):
-    """Megatron import applies to GPT-2 only; another family's checkpoint is named as such before any tensor
-    is read."""
-    from zoo.cli.import_megatron import main
-
-    rank_dir = tmp_path / "megatron" / "iter_0000010" / "mp_rank_00"
-    rank_dir.mkdir(parents=True)
-    shape = argparse.Namespace(num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=1,
-                               pipeline_model_parallel_size=1, **args)
-    torch.save({"args": shape, "iteration": 10, "checkpoint_version": 3.0, "model": {}}, rank_dir / "model_optim_rng.pt")
-    (tmp_path / "megatron" / "latest_checkpointed_iteration.txt").write_text("10")
-    err = one_line_exit_2(capsys, lambda: main(["--load", str(tmp_path / "megatron"), "--out", str(tmp_path / "hf")]))
-    assert f"describe a Megatron-LM {named}" in err and f"transformers {named} directory" in err
-    assert not (tmp_path / "hf").exists()
-
-
-@pytest.mark.parametrize("family, layout", [("gpt2", (1, 2, 1)), ("llama", (1, 2, 1)), ("bert", (1, 1, 2))])
-def test_reshard_plans_each_family_s_conversion(tmp_path, family, layout):
-    """launch/reshard.py's checks (everything before the launched ranks build the engine) accept each family's
-    checkpoint at a layout it trains at: pipeline stages for GPT-2 and Llama, tensor and data parallelism for all."""
-    from zoo.training.offline_reshard import plan_conversion
-
-    run = write_deepspeed_checkpoint(tmp_path / family, family)
-    demo = {"gpt2": "cpu_demo.json", "llama": "llama_cpu_demo.json", "bert": "bert_cpu_demo.json"}[family]
-    config = json.loads((REPO / "ds_configs" / demo).read_text())
-    config["zoo"]["model_overrides"] = dict(TINY[family][1])
-    (run / "config.json").write_text(json.dumps(config))
-    conversion = plan_conversion(str(run), *layout, None, None, None, world_size=2)
-    assert conversion.layout == layout and conversion.source[:2] == (TP, 1)
-    assert conversion.config.pipeline_model_parallel_size == layout[1]
-
-
-def test_reshard_refuses_pipeline_stages_for_bert(tmp_path, capsys, monkeypatch):
-    from zoo.cli.reshard import main
-
-    run = write_deepspeed_checkpoint(tmp_path / "bert", "bert")
-    (run / "config.json").write_text((REPO / "ds_configs" / "bert_cpu_demo.json").read_text())
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    err = one_line_exit_2(capsys, lambda: main(["--load", str(run), "--tensor-parallel-size", "1",
-                                                "--pipeline-model-parallel-size", "2"]))
-    assert "pipeline stages are built for GPT-2 and Llama only" in err
-    assert not (tmp_path / "bert-tp1pp2dp1").exists()
-
-
-def test_smoke_takes_a_llama_preset_and_refuses_a_bert_one_for_the_language_model(capsys):
-    from zoo.cli.smoke import main, parse_args
     from zoo.smoke import lm_config, no_dropout, validate
 
-    args = parse_args(["--model", "llama-tiny", "--seq-length", "64"])
-    validate(args)
-    smoke = argparse.Namespace(args=args)
-    assert type(lm_config(smoke, **no_dropout(smoke))).__name__ == "LlamaConfig"
-    assert main(["--model", "bert-tiny"]) == 2
+    for family in GENERATES_TEXT:
+        args = parse_args(["--model", TINY[family][0], "--seq-length", "64"])
+        validate(args)
+        smoke = argparse.Namespace(args=args)
+        assert lm_config(smoke, **no_dropout(smoke)).model_type == MODEL_TYPES[family]
+
+
+def test_every_command_refuses_a_family_it_does_not_apply_to_in_one_sentence(runs, tmp_path, capsys, monkeypatch):
+    """A BERT generates no text (generate, evaluate, smoke's --model) and has no pipeline stages (reshard); Megatron-LM
+    checkpoints of a Llama or a BERT are not imported (GPT-2's import: tests/test_import_megatron.py)."""
+    from zoo.cli import evaluate, export, generate, import_megatron, reshard, smoke
+
+    bert_hf = tmp_path / "bert-hf"
+    export.main(["--load", str(runs["bert"]), "--out", str(bert_hf)])
+    capsys.readouterr()
+    data = tmp_path / "wiki.test.tokens"
+    data.write_text(" = Title = \n")
+    for command, argv in ((generate, ["--prompt", "Hello"]), (evaluate, ["--task", "wikitext", "--data", str(data)])):
+        err = one_line_exit_2(capsys, command.main, ["--load", str(bert_hf), *argv])
+        assert "holds a BERT model (model_type 'megatron-bert')" in err and "pass a GPT-2 or Llama directory" in err
+
+    assert smoke.main(["--model", "bert-tiny"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: --model 'bert-tiny' is a BERT preset") and "'llama-tiny'" in err
 
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    err = one_line_exit_2(capsys, reshard.main, ["--load", str(runs["bert"]), "--tensor-parallel-size", "1",
+                                                   "--pipeline-model-parallel-size", "2"])
+    assert "pipeline stages are built for GPT-2 and Llama only" in err
 
-@pytest.mark.parametrize("config", ["cpu_demo.json", "llama_cpu_demo.json", "bert_cpu_demo.json"])
-def test_plan_runs_on_each_family(config, capsys):
-    from zoo.cli.plan import main
-
-    main(["--deepspeed_config", str(REPO / "ds_configs" / config), "--num-gpus", "2", "--gpu", "cpu", "--json"])
-    planned = json.loads(capsys.readouterr().out)
-    assert planned["params_total"] > 0
+    for named, args in (("Llama", dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True)),
+                        ("BERT", dict(bert_binary_head=True, tokenizer_type="BertWordPieceLowerCase"))):
+        rank_dir = tmp_path / named / "iter_0000010" / "mp_rank_00"
+        rank_dir.mkdir(parents=True)
+        shape = argparse.Namespace(num_layers=1, hidden_size=32, num_attention_heads=4, tensor_model_parallel_size=1,
+                                   pipeline_model_parallel_size=1, **args)
+        torch.save({"args": shape, "iteration": 10, "checkpoint_version": 3.0, "model": {}},
+                   rank_dir / "model_optim_rng.pt")
+        (tmp_path / named / "latest_checkpointed_iteration.txt").write_text("10")
+        err = one_line_exit_2(capsys, import_megatron.main, ["--load", str(tmp_path / named),
+                                                              "--out", str(tmp_path / f"{named}-hf")])
+        assert f"describe a Megatron-LM {named}" in err and f"transformers {named} directory" in err
+        assert not (tmp_path / f"{named}-hf").exists()
 
 
 def test_plan_refuses_bf16_on_the_v100(capsys):
     """The planner's default GPU, the V100, has no bf16: a bf16 config is one sentence naming the GPUs that do."""
     from zoo.cli.plan import main
 
-    err = one_line_exit_2(capsys, lambda: main(["--deepspeed_config", str(REPO / "ds_configs" / "llama2_7b_tp8.json"),
-                                                "--num-gpus", "8"]))
+    err = one_line_exit_2(capsys, main, ["--deepspeed_config", str(REPO / "ds_configs" / "llama2_7b_tp8.json"),
+                                          "--num-gpus", "8"])
     assert "trains in bf16, which the V100 does not have" in err and "H100" in err
     main(["--deepspeed_config", str(REPO / "ds_configs" / "llama2_7b_tp8.json"), "--num-gpus", "8", "--gpu", "H100"])
 
@@ -227,10 +194,10 @@ def test_a_shape_flag_the_family_lacks_and_an_unknown_flag_are_one_sentence(caps
     from zoo.cli.pretrain import main
 
     demo = str(REPO / "ds_configs" / "cpu_demo.json")
-    err = one_line_exit_2(capsys, lambda: main(["--deepspeed_config", demo, "--num-key-value-heads", "2"]))
+    err = one_line_exit_2(capsys, main, ["--deepspeed_config", demo, "--num-key-value-heads", "2"])
     assert err == ("error: --num-key-value-heads sets nothing of GPT-2 (the preset 'gpt2-tiny'); drop it, or pass a "
                    "--model preset of Llama.\n")
-    err = one_line_exit_2(capsys, lambda: main(["--deepspeed_config", demo, "--hiden-size", "64"]))
+    err = one_line_exit_2(capsys, main, ["--deepspeed_config", demo, "--hiden-size", "64"])
     assert "unknown flag --hiden-size" in err and "did you mean --hidden-size?" in err
-    err = one_line_exit_2(capsys, lambda: main(["--deepspeed_config", demo, "--trian-iters=5"]))
+    err = one_line_exit_2(capsys, main, ["--deepspeed_config", demo, "--trian-iters=5"])
     assert "did you mean --train-iters?" in err

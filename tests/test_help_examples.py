@@ -15,12 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from zoo.options import known_flags
-
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = sorted(path for folder in ("launch", "finetune") for path in (REPO / folder).glob("*.py"))
 LAUNCHERS = ("python", "deepspeed", "torchrun")
 REPO_FILE = re.compile(r"^(ds_configs|finetune/sweeps|launch|finetune)/[\w.-]+\.(json|yaml|py|sbatch)$")
+
+
+def known_flags(parser) -> set[str]:
+    """Every flag ``parser`` takes, aliases included."""
+    return {flag for action in parser._actions for flag in action.option_strings}
 
 
 def presets() -> set[str]:
@@ -112,32 +115,23 @@ def check_command(tokens: list[str]) -> list[str]:
     return problems
 
 
-def test_the_help_and_readme_hold_examples_of_every_script():
-    """The collection below finds the examples (a broken extraction would pass every check vacuously)."""
-    found = {tokens[next(i for i, t in enumerate(tokens) if REPO_FILE.match(t) and t.endswith(".py")
-                         and t != "launch/run.py")]
-             for _, text in help_texts() for tokens in example_commands(text)
-             if any(t.endswith(".py") and t != "launch/run.py" for t in tokens)}
+def test_every_example_in_the_help_and_the_readme_parses():
+    """Each script has examples (a broken extraction would pass the checks vacuously); every example command's
+    flags, presets and files exist; every preset a flag's help lists ("e.g. gpt2-medium, ...") exists."""
+    texts = help_texts()
+    commands = [(where, tokens) for where, text in texts for tokens in example_commands(text)]
+    found = {next(t for t in tokens if REPO_FILE.match(t) and t.endswith(".py") and t != "launch/run.py")
+             for _, tokens in commands if any(t.endswith(".py") and t != "launch/run.py" for t in tokens)}
     expected = {str(path.relative_to(REPO)) for path in SCRIPTS} - {"launch/run.py", "finetune/sweep.py"}
     assert expected <= found, sorted(expected - found)
-
-
-def test_every_example_command_parses():
-    problems = [f"{where}: `{' '.join(tokens)}`: {problem}"
-                for where, text in help_texts() for tokens in example_commands(text)
+    problems = [f"{where}: `{' '.join(tokens)}`: {problem}" for where, tokens in commands
                 for problem in check_command(tokens)]
-    assert not problems, "\n".join(problems)
-
-
-def test_every_preset_a_help_text_names_exists():
-    """A flag's help that lists example presets ("e.g. gpt2-medium, ...") names presets only."""
-    named = []
-    for _, text in help_texts():
-        for example in re.findall(r"preset\b[^;]*?e\.g\. ([\w.,\s-]+)", text):
-            named += [name.strip() for name in example.split(",") if name.strip()]
+    named = [name.strip() for _, text in texts
+             for example in re.findall(r"preset\b[^;]*?e\.g\. ([\w.,\s-]+)", text)
+             for name in example.split(",") if name.strip()]
     assert named, "no preset example found in any help text"
-    missing = sorted(set(named) - presets())
-    assert not missing, missing
+    problems += [f"a help text names the preset {name}, which does not exist" for name in sorted(set(named) - presets())]
+    assert not problems, "\n".join(problems)
 
 
 @pytest.mark.parametrize("where", ["pretrain", "reshard"])
