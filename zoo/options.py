@@ -20,12 +20,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import types
 import typing
 from collections.abc import Iterable
 from typing import Any
 
-from zoo.errors import UserError
+from zoo.errors import UserError, global_rank
 
 # The --help groups, in Megatron's order, each with its one-line description.
 GROUPS: dict[str, str] = {
@@ -164,6 +165,18 @@ def add_deepspeed_config_argument(parser: argparse.ArgumentParser, *, required: 
                        required=required, help="the DeepSpeed config JSON, with its zoo block")
 
 
+LOG_LEVELS = ("info", "debug")
+
+
+def add_log_level_argument(parser: argparse.ArgumentParser) -> None:
+    """``--log-level``: what the libraries under zoo print (zoo.operations.library_output); absent, parsed as None,
+    so that ``$ZOO_LOG_LEVEL`` decides."""
+    group_of(parser, "logging").add_argument(
+        "--log-level", dest="log_level", choices=LOG_LEVELS, default=None,
+        help="info: zoo's lines and real warnings only; debug: the libraries' own lines too (DeepSpeed's log, "
+             "datasets' progress bars) (default: $ZOO_LOG_LEVEL, else info)")
+
+
 def add_local_rank_argument(parser: argparse.ArgumentParser) -> None:
     """``--local_rank`` / ``--local-rank``, passed by the deepspeed launcher. Its default None lets joining
     take the local rank from whichever launcher started the process
@@ -234,3 +247,53 @@ def json_kind(value: Any) -> str:
         return "null"
     return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list",
             dict: "a JSON object"}.get(type(value), type(value).__name__)
+
+
+class CommandParser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line, ``error: <sentence>``, and exit code 2, as every other
+    user error of a zoo command (argparse's own is the whole usage block and then the message): an unknown
+    flag is named with the closest flag the command takes (difflib), and any other parse error (a value of
+    the wrong type, a missing required flag, an ambiguous abbreviation) is argparse's message plus where the
+    flags are listed. Only the writer rank prints it (every rank of a launched job parses the same command
+    line); every rank exits 2. ``--help`` is argparse's."""
+
+    def parse_args(self, args=None, namespace=None):  # noqa: D102 - argparse's, unknown flags answered here
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(unknown_argument_sentence(extras[0], self))
+        return parsed
+
+    def error(self, message: str) -> typing.NoReturn:
+        if global_rank() == 0:
+            sys.stderr.write(f"error: {one_sentence(message, self.prog)}\n")
+            sys.stderr.flush()
+        sys.exit(2)
+
+
+def known_flags(parser: argparse.ArgumentParser) -> list[str]:
+    """Every flag ``parser`` takes (aliases included), ``--help`` left out."""
+    return [flag for action in parser._actions for flag in action.option_strings
+            if flag.startswith("--") and flag != "--help"]
+
+
+def unknown_argument_sentence(argument: str, parser: argparse.ArgumentParser) -> str:
+    """The sentence for an argument ``parser`` does not take: a flag with the closest known flag (difflib, the
+    dash and underscore spellings alike), else where the flags are listed; a bare value as such."""
+    import difflib  # local: only a command line with an unknown flag pays for it
+
+    if not argument.startswith("-"):
+        return (f"unexpected argument {argument!r}, which no flag of {parser.prog} takes; drop it, or put the flag "
+                f"it belongs to before it (see {parser.prog} --help).")
+    flag = argument.split("=", 1)[0]
+    flags = known_flags(parser)
+    by_spelling = {name.replace("_", "-"): name for name in flags}
+    match = difflib.get_close_matches(flag.replace("_", "-"), list(by_spelling), n=1, cutoff=0.6)
+    if match:
+        return f"unknown flag {flag} for {parser.prog}; did you mean {by_spelling[match[0]]}?"
+    return f"unknown flag {flag} for {parser.prog}; see {parser.prog} --help for the flags it takes."
+
+
+def one_sentence(message: str, prog: str) -> str:
+    """argparse's error ``message`` as a zoo sentence: it names the flag and the value, and this adds where the
+    valid flags and values are listed."""
+    return message if message.endswith((".", "?")) else f"{message}; see {prog} --help."

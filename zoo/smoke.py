@@ -46,11 +46,8 @@ from zoo.data.preprocess import BUNDLED_CORPUS
 from zoo.distributed import join_process_group
 from zoo.errors import UserError
 from zoo.inference import GenerationConfig, generate
-from zoo.models import GPT2LMHeadModel
-from zoo.models import gpt2_config as preset_config
 from zoo.models.bert.presets import BERT_PRESETS, bert_config
-from zoo.models.families import shape_of
-from zoo.models.gpt2.presets import GPT2_PRESETS
+from zoo.models.families import FAMILIES, family_of, family_of_preset, model_config, shape_of
 from zoo.parallel import ParallelState, model_parallel_seed
 from zoo.planning.flops import model_flops_per_iteration
 from zoo.planning.planner import peak_tflops_of  # the one table of GPU peaks (zoo.planning.planner.GPUS)
@@ -93,14 +90,19 @@ class Smoke:
 
 def validate(args: argparse.Namespace) -> None:
     """The same UserError on every rank, before any collective."""
-    if args.model not in GPT2_PRESETS:
-        raise UserError(f"--model {args.model!r} is not a GPT-2 preset; choose one of {sorted(GPT2_PRESETS)}.")
+    language_models = sorted(name for family in FAMILIES if family.generates_text for name in family.presets)
+    family = family_of_preset(args.model)   # an unknown name is one sentence listing every preset
+    if not family.generates_text:
+        raise UserError(f"--model {args.model!r} is a {family.display_name} preset, and the language-model checks "
+                         f"need a {' or '.join(f.display_name for f in FAMILIES if f.generates_text)} one (the BERT step "
+                         f"takes --bert-model); choose one of "
+                         f"{language_models}.")
     if args.bert_model not in BERT_PRESETS:
         raise UserError(f"--bert-model {args.bert_model!r} is not a BERT preset; choose one of "
                          f"{sorted(BERT_PRESETS)}.")
     if args.steps < 2:
         raise UserError(f"--steps {args.steps} leaves no loss to compare; pass --steps 2 or more.")
-    n_positions = GPT2_PRESETS[args.model].get("n_positions", 1024)
+    n_positions = model_config(args.model).n_positions
     if not 1 <= args.seq_length <= n_positions:
         raise UserError(f"--seq-length {args.seq_length} does not fit {args.model}'s {n_positions} positions; pass "
                          f"a length from 1 to {n_positions}.")
@@ -136,22 +138,30 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return ((actual.float() - expected.float()).abs().max() / expected.float().abs().max().clamp(min=1e-30)).item()
 
 
-def gpt2_config(smoke: Smoke, **overrides):
-    return preset_config(smoke.args.model, **overrides)
+def lm_config(smoke: Smoke, **overrides):
+    """The config of ``--model`` (a GPT-2 or Llama preset; zoo.models.families picks the family)."""
+    return model_config(smoke.args.model, **overrides)
 
 
-def no_dropout():
-    return dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+def no_dropout(smoke: Smoke) -> dict[str, float]:
+    """The config fields of ``--model``'s family that turn every dropout off."""
+    return dict(family_of_preset(smoke.args.model).no_dropout)
 
 
-def parity_ids(smoke: Smoke) -> torch.Tensor:
+def token_ids(text: str, vocab_size: int) -> list[int]:
+    """``text`` in GPT-2 BPE ids, folded into a ``vocab_size`` vocabulary (a preset with another vocabulary, such as
+    Llama 2's 32,000 tokens, still gets ids it has: the checks compare layouts, not text)."""
     tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER_DIR))
-    return torch.tensor([tokenizer(PARITY_TEXT)["input_ids"]], device=smoke.device)   # (1, s)
+    return [token % vocab_size for token in tokenizer(text)["input_ids"]]
+
+
+def parity_ids(smoke: Smoke, vocab_size: int) -> torch.Tensor:
+    return torch.tensor([token_ids(PARITY_TEXT, vocab_size)], device=smoke.device)   # (1, s)
 
 
 def check_parity(smoke: Smoke, model, ids: torch.Tensor) -> bool:
     """tp = N against the tp = 1 model of the same seed, both on the device, fp32, dropout off."""
-    reference = build(smoke, GPT2LMHeadModel, model.config, None).eval()
+    reference = build(smoke, family_of(model.config).pretraining_model, model.config, None).eval()
     with torch.no_grad():
         ours = model.eval()(ids, labels=ids, gather_output=True)
         ref = reference(ids, labels=ids, gather_output=True)
@@ -278,7 +288,8 @@ def check_training(smoke: Smoke, precision: str, ids: torch.Tensor):
     if not supported:
         smoke.say(f"skipped: {precision} not supported on {smoke.device.type}")
         return None
-    engine = engine_for(smoke, build(smoke, GPT2LMHeadModel, gpt2_config(smoke), smoke.parallel), precision)
+    config = lm_config(smoke)
+    engine = engine_for(smoke, build(smoke, family_of(config).pretraining_model, config, smoke.parallel), precision)
     before = eval_loss(engine, ids)
     losses, seconds = train_steps(smoke, engine, ids)
     after = eval_loss(engine, ids)
@@ -354,8 +365,7 @@ def check_bert(smoke: Smoke) -> bool:
 
 def check_generation(smoke: Smoke, model) -> bool:
     """Left-padded batch vs each prompt alone (greedy): the same tokens; no TP rank disagreed."""
-    tokenizer = transformers.GPT2TokenizerFast.from_pretrained(str(GPT2_TOKENIZER_DIR))
-    prompts = [tokenizer(text)["input_ids"] for text in PROMPTS]
+    prompts = [token_ids(text, model.config.vocab_size) for text in PROMPTS]
     config = GenerationConfig(max_new_tokens=8, greedy=True, eod_token_id=None)
     batched = generate(model, prompts, config, smoke.parallel, batch_size=len(prompts))
     alone = generate(model, prompts, config, smoke.parallel, batch_size=1)
@@ -424,9 +434,9 @@ def report_throughput(smoke: Smoke, precision: str, seconds: list[float], config
 
 
 def run(smoke: Smoke) -> bool:
-    config = gpt2_config(smoke, **no_dropout())
-    model = build(smoke, GPT2LMHeadModel, config, smoke.parallel)
-    results = [check_parity(smoke, model, parity_ids(smoke)), check_generation(smoke, model)]
+    config = lm_config(smoke, **no_dropout(smoke))
+    model = build(smoke, family_of(config).pretraining_model, config, smoke.parallel)
+    results = [check_parity(smoke, model, parity_ids(smoke, config.vocab_size)), check_generation(smoke, model)]
     del model
     ids = train_batch(smoke, config.vocab_size)
     for precision in ("fp16", "bf16"):

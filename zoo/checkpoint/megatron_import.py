@@ -48,6 +48,7 @@ from zoo.atomic import check_output_directory
 from zoo.checkpoint.hf.hf_io import DEFAULT_MAX_SHARD_SIZE, OutputTensor, stream_pretrained
 from zoo.checkpoint.safe_load import is_refused_global, refused_global
 from zoo.errors import MissingInput, UserError
+from zoo.models.families import family_of_model_type
 from zoo.models.gpt2.config import GPT2Config
 from zoo.models.gpt2.model import GPT2LMHeadModel
 from zoo.models.pretrained import tokenizer_files, with_dtype
@@ -411,8 +412,31 @@ UNSUPPORTED_ARGS = (
 )
 
 
+# What marks a Megatron-LM run as another zoo family than GPT-2, whose import does not apply: (how many of the
+# markers, the markers as (args field, predicate)); the family's name comes from the registry.
+OTHER_FAMILY_ARGS = {
+    "llama": (2, (("position_embedding_type", lambda v: v == "rope"), ("normalization", lambda v: v == "RMSNorm"),
+                  ("swiglu", bool))),
+    "bert": (1, (("bert_binary_head", lambda v: v is not None), ("tokenizer_type", lambda v: str(v).startswith("Bert")))),
+}
+
+
+def check_gpt2_family(args: argparse.Namespace, path: Path) -> None:
+    """One sentence for a Megatron-LM run of a family zoo builds but does not import from Megatron-LM (a Llama: RoPE,
+    RMSNorm, SwiGLU; a BERT), naming where zoo reads that family from instead."""
+    for model_type, (needed, markers) in OTHER_FAMILY_ARGS.items():
+        shown = [f"{name}={getattr(args, name)!r}" for name, marks in markers
+                 if getattr(args, name, None) is not None and marks(getattr(args, name))]
+        if len(shown) >= needed:
+            family = family_of_model_type(model_type)
+            raise UserError(f"{path}'s args ({', '.join(shown)}) describe a Megatron-LM {family.display_name}, and "
+                             "zoo imports only Megatron-LM GPT checkpoints of GPT-2's architecture; start from a "
+                             f"transformers {family.display_name} directory instead (--pretrained reads one).")
+
+
 def check_gpt2_architecture(args: argparse.Namespace, path: Path) -> None:
     """One sentence for a Megatron run whose architecture differs from GPT-2's (zoo's model family)."""
+    check_gpt2_family(args, path)
     for name, allowed, meaning in UNSUPPORTED_ARGS:
         value = getattr(args, name, None)
         if not allowed(value):

@@ -16,15 +16,18 @@ from collections.abc import Callable, Iterator
 from typing import TypeVar
 
 from zoo.errors import USER_ERRORS, report_error
-from zoo.options import add_local_rank_argument
+from zoo.operations.library_output import library_output
+from zoo.options import add_local_rank_argument, add_log_level_argument
 
 USER_ERROR_EXIT_CODE = 2
 T = TypeVar("T")
 
 
 def command_parser(parser: argparse.ArgumentParser, *, launched: bool = True) -> argparse.ArgumentParser:
-    """``parser`` with the flags every launched command takes (``--local_rank``, passed by the deepspeed
-    launcher); ``launched`` False for commands that run as one plain process."""
+    """``parser`` with the flags every command takes (``--log-level``) and, where ``launched``, those of a launched
+    one (``--local_rank``, passed by the deepspeed launcher); ``launched`` False for commands that run as one
+    plain process."""
+    add_log_level_argument(parser)
     if launched:
         add_local_rank_argument(parser)
     return parser
@@ -38,12 +41,15 @@ def process_group_left_on_success() -> Iterator[None]:
         yield
 
 
-def run_command(work: Callable[[], T], *, teardown: bool = True, return_code: bool = False) -> T | int:
+def run_command(work: Callable[[], T], *, teardown: bool = True, return_code: bool = False,
+                log_level: str | None = None) -> T | int:
     """``work()``'s result; on a user error, its sentence on stderr and exit code 2 (``return_code``: returned
     as 2 instead of raised as SystemExit). ``teardown``: destroy a process group ``work`` created, once it
-    succeeded."""
+    succeeded. ``work`` runs with the libraries' output at ``log_level`` (the command's ``--log-level``; None:
+    ``$ZOO_LOG_LEVEL``, else info; zoo.operations.library_output)."""
     try:
-        with process_group_left_on_success() if teardown else contextlib.nullcontext():
+        with library_output(log_level), \
+                process_group_left_on_success() if teardown else contextlib.nullcontext():
             return work()
     except tuple(USER_ERRORS.values()) as err:
         report_error(err)

@@ -1,4 +1,4 @@
-"""``launch/evaluate.py``: zero-shot WikiText-103 perplexity or LAMBADA accuracy of a GPT-2 checkpoint.
+"""``launch/evaluate.py``: zero-shot WikiText-103 perplexity or LAMBADA accuracy of a GPT-2 or Llama checkpoint.
 
     python launch/evaluate.py --task wikitext --data wiki.test.tokens --load out/hf --out ppl.json
     deepspeed --num_gpus 8 launch/evaluate.py --task lambada --data lambada_test.jsonl --load out/hf \\
@@ -20,7 +20,7 @@ from typing import Any
 from zoo.atomic import write_text_atomic
 from zoo.cli.command import command_parser, run_command
 from zoo.dtypes import add_dtype_argument
-from zoo.options import add_options, group_of, option
+from zoo.options import CommandParser, add_options, group_of, option
 
 TASKS = ("wikitext", "lambada")
 TF32_HELP = ("let float32 matmuls and cuDNN use TF32 tensor cores (Ampere/Hopper GPUs: several times faster, "
@@ -31,7 +31,8 @@ TF32_HELP = ("let float32 matmuls and cuDNN use TF32 tensor cores (Ampere/Hopper
 class EvalOptions:
     """The settings of one zero-shot evaluation."""
 
-    load: str = option(group="model", help="HF-style GPT-2 directory (config.json + safetensors) or a zoo run directory")
+    load: str = option(group="model",
+                       help="HF-style GPT-2 or Llama directory (config.json + safetensors) or a zoo run directory")
     tokenizer: str | None = option(None, group="model",
                                    help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
     task: str = option(group="data", choices=TASKS, help="the evaluation")
@@ -39,7 +40,7 @@ class EvalOptions:
                        help="wiki.test.tokens / lambada_test.jsonl, or a datasets save_to_disk directory")
     split: str = option("test", group="data", help="split to take from a saved DatasetDict")
     seq_length: int | None = option(None, group="data",
-                                    help="WikiText window length (default: the model's n_positions, 1024 for GPT-2)")
+                                    help="WikiText window length (default: the model's positions, 1024 for GPT-2)")
     overlap: int | None = option(None, group="data",
                                  help="WikiText window stride: tokens newly scored per window (default 32)")
     strict: bool = option(True, group="data", flag="--no-strict",
@@ -51,7 +52,7 @@ class EvalOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, EvalOptions, with_defaults=True)
     add_dtype_argument(group_of(parser, "model"), "float32", "weights and activations of the model")
     group_of(parser, "model").add_argument("--tf32", action="store_true", help=TF32_HELP)
@@ -81,4 +82,4 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 zero_shot.log_to_wandb(args.wandb_project, results)
         return results
 
-    return run_command(work)
+    return run_command(work, log_level=args.log_level)

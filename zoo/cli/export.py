@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from zoo.cli.command import run_command
+from zoo.cli.command import command_parser, run_command
 from zoo.dtypes import add_dtype_argument, torch_dtype
-from zoo.options import add_options, group_of, option
+from zoo.options import CommandParser, add_options, group_of, option
 
 
 @dataclass(kw_only=True)
@@ -29,10 +29,10 @@ class ExportOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, ExportOptions, with_defaults=True)
     add_dtype_argument(group_of(parser, "model"), None, "dtype of the written weights (default: the checkpoint's)")
-    return parser
+    return command_parser(parser, launched=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -50,4 +50,4 @@ def main(argv: list[str] | None = None) -> None:
               f"{f', pp={result.pp_size}' if result.pp_size > 1 else ''}) to {result.out} as model_type {result.model_type!r} "
               f"in {str(result.dtype).replace('torch.', '')}; model config from {result.config_source}")
 
-    run_command(work, teardown=False)
+    run_command(work, teardown=False, log_level=args.log_level)

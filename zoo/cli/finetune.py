@@ -31,4 +31,4 @@ def main(task: str, argv: list[str] | None = None, leave_process_group: bool = T
         finetune(config_from_args(task, args))
 
     args = build_parser(task).parse_args(argv)
-    run_command(work, teardown=leave_process_group)
+    run_command(work, teardown=leave_process_group, log_level=args.log_level)

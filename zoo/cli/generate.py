@@ -1,4 +1,4 @@
-"""``launch/generate.py``: text generation from a GPT-2 checkpoint at any tensor-parallel degree.
+"""``launch/generate.py``: text generation from a GPT-2 or Llama checkpoint at any tensor-parallel degree.
 
     python launch/generate.py --load out/hf --prompt "The capital of France is" --greedy
     python launch/generate.py --load out/hf --prompt "Hello" --dtype bfloat16     # or: --dtype float32 --tf32
@@ -7,8 +7,9 @@
 
 Under the ``deepspeed`` launcher or ``torchrun`` it joins the process group; ``--tensor-parallel-size``
 defaults to the world size (the remaining factor is data parallelism over the prompts). ``--load`` is
-a Hugging Face-style GPT-2 directory or a zoo DeepSpeed run/checkpoint directory (exported once to a
-cache). Every TP rank produces the same tokens; rank 0 prints the completions and writes ``--output``
+a Hugging Face-style directory of a family that generates text (GPT-2, Llama; its model_type picks the class,
+through zoo.models.families) or a zoo DeepSpeed run/checkpoint directory (exported once to a cache); a BERT
+directory is refused in one sentence. Every TP rank produces the same tokens; rank 0 prints the completions and writes ``--output``
 (JSONL of {prompt, completion, tokens, finish_reason}, atomically).
 """
 
@@ -26,15 +27,15 @@ from zoo.cli.command import command_parser, run_command
 from zoo.cli.evaluate import TF32_HELP
 from zoo.dtypes import add_dtype_argument, torch_dtype
 from zoo.errors import MissingInput, UserError
-from zoo.options import add_options, group_of, option
+from zoo.options import CommandParser, add_options, group_of, option
 
 
 @dataclass(kw_only=True)
 class GenerateOptions:
     """The settings of one generation command."""
 
-    load: str = option(group="model", help="HF-style GPT-2 directory (config.json + safetensors) or a zoo DeepSpeed "
-                                           "run directory")
+    load: str = option(group="model", help="HF-style GPT-2 or Llama directory (config.json + safetensors) or a zoo "
+                                           "DeepSpeed run directory")
     tokenizer: str | None = option(None, group="model",
                                    help="tokenizer directory (default: --load if it has one, else the bundled GPT-2 BPE)")
     prompt: list[str] = option(group="generation", default_factory=list, action="append", help="a prompt (repeatable)")
@@ -54,7 +55,7 @@ class GenerateOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, GenerateOptions, with_defaults=True)
     add_dtype_argument(group_of(parser, "model"), "float32", "weights and activations of the model")
     group_of(parser, "model").add_argument("--tf32", action="store_true", help=TF32_HELP)
@@ -146,7 +147,7 @@ def generate_from_checkpoint(args: argparse.Namespace, texts: list[str], config)
     from zoo.distributed import join_process_group, launched_distributed, single_device  # local: torch import cost
     from zoo.eval.zero_shot import set_tf32, transformers_directory  # local: torch import cost, after parsing
     from zoo.inference import generate_text  # local: torch import cost, after parsing
-    from zoo.models import GPT2LMHeadModel  # local: torch import cost, after parsing
+    from zoo.models.families import text_model_family  # local: torch import cost, after parsing
     from zoo.parallel import ParallelState  # local: torch import cost, after parsing
 
     set_tf32(args.tf32)
@@ -154,7 +155,9 @@ def generate_from_checkpoint(args: argparse.Namespace, texts: list[str], config)
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
     parallel = ParallelState.initialize(args.tensor_parallel_size or world)
     hf_dir = transformers_directory(args.load)
-    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=parallel, dtype=torch_dtype(args.dtype)).to(device).eval()
+    family = text_model_family(hf_dir, "generation")
+    model = family.pretraining_model.from_pretrained(hf_dir, parallel=parallel, dtype=torch_dtype(args.dtype))
+    model = model.to(device).eval()
     tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
     return generate_text(model, tokenizer, texts, config, parallel, batch_size=args.batch_size), model.config.n_positions
 
@@ -185,4 +188,4 @@ def main(argv: list[str] | None = None):
                 write_jsonl_atomic(args.output, [r.to_dict() for r in results])
         return results
 
-    return run_command(work)
+    return run_command(work, log_level=args.log_level)

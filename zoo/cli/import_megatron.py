@@ -11,9 +11,9 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from zoo.cli.command import run_command
+from zoo.cli.command import command_parser, run_command
 from zoo.dtypes import add_dtype_argument, torch_dtype
-from zoo.options import add_options, group_of, option
+from zoo.options import CommandParser, add_options, group_of, option
 
 
 @dataclass(kw_only=True)
@@ -35,10 +35,10 @@ class ImportOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, ImportOptions, with_defaults=True)
     add_dtype_argument(group_of(parser, "model"), None, "dtype of the written weights (default: the checkpoint's)")
-    return parser
+    return command_parser(parser, launched=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -56,4 +56,4 @@ def main(argv: list[str] | None = None) -> None:
               f"n_embd {config.n_embd}, {config.n_head} heads, {config.n_positions} positions, vocab "
               f"{config.vocab_size}, {config.activation_function}, in {str(result.dtype).replace('torch.', '')}")
 
-    run_command(work, teardown=False)
+    run_command(work, teardown=False, log_level=args.log_level)

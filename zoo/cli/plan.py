@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 from dataclasses import dataclass
 
-from zoo.cli.command import run_command
-from zoo.options import add_options, option
+from zoo.cli.command import command_parser, run_command
+from zoo.options import CommandParser, add_options, option
 from zoo.planning.planner import CPU, GPUS, format_plan, plan
 
 
@@ -34,8 +34,8 @@ class PlanOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return add_options(parser, PlanOptions, with_defaults=True)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return command_parser(add_options(parser, PlanOptions, with_defaults=True), launched=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -46,4 +46,4 @@ def main(argv: list[str] | None = None) -> None:
                       gpu_memory=args.gpu_memory, mfu=args.mfu)
         print(result.to_json() if args.json else format_plan(result))
 
-    run_command(work, teardown=False)
+    run_command(work, teardown=False, log_level=args.log_level)

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import argparse
 
-from zoo.cli.command import run_command
+from zoo.cli.command import command_parser, run_command
 from zoo.data.preprocess import add_preprocess_arguments, run_preprocess
+from zoo.options import CommandParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    return add_preprocess_arguments(parser)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    return command_parser(add_preprocess_arguments(parser), launched=False)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -29,4 +30,4 @@ def main(argv: list[str] | None = None) -> int:
         run_preprocess(args)
         return 0
 
-    return run_command(work, teardown=False, return_code=True)
+    return run_command(work, teardown=False, return_code=True, log_level=args.log_level)

@@ -8,8 +8,9 @@ Start from transformers-layout weights (any tp; the directory's model_type must 
 
     deepspeed --num_gpus 4 launch/pretrain.py --deepspeed_config ds_configs/tp4.json --pretrained out/hf --data-path PREFIX
 
-Resume with --load RUN_DIR, also at another --tensor-parallel-size than the checkpoint's: it is resharded
-once into RUN_DIR/checkpoints/resharded/<tag>-tp<N>/ and loaded from there. Blend corpora with
+Resume with --load RUN_DIR, also at another tp x pp x dp layout or ZeRO stage than the checkpoint's: each rank
+reads only its own slices of the checkpoint as it loads, and nothing is written beside it (launch/reshard.py
+converts a run once for many jobs). Blend corpora with
 --data-path W1 PREFIX1 W2 PREFIX2 ... (without it, the demo configs read a bundled Wikipedia sample). Before
 DeepSpeed starts, the layout, the batch arithmetic and the planner's fit check on this device are checked
 (--skip-fit-check to start anyway).
@@ -42,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
 
         pretrain(config, sample_lines)
 
-    run_command(work)
+    run_command(work, log_level=args.log_level)
 
 
 def check_launch(config) -> None:

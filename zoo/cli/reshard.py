@@ -19,7 +19,7 @@ import argparse
 from dataclasses import dataclass
 
 from zoo.cli.command import command_parser, run_command
-from zoo.options import add_options, option
+from zoo.options import CommandParser, add_options, option
 
 
 @dataclass(kw_only=True)
@@ -40,7 +40,7 @@ class ReshardOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_options(parser, ReshardOptions, with_defaults=True)
     parser.add_argument("--deepspeed_config", "--deepspeed-config", dest="deepspeed_config", default=None,
                         help="the run's ds_config (default: <run>/config.json)")
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
         if record["writer"]:
             print(conversion_line(conversion, record), flush=True)
 
-    run_command(work)
+    run_command(work, log_level=args.log_level)
 
 
 def conversion_line(conversion, record) -> str:
@@ -74,4 +74,4 @@ def conversion_line(conversion, record) -> str:
     return (f"converted {record['tag']} (iteration {record['iteration']}, {record['consumed_samples']} samples "
             f"consumed) from {record['layout']} to tp={tp} x pp={pp} x dp={dp}, {record['precision']}, in "
             f"{record['seconds']:.1f} s ({record['peak_bytes'] / 2**20:.1f} MiB peak on rank 0): {conversion.output}; "
-            f"resume with --load {conversion.output}")
+            f"resume with --load {conversion.output} --deepspeed_config {conversion.output / 'config.json'}")

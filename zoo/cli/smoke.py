@@ -10,16 +10,17 @@ import argparse
 from dataclasses import dataclass
 
 from zoo.cli.command import command_parser, run_command
-from zoo.options import add_options, option
+from zoo.options import CommandParser, add_options, option
 
 
 @dataclass(kw_only=True)
 class SmokeOptions:
     """The models and sizes the acceptance run trains."""
 
-    model: str = option("gpt2-tiny", group="model", help="GPT-2 preset")
-    bert_model: str = option("bert-tiny", group="model", help="BERT preset of the BERT step")
-    seq_length: int = option(32, group="data", help="tokens per GPT-2 sample")
+    model: str = option("gpt2-tiny", group="model",
+                        help="GPT-2 or Llama preset of the language-model checks, e.g. gpt2-1.2b, llama-tiny")
+    bert_model: str = option("bert-tiny", group="model", help="BERT preset of the BERT step, e.g. bert-336m")
+    seq_length: int = option(32, group="data", help="tokens per sample of the language model")
     bert_seq_length: int | None = option(None, group="data",
                                          help="sequence length of the BERT step (default: --seq-length, capped at "
                                               "the BERT preset's positions, 512 for the paper's sizes)")
@@ -31,7 +32,7 @@ class SmokeOptions:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = CommandParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     return command_parser(add_options(parser, SmokeOptions, with_defaults=True))
 
 
@@ -61,4 +62,4 @@ def main(argv: list[str] | None = None) -> int:
         smoke.say("smoke: all checks passed" if ok else "smoke: FAILED")
         return 0 if ok else 1
 
-    return run_command(work, return_code=True)
+    return run_command(work, return_code=True, log_level=args.log_level)

@@ -20,10 +20,11 @@ from zoo.atomic import write_text_atomic
 from zoo.cli.command import USER_ERROR_EXIT_CODE, run_command
 from zoo.errors import UserError
 from zoo.finetune.squad_eval import squad_scores
+from zoo.options import CommandParser
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(description="Official SQuAD v1.1/v2.0 scores (exact match and F1, in percent).")
+    parser = CommandParser(description="Official SQuAD v1.1/v2.0 scores (exact match and F1, in percent).")
     parser.add_argument("data_file", metavar="data.json", help="SQuAD dataset JSON (the file the predictions are for)")
     parser.add_argument("pred_file", metavar="pred.json", help="predictions JSON: question id -> answer text")
     parser.add_argument("--out-file", "-o", metavar="eval.json", help="write the scores JSON here instead of stdout")

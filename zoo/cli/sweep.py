@@ -12,16 +12,16 @@ from __future__ import annotations
 import argparse
 import sys
 
-from zoo.cli.command import run_command
+from zoo.cli.command import command_parser, run_command
 from zoo.finetune.sweep import DEFAULT_PROJECT, failed_runs_sentence, run_sweep
 from zoo.finetune.sweep_overrides import SweepOverrides
-from zoo.options import add_groups, group_of
+from zoo.options import CommandParser, add_groups, group_of
 
 FAILED_RUNS_EXIT_CODE = 1   # the runs failed, not the sweep's own settings (those exit 2)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="finetune/sweep.py", description=__doc__,
+    parser = CommandParser(prog="finetune/sweep.py", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("sweep", help="a W&B sweep YAML, e.g. finetune/sweeps/race-336m.yaml")
     add_groups(parser)
@@ -51,7 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="W&B entity, a user or team (default: the file's entity, $WANDB_ENTITY, else W&B's)")
     logging.add_argument("--no-wandb", action="store_true",
                          help="run the grid untracked (every run gets WANDB_MODE=disabled)")
-    return parser
+    return command_parser(parser, launched=False)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> None:
                                            args.project, in_process=args.in_process, overrides=overrides,
                                            entity=args.entity, overwrite=args.overwrite,
                                            track_wandb=not args.no_wandb),
-                         teardown=False)
+                         teardown=False, log_level=args.log_level)
     if (failed := failed_runs_sentence(result)) is not None:
         print(f"error: {failed}", file=sys.stderr, flush=True)
         sys.exit(FAILED_RUNS_EXIT_CODE)

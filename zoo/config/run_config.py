@@ -50,6 +50,7 @@ from typing import Any
 from zoo.config.deepspeed_overrides import apply_overrides, precision_flags_given
 from zoo.errors import MissingInput, UserError
 from zoo.options import (
+    CommandParser,
     add_deepspeed_config_argument,
     add_options,
     check_block_keys,
@@ -68,13 +69,13 @@ class RunConfig:
     tensor_parallel_size: int = option(1, group="parallelism", help="tensor-parallel degree: ranks per model replica")
     pipeline_model_parallel_size: int = option(
         1, group="parallelism",
-        help="pipeline stages (GPT-2; DeepSpeed's pipeline engine, 1F1B): tp x pp x dp = world size (default 1: "
+        help="pipeline stages (GPT-2 and Llama; DeepSpeed's pipeline engine, 1F1B): tp x pp x dp = world size (default 1: "
              "every rank holds all layers)")
     pipeline_partition_method: str = option(
         "parameters", group="parallelism",
         help="how the layers are split over the stages: 'parameters' (balanced parameter counts, DeepSpeed's "
              "default) or 'uniform' (the same number of transformer layers per stage)")
-    model: str = option("gpt2-tiny", group="model", help="model preset (zoo.models.families.model_config), e.g. gpt2-345m, bert-tiny")
+    model: str = option("gpt2-tiny", group="model", help="model preset (zoo.models.families), e.g. gpt2-medium, llama-tiny, bert-336m")
     seq_length: int = option(1024, group="model", help="tokens per training sample")
     train_iters: int = option(1000, group="training", help="optimizer steps of the whole run")
     data_path: list[str] | None = option(
@@ -110,6 +111,19 @@ class RunConfig:
                                          help="also write metrics.jsonl's scalars here as TensorBoard events")
     model_overrides: dict[str, Any] = option(group="model", flag=None, default_factory=dict,
                                              help='model config fields to change, e.g. {"resid_pdrop": 0.0}')
+    # Megatron-LM's model-shape flags: each becomes a model_overrides entry under the preset's family's own
+    # field name (zoo.models.families.megatron_shape_overrides), so config.json keeps them there.
+    num_layers: int | None = option(None, group="model", in_block=False, help="transformer layers")
+    hidden_size: int | None = option(None, group="model", in_block=False, help="hidden size")
+    num_attention_heads: int | None = option(None, group="model", in_block=False, help="attention (query) heads")
+    ffn_hidden_size: int | None = option(None, group="model", in_block=False,
+                                         help="the MLP's inner width (default: the preset's)")
+    num_key_value_heads: int | None = option(None, group="model", in_block=False,
+                                             help="Llama: key/value heads of grouped-query attention")
+    max_position_embeddings: int | None = option(None, group="model", in_block=False,
+                                                 help="positions the model has (at least --seq-length)")
+    make_vocab_size_divisible_by: int | None = option(
+        None, group="model", in_block=False, help="the vocabulary is padded to a multiple of this x tp (default 128)")
     data_workers: int = option(2, group="data",
                                help="DataLoader worker processes per rank (0: read batches in the training process)")
     exit_interval: int = option(0, group="checkpointing",
@@ -192,7 +206,7 @@ PRECEDENCE = ("Precedence, one rule for every setting: a flag given on the comma
 def build_parser(description: str) -> argparse.ArgumentParser:
     """The pretraining parser: every RunConfig flag in its --help group (absent flags parse as None, so the
     zoo block keeps its values), plus DeepSpeed's ``--deepspeed_config``."""
-    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = CommandParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      epilog=textwrap.fill(PRECEDENCE, 100))
     add_options(parser, RunConfig)
     add_deepspeed_config_argument(parser)
@@ -299,7 +313,7 @@ def load_run_config(args: argparse.Namespace) -> RunConfig:
     config = RunConfig(**merged_settings(RunConfig, block, args), ds_config=copy.deepcopy(ds_config),
                        ds_config_path=str(path))
     check_field_types(config)
-    config = check_input_paths(validate_static(apply_overrides(config)))
+    config = check_input_paths(validate_static(apply_overrides(shape_flags_into_overrides(config))))
     if launched_as_writer():
         for warning in data_warnings(config):
             print(f"warning: {warning}", file=sys.stderr, flush=True)
@@ -353,6 +367,23 @@ def check_input_paths(config: RunConfig) -> RunConfig:
     if config.load is not None and Path(config.load).exists() and not Path(config.load).is_dir():
         raise MissingInput(f"--load {config.load} is a file, not a directory; pass the run directory (or its "
                                 "checkpoints/ directory) to resume from.")
+    return config
+
+
+MEGATRON_SHAPE_FLAGS = ("num_layers", "hidden_size", "num_attention_heads", "ffn_hidden_size", "num_key_value_heads",
+                        "max_position_embeddings", "make_vocab_size_divisible_by")
+
+
+def shape_flags_into_overrides(config: RunConfig) -> RunConfig:
+    """``config`` with the Megatron shape flags it was given moved into ``model_overrides`` (flags win over the
+    block's overrides), under the field names of its preset's family; the flag fields are left unset."""
+    from zoo.models.families import megatron_shape_overrides  # local: torch import cost
+
+    flags = {name: getattr(config, name) for name in MEGATRON_SHAPE_FLAGS}
+    if any(value is not None for value in flags.values()):
+        config.model_overrides = {**config.model_overrides, **megatron_shape_overrides(config.model, flags)}
+        for name in MEGATRON_SHAPE_FLAGS:
+            setattr(config, name, None)
     return config
 
 

@@ -303,7 +303,8 @@ def cached_corpus_prefix(corpus: str | os.PathLike, suffix: str, build, cache_di
 
     When both files exist it returns at once. An exclusive file lock serializes concurrent callers and
     the builder's atomic rename means a crash leaves nothing half-written. Call it on one rank and
-    barrier before the others read it.
+    barrier before the others read it. The caller that builds it prints one line saying what was preprocessed
+    and where it is kept (a run's first use of the corpus says so; later runs print nothing).
     """
     cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     cache.mkdir(parents=True, exist_ok=True)
@@ -320,5 +321,12 @@ def cached_corpus_prefix(corpus: str | os.PathLike, suffix: str, build, cache_di
             pass
         if not dataset_exists(prefix):
             workers = workers if workers is not None else min(2, os.cpu_count() or 1)
-            build([corpus], prefix, workers=workers, progress=progress)
+            summary = build([corpus], prefix, workers=workers, progress=progress)
+            print(preprocessed_line(corpus, summary), flush=True)
     return prefix
+
+
+def preprocessed_line(corpus: str | os.PathLike, summary: PreprocessSummary) -> str:
+    """The line of a corpus preprocessed into the cache: its documents and tokens, the seconds, and where it is kept."""
+    return (f"preprocessed {Path(corpus).name} once: {summary.documents:,} documents, {summary.tokens:,} tokens in "
+            f"{summary.seconds:.1f} s, kept in {summary.prefix}.bin/.idx for later runs")

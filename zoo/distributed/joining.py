@@ -24,6 +24,7 @@ from zoo.distributed.local_rank import launcher_local_rank
 from zoo.distributed.shared_memory import unlink_shared_memory_buffer
 from zoo.errors import UserError
 from zoo.operations.launcher_watch import watch_launchers
+from zoo.operations.library_output import prints_dropped
 from zoo.parallel.host_all_reduce import adopt_deepspeed_kernel, deepspeed_backend_exists
 
 
@@ -162,7 +163,8 @@ def join_deepspeed(timeout: timedelta | None = None, **init_kwargs) -> None:
     created_now = not deepspeed_backend_exists()
     if timeout is not None:
         init_kwargs["timeout"] = timeout
-    deepspeed.init_distributed(**init_kwargs)
+    with prints_dropped():   # a CPU rank's loading of DeepSpeed's all-reduce kernel is printed as a build
+        deepspeed.init_distributed(**init_kwargs)
     adopt_deepspeed_kernel(created_now)
 
 

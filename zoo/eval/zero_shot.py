@@ -1,4 +1,4 @@
-"""Zero-shot evaluation of a GPT-2 checkpoint: WikiText-103 perplexity or LAMBADA accuracy.
+"""Zero-shot evaluation of a GPT-2 or Llama checkpoint: WikiText-103 perplexity or LAMBADA accuracy.
 
     python launch/evaluate.py --task wikitext --data wiki.test.tokens --load out/hf --out ppl.json
     deepspeed --num_gpus 8 launch/evaluate.py --task lambada --data lambada_test.jsonl --load out/hf \\
@@ -7,7 +7,8 @@
 Under the ``deepspeed`` launcher or ``torchrun`` (RANK and WORLD_SIZE set) it joins the process
 group and evaluates on the tp x dp grid; started as a plain process it runs alone
 (``ParallelState.single()``). ``--load`` is a Hugging Face-style directory (config.json +
-safetensors), as zoo's or transformers' ``save_pretrained`` writes it. Rank 0 shows a progress
+safetensors), as zoo's or transformers' ``save_pretrained`` writes it, of a family that generates text (its
+model_type picks the class through zoo.models.families; a BERT directory is one sentence). Rank 0 shows a progress
 bar, prints the results and writes them as JSON (``--out``, atomically; every rank checks before
 evaluating that it can be written) and, optionally, to W&B. The command is :mod:`zoo.cli.evaluate`.
 """
@@ -43,7 +44,7 @@ from zoo.errors import UserError
 from zoo.eval.lambada import evaluate_lambada
 from zoo.eval.sources import read_lambada, read_wikitext
 from zoo.eval.wikitext import evaluate_wikitext
-from zoo.models import GPT2LMHeadModel
+from zoo.models.families import text_model_family
 from zoo.parallel import ParallelState
 
 
@@ -54,7 +55,9 @@ def evaluate_checkpoint(args: argparse.Namespace) -> dict[str, Any]:
     device = join_process_group(args.local_rank) if launched_distributed() else single_device()
     parallel = ParallelState.initialize(args.tensor_parallel_size)
     hf_dir = transformers_directory(args.load)
-    model = GPT2LMHeadModel.from_pretrained(hf_dir, parallel=parallel, dtype=torch_dtype(args.dtype)).to(device).eval()
+    family = text_model_family(hf_dir, "zero-shot evaluation")
+    model = family.pretraining_model.from_pretrained(hf_dir, parallel=parallel, dtype=torch_dtype(args.dtype))
+    model = model.to(device).eval()
     tokenizer = load_gpt2_tokenizer(args.tokenizer or getattr(model, "tokenizer_dir", None))
     progress = parallel.rank == 0
     if args.task == "wikitext":

@@ -17,6 +17,7 @@ from typing import Any
 from zoo.config.run_config import check_ds_config, read_ds_config
 from zoo.errors import UserError
 from zoo.options import (
+    CommandParser,
     add_deepspeed_config_argument,
     add_options,
     block_keys,
@@ -94,7 +95,7 @@ def build_parser(task: str) -> argparse.ArgumentParser:
     flags parse as None, so the zoo block and then the defaults fill them), plus DeepSpeed's ``--deepspeed_config``.
     Another task's flags (:data:`TASK_ONLY_SETTINGS`) are not accepted; the help of ``--data-dir`` and
     ``--max-seq-length`` gives this task's hub example and default."""
-    parser = argparse.ArgumentParser(
+    parser = CommandParser(
         prog=f"finetune/{task.replace('-', '_')}.py",
         description=f"Finetune a (pre- or post-norm) BERT on {task.upper()} through DeepSpeed at any tp degree.")
     add_options(parser, FinetuneConfig, exclude=[name for name, owner in TASK_ONLY_SETTINGS.items() if owner != task])

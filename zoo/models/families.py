@@ -15,6 +15,7 @@ training side, which is above this package: a family names its pretraining ``obj
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -140,6 +141,9 @@ class ModelFamily:
     dense + GeLU + LayerNorm transform before the decoder (BERT's MLM head), which the planner counts.
     ``layout_fields``: config fields a ``--pretrained`` run keeps from its own overrides although they are
     no dropout or run field, because they pick the layer order the directory's weights must match.
+    ``megatron_fields``: Megatron-LM's model-shape flag (its dest, e.g. ``num_layers``) -> the config field it
+    sets; a flag the family has no field for is absent. ``no_dropout``: the config fields that turn every
+    dropout off (a parity check's model).
     """
 
     name: str                                   # "gpt2" | "bert" | "llama"
@@ -158,6 +162,8 @@ class ModelFamily:
     pipeline: PipelineStages | None = None
     lm_head_transform: bool = False
     layout_fields: tuple[str, ...] = ()
+    megatron_fields: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    no_dropout: Mapping[str, float] = dataclasses.field(default_factory=dict)
 
 
 FAMILIES: tuple[ModelFamily, ...] = (
@@ -166,18 +172,33 @@ FAMILIES: tuple[ModelFamily, ...] = (
                 GPT2_PRESETS, gpt2_config, GPT2Config.from_dict, check_gpt2_config_values, CAUSAL_LM,
                 generates_text=True, pipeline=PipelineStages(
                     gpt2_pipeline_module, load_stage_weights, hf_names, one_stage_name, gpt2_entry_parameters,
-                    gpt2_layer_entries, gpt2_entry_of)),
+                    gpt2_layer_entries, gpt2_entry_of),
+                megatron_fields={"num_layers": "n_layer", "hidden_size": "n_embd", "num_attention_heads": "n_head",
+                                 "ffn_hidden_size": "n_inner", "max_position_embeddings": "n_positions",
+                                 "make_vocab_size_divisible_by": "make_vocab_size_divisible_by"},
+                no_dropout={"resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0}),
     ModelFamily("bert", "BERT", BertConfig, BertForPreTraining, ("bert", "megatron-bert"),
                 "bert.embeddings.word_embeddings.weight",
                 bert_shape,
                 BERT_PRESETS, bert_config, BertConfig.from_dict, check_bert_config_values, MLM_SOP,
-                generates_text=False, lm_head_transform=True, layout_fields=("pre_norm",)),
+                generates_text=False, lm_head_transform=True, layout_fields=("pre_norm",),
+                megatron_fields={"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                                 "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
+                                 "max_position_embeddings": "max_position_embeddings",
+                                 "make_vocab_size_divisible_by": "make_vocab_size_divisible_by"},
+                no_dropout={"hidden_dropout_prob": 0.0, "attention_probs_dropout_prob": 0.0}),
     ModelFamily("llama", "Llama", LlamaConfig, LlamaForCausalLM, ("llama",), "model.embed_tokens.weight",
                 llama_shape,
                 LLAMA_PRESETS, llama_config, LlamaConfig.from_hf_dict, check_llama_config_values, CAUSAL_LM,
                 generates_text=True, pipeline=PipelineStages(
                     llama_pipeline_module, load_llama_stage_weights, llama_one_stage_names, llama_one_stage_name,
-                    llama_entry_parameters, llama_layer_entries, llama_entry_of)),
+                    llama_entry_parameters, llama_layer_entries, llama_entry_of),
+                megatron_fields={"num_layers": "num_hidden_layers", "hidden_size": "hidden_size",
+                                 "num_attention_heads": "num_attention_heads", "ffn_hidden_size": "intermediate_size",
+                                 "num_key_value_heads": "num_key_value_heads",
+                                 "max_position_embeddings": "max_position_embeddings",
+                                 "make_vocab_size_divisible_by": "make_vocab_size_divisible_by"},
+                no_dropout={"attention_dropout": 0.0}),
 )
 
 
@@ -208,6 +229,26 @@ def family_of_preset(preset: str) -> ModelFamily:
     raise UserError(f"unknown model preset {preset!r}; choose one of {names}.")
 
 
+def megatron_shape_overrides(preset: str, flags: Mapping[str, int | None]) -> dict[str, int]:
+    """The ``model_overrides`` that Megatron-LM's model-shape flags ``flags`` (dest -> value, None: not given)
+    make for ``preset``'s family, each under the family's own field name (``--num-layers`` is GPT-2's n_layer,
+    Llama's num_hidden_layers). A value below 1, or a flag the family has no field for, is one sentence."""
+    family = family_of_preset(preset)
+    overrides = {}
+    for name, value in flags.items():
+        if value is None:
+            continue
+        flag = "--" + name.replace("_", "-")
+        if value < 1:
+            raise UserError(f"{flag} {value} must be a positive integer; pass at least 1.")
+        if name not in family.megatron_fields:
+            others = [other.display_name for other in FAMILIES if name in other.megatron_fields]
+            raise UserError(f"{flag} sets nothing of {family.display_name} (the preset {preset!r}); drop it, or pass "
+                             f"a --model preset of {' or '.join(others)}.")
+        overrides[family.megatron_fields[name]] = value
+    return overrides
+
+
 def model_config(preset: str, **overrides) -> ModelConfig:
     """The config of any zoo preset with optional field overrides; the family follows from the name."""
     return family_of_preset(preset).make_config(preset, **overrides)
@@ -236,6 +277,23 @@ def pretrained_config(directory: str, family: ModelFamily | None = None) -> Mode
                          f"directory of one of {known_model_types()}.")
     family.check_hf_config(values, path)
     return family.config_from_hf(values)
+
+
+def text_model_family(directory: str | os.PathLike, purpose: str) -> ModelFamily:
+    """The family of the transformers-layout ``directory`` for ``purpose`` (e.g. "generation"), which needs a model
+    that generates text: one sentence for a model type zoo does not build, and for a family that generates no
+    text (BERT), naming the families that do."""
+    values = read_checked_config_json(directory)
+    model_type = values.get("model_type")
+    family = family_of_model_type(model_type)
+    causal = " or ".join(f.display_name for f in FAMILIES if f.generates_text)
+    if family is None:
+        raise UserError(f"{Path(directory) / 'config.json'} has model_type {model_type!r}, which zoo does not build; "
+                         f"pass a {causal} directory for {purpose}.")
+    if not family.generates_text:
+        raise UserError(f"{directory} holds a {family.display_name} model (model_type {model_type!r}), which "
+                         f"generates no text, so {purpose} does not apply to it; pass a {causal} directory.")
+    return family
 
 
 def build_model(config: ModelConfig, parallel: ParallelState | None) -> torch.nn.Module:

@@ -45,11 +45,13 @@ from zoo.planning.pipeline_plan import bubble_fraction, plan_stages
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """A GPU model: dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity) and its memory in bytes."""
+    """A GPU model: dense fp16/bf16 tensor-core peak (TFLOP/s, no sparsity), its memory in bytes, and whether it
+    has bf16 at all (the V100 computes fp16 only)."""
 
     name: str
     peak_tflops: float
     memory_bytes: int
+    bf16: bool = True
 
 
 # The one table of GPU peaks in zoo (launch/smoke.py's MFU reads it too). Matched against device names by
@@ -60,11 +62,19 @@ GPUS = (
     GpuSpec("H100", 989.4, 80 * 10**9),      # SXM
     GpuSpec("H200", 989.4, 141 * 10**9),
     GpuSpec("A100", 312.0, 80 * 10**9),
-    GpuSpec("V100", 125.0, 32 * 10**9),
+    GpuSpec("V100", 125.0, 32 * 10**9, bf16=False),
 )
 CPU = "cpu"
 RECOMPUTE_MODES = ("none", "selective", "full")
 DTYPE_BYTES = {"fp16": 2, "bf16": 2, "fp32": 4}
+
+
+def check_precision_on(spec: GpuSpec | None, dtype: str, source: str | None) -> None:
+    """A run in bf16 planned on a GPU without bf16 (the V100) is one sentence naming the GPUs that have it."""
+    if spec is not None and dtype == "bf16" and not spec.bf16:
+        with_bf16 = ", ".join(gpu.name for gpu in GPUS if gpu.bf16)
+        raise UserError(f"{source or 'the config'} trains in bf16, which the {spec.name} does not have; train in "
+                         f"fp16 there (--fp16), or plan for a GPU with bf16 (--gpu one of {with_bf16}).")
 
 
 def peak_tflops_of(device_name: str) -> float | None:
@@ -535,6 +545,7 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
 
     dp = world // (tp * pp)
     dtype, zero_stage = config.dtype_name, zero_stage_of(config.ds_config)
+    check_precision_on(spec, dtype, config.ds_config_path)
     fp32_accumulation = accumulates_in_fp32(config.ds_config)
     recompute = recompute_mode(model_config) or "none"
     sequence_parallel = bool(model_config.sequence_parallel) and tp > 1

@@ -109,7 +109,7 @@ def model_settings(config: RunConfig) -> dict[str, Any]:
     model_config = model_config_of(config)
     shape = shape_of(model_config)
     return {"preset": config.model, "pretrained": config.pretrained, "layers": shape.layers, "hidden": shape.hidden,
-            "heads": shape.heads, "vocab": shape.vocab,
+            "heads": shape.heads, "kv_heads": shape.kv_heads, "vocab": shape.vocab,
             "padded_vocab": model_config.padded_vocab_size(config.tensor_parallel_size),
             "max_positions": shape.max_positions, "seq_length": config.seq_length,
             "parameters": count_parameters(model_config, config.tensor_parallel_size).total}
@@ -188,8 +188,12 @@ def format_effective_settings(s: dict[str, Any], path: str | Path | None = None)
 
 
 def describe_model(m: dict[str, Any]) -> str:
+    """The model line: its key/value heads too where they are fewer than its heads (grouped-query attention), as
+    the planner's line says them."""
     source = f"{m['preset']}" + (f" from {m['pretrained']}" if m["pretrained"] else "")
-    return (f"{source}: {m['layers']} layers, hidden {m['hidden']}, {m['heads']} heads, vocab {m['vocab']} (padded to "
+    kv_heads = m.get("kv_heads", m["heads"])
+    heads = f"{m['heads']} heads" + (f" ({kv_heads} key/value heads)" if kv_heads != m["heads"] else "")
+    return (f"{source}: {m['layers']} layers, hidden {m['hidden']}, {heads}, vocab {m['vocab']} (padded to "
             f"{m['padded_vocab']}), {m['seq_length']} of {m['max_positions']} positions, "
             f"{m['parameters'] / 1e6:,.1f}M parameters")
 

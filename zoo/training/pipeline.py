@@ -36,6 +36,7 @@ import torch
 
 from zoo.config.run_config import RunConfig
 from zoo.distributed import raise_on_any_rank
+from zoo.operations.library_output import prints_dropped
 from zoo.training.grad_norm import (
     current_loss_scale,
     deepspeed_reports_true_norm,
@@ -97,7 +98,7 @@ def build_pipeline_model(config: RunConfig, model_config, parallel, device):
     from zoo.models.families import family_of
 
     stages = family_of(model_config).pipeline
-    with torch.device(device):
+    with torch.device(device), prints_dropped():   # DeepSpeed's PipelineModule prints its seed settings
         module = stages.build(model_config, parallel, config.seed, config.pipeline_partition_method,
                               replay_init=not config.pretrained)
     if config.pretrained:
