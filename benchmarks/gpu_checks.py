@@ -234,7 +234,8 @@ def check_command(step: Step) -> None:
         from zoo.errors import MissingInput
         from zoo.finetune.config import config_from_args
 
-        config = config_from_args("same-article", build_parser("same-article").parse_args(step.argv))
+        task = Path(step.script).stem.replace("_", "-")      # finetune/<task>.py runs zoo.cli.finetune's <task>
+        config = config_from_args(task, build_parser(task).parse_args(step.argv))
         for flag, path in (("--pretrained", config.pretrained), ("--data-dir", config.data_dir)):
             if not Path(path).exists():
                 raise MissingInput(f"{flag} {path} does not exist.")
@@ -450,7 +451,8 @@ def finetune_status(run_dir: Path) -> str:
     results = json.loads(path.read_text())
     best = results.get("best", {}).get("metrics", {})
     accuracy = best.get("dev/accuracy")
-    return f"ok: dev accuracy {fmt(accuracy, '.3f')}, {results.get('steps')} steps"
+    steps = results.get("steps")
+    return f"ok: dev accuracy {fmt(accuracy, '.3f')}, {steps} step{'' if steps == 1 else 's'}"
 
 
 def smoke_checks(log: Path) -> list[str]:
@@ -506,6 +508,7 @@ def plot_loss_curves(curves: dict[str, dict[str, dict[int, float]]], target: Pat
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     from zoo.training.metrics import save_figure
 
@@ -513,6 +516,7 @@ def plot_loss_curves(curves: dict[str, dict[str, dict[int, float]]], target: Pat
     for ax, (model, runs) in zip(axes[0], curves.items()):
         for precision, curve in runs.items():
             ax.plot(list(curve), list(curve.values()), "o-", markersize=3, label=precision)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.set_title(model)
         ax.set_xlabel("iteration")
         ax.set_ylabel("training loss")
