@@ -16,11 +16,14 @@ Timing only: nothing here is asserted.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DS_CONFIG = REPO / "ds_configs" / "cpu_demo.json"
+COMPILED_MODULE = "zoo.models.compiled"
 COMPILE_MISSING = ("--compile: zoo.models.compiled.compile_transformer_blocks is not in this checkout, so every "
                    "step below is eager")
 
@@ -59,21 +62,24 @@ def join_world_of_one(seed: int = 1234):
     return parallel
 
 
+def compiled_module():
+    """zoo's regional compilation module (:data:`COMPILED_MODULE`), or None where this checkout lacks it or its
+    ``compile_transformer_blocks``; imported by name because the benchmarks run on checkouts without it."""
+    if importlib.util.find_spec(COMPILED_MODULE) is None:
+        return None
+    module = importlib.import_module(COMPILED_MODULE)
+    return module if hasattr(module, "compile_transformer_blocks") else None
+
+
 def compile_missing() -> str | None:
     """The one line ``--compile`` prints where this checkout has no
     ``zoo.models.compiled.compile_transformer_blocks``; None where it has it."""
-    try:
-        from zoo.models.compiled import compile_transformer_blocks  # noqa: F401
-    except ImportError:
-        return COMPILE_MISSING
-    return None
+    return COMPILE_MISSING if compiled_module() is None else None
 
 
 def compile_blocks(model) -> None:
     """zoo's regional compilation of ``model``'s transformer blocks (check :func:`compile_missing` first)."""
-    from zoo.models.compiled import compile_transformer_blocks
-
-    compile_transformer_blocks(model)
+    compiled_module().compile_transformer_blocks(model)
 
 
 class EngineStep:
