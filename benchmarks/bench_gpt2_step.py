@@ -1,11 +1,21 @@
-"""One AdamW training step of GPT-2 on CPU: zoo vs transformers at tp=1, and zoo at tp=2.
+"""One AdamW training step of GPT-2 on CPU: zoo vs transformers at tp=1, zoo through DeepSpeed's engine as
+pretraining steps it, and zoo at tp=2.
 
-Prints three tables to stdout (progress goes to stderr); nothing is asserted:
+Prints the tables below to stdout (progress goes to stderr); nothing is asserted:
 
 1. the measured fp32 sgemm peak of one thread (the yardstick for "% of peak");
 2. one training step (forward + backward + AdamW step + zero_grad), fp32, dropout 0, one process,
    one torch thread: zoo.models.GPT2LMHeadModel(parallel=None) vs transformers' GPT2LMHeadModel
-   with SDPA attention;
+   with SDPA attention, and the engine path: the same model (built with a tp = 1 ParallelState, as
+   pretraining builds it) stepped through ``deepspeed.initialize`` by zoo's ``setup_engine`` with the
+   ds_config ``launch/pretrain.py --deepspeed_config DS_CONFIG`` would hand it (``--ds-config``, default
+   ds_configs/cpu_demo.json: torch's AdamW, clipping 1.0; micro-batch = the batch, no accumulation), one
+   iteration of the training loop's own step per call (benchmarks/engine_path.py); with ``--compile``
+   each of these again with zoo's transformer blocks compiled (zoo.models.compiled.compile_transformer_blocks;
+   one line says so where this checkout lacks it);
+2b. where each step's time went: forward, backward, optimizer (the AdamW step; under the engine, engine.step
+   with clipping) and data (the batch's device copy, engine only), from zoo's phase clock, model-only and
+   engine side by side;
 3. zoo at tp=2: two processes with one thread each, gloo on loopback, the same global batch and
    model, with sequence parallelism off and on (Korthikanti et al. 2022: the f/g all-reduces become
    all-gather / reduce-scatter pairs and LayerNorm, dropout and residuals run on s/2 tokens per rank),
@@ -24,6 +34,7 @@ takes no page faults; ``--host-allocator default`` measures glibc as it comes.
     .venv/bin/python benchmarks/bench_gpt2_step.py            # 6 layers, h=512, s=256, b=8
     .venv/bin/python benchmarks/bench_gpt2_step.py --quick    # tiny shape, a few seconds
     .venv/bin/python benchmarks/bench_gpt2_step.py --repeats 5 --skip-hf   # scaling, 5 rounds
+    .venv/bin/python benchmarks/bench_gpt2_step.py --quick --skip-tp --compile   # model-only vs engine, eager and compiled
 """
 
 from __future__ import annotations
@@ -34,12 +45,22 @@ import socket
 import statistics
 import sys
 import time
+from pathlib import Path
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))   # engine_path, beside this file
+from engine_path import (  # noqa: E402
+    EngineStep,
+    compile_blocks,
+    compile_missing,
+    join_world_of_one,
+    pretraining_ds_config,
+)
 
 ISSUE_CLAIM = "Megatron reports 82% for 2-way strong scaling on V100s"
 
@@ -102,18 +123,41 @@ def time_steps(step, steps: int, warmup: int, sync=lambda: None) -> list[float]:
     return times
 
 
-def make_step(model: torch.nn.Module, input_ids: torch.Tensor):
-    """forward (loss with labels = inputs) + backward + AdamW step + zero_grad."""
+def make_step(model: torch.nn.Module, input_ids: torch.Tensor, clocks: list | None = None):
+    """forward (loss with labels = inputs) + backward + AdamW step + zero_grad; with ``clocks``, each phase is
+    charged to the PhaseClock ``clocks[0]`` (forward, backward, optimizer: the step and zero_grad)."""
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4, weight_decay=0.01)
 
     def step():
+        clock = clocks[0] if clocks else None
+        if clock is not None:
+            clock.start()
         loss = model(input_ids=input_ids, labels=input_ids).loss
+        if clock is not None:
+            clock.lap("forward")
         loss.backward()
+        if clock is not None:
+            clock.lap("backward")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if clock is not None:
+            clock.lap("optimizer")
 
     return step
+
+
+def time_model_only(model: torch.nn.Module, args) -> tuple[list[float], dict[str, float]]:
+    """Step times of ``model``'s bare step (:func:`make_step`) and its phases' milliseconds per timed step."""
+    from zoo.training.phase_clock import PhaseClock
+
+    clocks = [PhaseClock()]
+    step = make_step(model, batch_of(args), clocks)
+    for _ in range(args.warmup):
+        step()
+    clocks[0] = PhaseClock()
+    times = time_steps(step, args.steps, 0)
+    return times, {phase: total / len(times) for phase, total in clocks[0].totals_ms().items()}
 
 
 def batch_of(args) -> torch.Tensor:
@@ -194,6 +238,32 @@ def time_zoo_tp(args, tp: int) -> tuple[dict[bool, list[float]], list[float]]:
     return results.get()
 
 
+def time_engine(args, parallel, compiled: bool) -> tuple[list[float], dict[str, float]]:
+    """Step times of the engine path (module doc, table 2) and its phases' milliseconds per step."""
+    ds_config, weight_decay = pretraining_ds_config(args.ds_config, args.batch, args.seq)
+    model = zoo_model(args, parallel)
+    if compiled:
+        compile_blocks(model)
+    step = EngineStep(model, ds_config, parallel, batch_of(args), weight_decay)
+    for _ in range(args.warmup):
+        step()
+    step.reset_phases()
+    times = time_steps(step, args.steps, 0)
+    return times, step.phase_ms()
+
+
+def phase_rows(arms: list[tuple[str, list[float], dict[str, float]]], model_only_s: float) -> list[list[str]]:
+    """Table 2b: per arm its mean step, its phases (means), the rest, and its median against the model-only
+    step's median."""
+    rows = []
+    for name, times, phases in arms:
+        mean, median = statistics.fmean(times), statistics.median(times)
+        shown = [phases.get(p, 0.0) for p in ("forward", "backward", "optimizer", "data")]
+        rows.append([name, f"{mean * 1e3:.1f}", *(f"{ms:.1f}" for ms in shown), f"{mean * 1e3 - sum(shown):.1f}",
+                     f"{(median - model_only_s) * 1e3:+.1f}", f"{median / model_only_s:.2f}x"])
+    return rows
+
+
 # ---------------------------------------------------------------- output
 def print_table(title: str, headers: list[str], rows: list[list[str]], notes: list[str] = ()) -> None:
     widths = [max(len(str(c)) for c in col) for col in zip(headers, *rows)]
@@ -228,6 +298,12 @@ def main() -> None:
                              "shared-memory kernel (default), or stay on gloo")
     parser.add_argument("--quick", action="store_true",
                         help="tiny smoke shape: 2 layers, h=128, 4 heads, s=64, b=2, 5 steps, 1 warm-up")
+    parser.add_argument("--ds-config", default=str(Path(__file__).resolve().parent.parent / "ds_configs" / "cpu_demo.json"),
+                        help="the pretraining ds_config of the engine path (table 2)")
+    parser.add_argument("--skip-engine", action="store_true", help="do not time the engine path (tables 2 and 2b)")
+    parser.add_argument("--skip-tp", action="store_true", help="do not time tp=2 (tables 3 and 4)")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time zoo's steps with the transformer blocks compiled (zoo.models.compiled)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} must be at least 1")
@@ -263,23 +339,65 @@ def main() -> None:
 
     headers = ["model", "procs x threads", "ms/step", "min ms", "tokens/s", "GFLOP/s", "% of peak"]
     peak_note = "% of peak = achieved GFLOP/s / (threads x measured 1-thread sgemm peak)"
+    missing = compile_missing() if args.compile else None
+    if missing:
+        print(missing)
+    compiled_arms = (False, True) if args.compile and not missing else (False,)
+    parallel = None if args.skip_engine else join_world_of_one()
     rounds = []     # (tp=1 times, {sp: tp=2 times}, all-reduce times), tp=1 and tp=2 alternating
+    arms = {}       # (name, compiled) -> model-only or engine step times of the middle round
     for r in range(args.repeats):
         log(f"round {r + 1}/{args.repeats}: timing zoo, tp=1 ...")
-        zoo_times = time_steps(make_step(zoo_model(args, None), batch_of(args)), args.steps, args.warmup)
-        log(f"round {r + 1}/{args.repeats}: timing zoo, tp=2, SP off then on (2 processes, gloo) ...")
-        rounds.append((zoo_times, *time_zoo_tp(args, 2)))
+        zoo_times, zoo_phases = time_model_only(zoo_model(args, None), args)
+        if r == args.repeats // 2:
+            arms[("model", False)] = (zoo_times, zoo_phases)
+            for compiled in compiled_arms:
+                if compiled:
+                    log("timing zoo, tp=1, compiled blocks ...")
+                    model = zoo_model(args, None)
+                    compile_blocks(model)
+                    arms[("model", True)] = time_model_only(model, args)
+                if parallel is not None:
+                    log(f"timing zoo through deepspeed.initialize ({Path(args.ds_config).name}"
+                        f"{', compiled blocks' if compiled else ''}) ...")
+                    arms[("engine", compiled)] = time_engine(args, parallel, compiled)
+        if not args.skip_tp:
+            log(f"round {r + 1}/{args.repeats}: timing zoo, tp=2, SP off then on (2 processes, gloo) ...")
+            rounds.append((zoo_times, *time_zoo_tp(args, 2)))
+        else:
+            rounds.append((zoo_times, None, None))
     zoo_times, tp_times, comm_times = rounds[len(rounds) // 2]     # tables 2 and 3 show the middle round
     zoo_row, t_zoo = row("zoo GPT2LMHeadModel (parallel=None)", zoo_times, 1)
+    names = {("model", False): "zoo GPT2LMHeadModel (parallel=None)",
+             ("model", True): "zoo GPT2LMHeadModel (parallel=None), compiled",
+             ("engine", False): f"zoo, deepspeed.initialize ({Path(args.ds_config).name})",
+             ("engine", True): f"zoo, deepspeed.initialize ({Path(args.ds_config).name}), compiled"}
+    zoo_rows = [zoo_row] + [row(names[key], arms[key][0], 1)[0] for key in names if key in arms and key != ("model", False)]
+    engine_notes = []
+    if ("engine", False) in arms:
+        t_engine = statistics.median(arms[("engine", False)][0])
+        engine_notes.append(f"engine path / model-only step time: {t_engine / t_zoo:.2f}x "
+                            "(the same model and batch; the engine adds clipping, its step bookkeeping and zoo's loop)")
     if args.skip_hf:
-        print_table("2. one training step, single process, 1 thread", headers, [zoo_row],
-                    ["transformers not timed (--skip-hf)", peak_note])
+        print_table("2. one training step, single process, 1 thread", headers, zoo_rows,
+                    ["transformers not timed (--skip-hf)", *engine_notes, peak_note])
     else:
         log("timing transformers ...")
         hf_row, t_hf = row("transformers GPT2LMHeadModel (sdpa)",
                            time_steps(make_step(hf_model(args), batch_of(args)), args.steps, args.warmup), 1)
-        print_table("2. one training step, single process, 1 thread", headers, [zoo_row, hf_row],
-                    [f"zoo / transformers throughput: {t_hf / t_zoo:.2f}x", peak_note])
+        print_table("2. one training step, single process, 1 thread", headers, zoo_rows + [hf_row],
+                    [f"zoo / transformers throughput: {t_hf / t_zoo:.2f}x", *engine_notes, peak_note])
+    phased = [(names[key], *arms[key]) for key in names if key in arms]
+    if any(key[0] == "engine" for key in arms):
+        print_table("2b. where the step's time went (ms per step; zoo's phase clock: the host clock on CPU)",
+                    ["arm", "step (mean)", "forward", "backward", "optimizer", "data", "rest",
+                     "median - model-only", "ratio"],
+                    phase_rows(phased, t_zoo),
+                    ["step and phases: means over the timed steps; optimizer: the AdamW step and zero_grad (model-only), "
+                     "engine.step() with clipping (engine); rest: the step minus its phases; median - model-only and "
+                     "ratio: against zoo GPT2LMHeadModel (parallel=None), eager"])
+    if args.skip_tp:
+        return
 
     tp_row, t_tp2 = row("zoo GPT2LMHeadModel tp=2", tp_times[False], 2)
     sp_row, t_sp2 = row("zoo GPT2LMHeadModel tp=2, sequence parallel", tp_times[True], 2)

@@ -9,6 +9,7 @@ import torch
 
 from zoo.finetune.config import FinetuneConfig
 from zoo.training.loop import LogWindow, LoopState
+from zoo.training.metrics import format_breakdown
 
 __all__ = ["FinetuneTask", "EpochBatches", "global_batches", "rank_micro_batches"]
 
@@ -77,5 +78,8 @@ class FinetuneTask:
                 "samples_per_s": self.config.batch_size * window.steps / window.seconds}
 
     def log_line(self, event: dict[str, Any]) -> str:
-        return (f"step {event['iteration']}/{self.total_iterations} | loss {event['loss']:.4f} | "
+        """The console line of a log event, with where the iteration's time went where the event says it."""
+        line = (f"step {event['iteration']}/{self.total_iterations} | loss {event['loss']:.4f} | "
                 f"lr {event['lr']:.3e} | {event['samples_per_s']:.1f} samples/s")
+        breakdown = format_breakdown(event)
+        return f"{line} | {breakdown}" if breakdown else line

@@ -5,9 +5,13 @@ The skeleton owns what every job shares, each step a small function:
 * :func:`join` (process group, this rank's device set at once, the tp x dp grid, the seeds) and
   :func:`setup_engine` (``deepspeed.initialize`` with zoo's parameter groups and mpu);
 * :meth:`TrainingLoop.train_step`: the iteration's micro-batches copied to the device without
-  blocking (:func:`to_device`), forward, backward, step; the metrics are summed on the device;
+  blocking (:func:`to_device`), forward, backward, step; the metrics are summed on the device, and each
+  phase is timed without a synchronisation (:mod:`zoo.training.phase_clock`: device events, or the host clock
+  on a CPU);
 * :class:`LogWindow`: the sums of a log interval, brought to the host once per interval (one
-  all-reduce over the DP ranks and one synchronisation, never per micro-step);
+  all-reduce over the DP ranks and one synchronisation, never per micro-step), with the phases' milliseconds
+  per iteration (``forward_ms``, ``backward_ms``, ``optimizer_ms``, ``data_ms``; a pipeline run's
+  ``train_batch_ms``, ``data_ms``) added to every log event;
 * :meth:`TrainingLoop.maybe_evaluate`, :meth:`TrainingLoop.maybe_save`;
 * :class:`StopConditions`: ``--exit-interval``, ``--exit-duration-in-mins`` and SIGTERM/SIGUSR1, agreed
   by all ranks at an iteration boundary with one all-reduce of three host integers on a gloo group (no
@@ -55,6 +59,7 @@ from zoo.operations.stop_report import report_stop
 from zoo.parallel import ParallelState, model_parallel_seed
 from zoo.training.engine import refresh_fp32_master_weights
 from zoo.training.loss_scaling import backward
+from zoo.training.phase_clock import PhaseClock, timing_event_class
 
 __all__ = ["LoopState", "StopConditions", "TrainingLoop", "LogWindow", "join", "setup_engine", "to_device",
            "pin_memory_here", "Validates", "Saves"]
@@ -163,9 +168,12 @@ class LogWindow:
 
     Each iteration adds its micro-batch sums divided by its micro-step count (one device add, no
     host copy); :meth:`means` is the one all-reduce over the DP group and the one synchronisation of
-    the interval."""
+    the interval. ``clock`` times the iterations' phases (:class:`zoo.training.phase_clock.PhaseClock`, device
+    events where ``timing_events`` is an event class, else the host clock), read by :meth:`phase_ms` after
+    that synchronisation."""
 
-    def __init__(self):
+    def __init__(self, timing_events: Any = None):
+        self.clock = PhaseClock(timing_events)
         self.sums: dict[str, torch.Tensor] = {}
         self.steps = 0
         self.seconds = 0.0
@@ -198,6 +206,12 @@ class LogWindow:
     @property
     def step_time(self) -> float:
         return self.seconds / max(self.steps, 1)
+
+    def phase_ms(self) -> dict[str, float]:
+        """``<phase>_ms``: each phase's milliseconds per iteration over the window (after :meth:`means`). Their
+        sum is at most ``step_time`` (the phases are disjoint intervals inside the iterations; the window's time
+        also holds its synchronisation and the loop's bookkeeping)."""
+        return {f"{phase}_ms": total / max(self.steps, 1) for phase, total in self.clock.totals_ms().items()}
 
 
 # ------------------------------------------------------------------------------------- what a log adds
@@ -446,7 +460,8 @@ class TrainingLoop:
         self.stop = stop
         self.progress_desc = progress_desc
         self.is_writer = is_writer
-        self.window = LogWindow()
+        self.timing_events = timing_event_class(torch.device(getattr(engine, "device", "cpu")))
+        self.window = LogWindow(self.timing_events)
         self.progress = None
         self.health = RunHealth(engine)
 
@@ -454,21 +469,35 @@ class TrainingLoop:
     def train_step(self, state: LoopState) -> tuple[dict[str, torch.Tensor], int]:
         """Forward, backward and step over the iteration's micro-batches; returns the metric sums over
         them, on the device, and their count. The task's own grad norm of the iteration (a device tensor,
-        or None where DeepSpeed's is used) is taken before the last step."""
-        engine, task = self.engine, self.task
+        or None where DeepSpeed's is used) is taken before the last step.
+
+        The window's clock charges each part to a phase (:data:`zoo.training.phase_clock.STEP_PHASES`): the
+        wait for the batches and their device copies to ``data``, then per micro-batch ``forward``,
+        ``backward`` and ``optimizer`` (``engine.step()``, with the grad norm before the last one). A task that
+        runs the iteration itself (``train_iteration``, DeepSpeed's pipeline schedule) is one ``train_batch``
+        phase after ``data``: its forwards, backwards and step interleave inside the engine."""
+        engine, task, clock = self.engine, self.task, self.window.clock
+        clock.start()
         batches = task.micro_batches(state)
+        clock.lap("data")
         run_iteration = getattr(task, "train_iteration", None)
         if run_iteration is not None:   # the task's engine runs the micro-batches and the step itself
             sums, count = run_iteration(engine, batches)
+            clock.lap("train_batch")
             self.window.grad_norm = task.own_grad_norm(engine)
             return sums, count
         sums: dict[str, torch.Tensor] = {}
         for micro_step, batch in enumerate(batches):
-            output, metrics = task.forward(engine, to_device(batch, engine.device))
+            on_device = to_device(batch, engine.device)
+            clock.lap("data")
+            output, metrics = task.forward(engine, on_device)
+            clock.lap("forward")
             backward(engine, output.loss)
+            clock.lap("backward")
             if micro_step == len(batches) - 1:
                 self.window.grad_norm = task.own_grad_norm(engine)
             engine.step()
+            clock.lap("optimizer")
             for key, value in metrics.items():
                 sums[key] = sums[key] + value if key in sums else value
         return sums, len(batches)
@@ -485,11 +514,12 @@ class TrainingLoop:
         means = self.window.means(self.parallel, self.engine.device)
         self.window.seconds += time.perf_counter() - start   # the interval's one synchronisation
         event = self.task.log_event(state, means, self.window)
+        event.update(self.window.phase_ms())
         event.update(self.health.fields(event, self.window))
         self.logger.log(event)
         self.write(self.task.log_line(event))
         state.last_event = event
-        self.window = LogWindow()
+        self.window = LogWindow(self.timing_events)
 
     def maybe_evaluate(self, state: LoopState) -> None:
         if self.validator is not None and self.validator.is_evaluation_step(state.iteration):

@@ -35,12 +35,15 @@ def format_log_line(event: dict[str, Any], train_iters: int) -> str:
     """The console line of a training event, with what Megatron's carries: throughput and MFU (where the
     device has a known peak), this rank's memory (allocated/reserved on an accelerator, RSS on a CPU), the
     iterations of the window skipped by fp16 loss scaling and those whose loss was NaN/inf, and the ETA.
-    Fields an event lacks are left out."""
+    Fields an event lacks are left out. Where the event has the phases of an iteration (:func:`format_breakdown`),
+    the line shows where the iteration's time went."""
     grad_norm = "n/a" if event["grad_norm"] is None else f"{event['grad_norm']:.3f}"
     mfu = f" (MFU {event['mfu_pct']:.1f}%)" if event.get("mfu_pct") is not None else ""
     parts = [f"iteration {event['iteration']:>7d}/{train_iters}", f"loss {event['loss']:.4f}",
              f"lr {event['lr']:.3e}", f"loss scale {event['loss_scale']:.0f}", f"grad norm {grad_norm}",
              f"{event['tokens_per_s']:.0f} tokens/s", f"{event['tflops']:.3f} TFLOPs/device{mfu}"]
+    if breakdown := format_breakdown(event):
+        parts.append(breakdown)
     if "mem_allocated_gb" in event:
         parts.append(f"mem {event['mem_allocated_gb']:.2f}/{event['mem_reserved_gb']:.2f} GB allocated/reserved")
     elif "rss_gb" in event:
@@ -51,6 +54,21 @@ def format_log_line(event: dict[str, Any], train_iters: int) -> str:
         parts.append(f"nan/inf {event['nan_iterations']}")
     parts.append(f"ETA {format_duration(event['eta_s'])}")
     return " | ".join(parts)
+
+
+# The phases of an iteration a log event may carry as ``<phase>_ms`` (zoo.training.phase_clock), in line order.
+BREAKDOWN_PHASES = ("forward", "backward", "optimizer", "train_batch", "data")
+
+
+def format_breakdown(event: dict[str, Any]) -> str:
+    """``iteration 412.3 ms: forward 96.1, backward 181.7, optimizer 80.2, data 0.4`` from an event's
+    ``step_time_s`` and ``<phase>_ms`` (milliseconds per iteration); the difference between the iteration and
+    its phases is what the loop spent elsewhere. Empty where the event has no phase."""
+    phases = [f"{phase} {event[f'{phase}_ms']:.1f}" for phase in BREAKDOWN_PHASES if f"{phase}_ms" in event]
+    if not phases:
+        return ""
+    total = f"iteration {1e3 * event['step_time_s']:.1f} ms" if "step_time_s" in event else "ms per iteration"
+    return f"{total}: {', '.join(phases)}"
 
 
 def scalars(event: dict[str, Any]) -> dict[str, float]:
