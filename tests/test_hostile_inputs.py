@@ -1,11 +1,14 @@
 """Hostile inputs and faults end in one sentence (exit 2) or go on, never in a traceback.
 
 * a rank's standard streams: closed at start (``>&-``) or pointed at ``/dev/full``, a guarded process
-  goes on, its prints and log records land in the run directory's output-rank<R>.log, and it exits 0.
+  goes on, its prints and log records land in the run directory's output-rank<R>.log, and it exits 0;
+* the zoo block's ``model_overrides``: each value gets its family's checks (type, bounds, probability,
+  positive epsilon), as a config.json's values do, before anything is built or written.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,7 +16,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.checks import one_error_line
+
 REPO = Path(__file__).resolve().parent.parent
+DEMO_DS_CONFIG = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
 
 GUARDED_AT_START = """
 import logging, sys
@@ -49,3 +55,34 @@ def test_a_rank_survives_a_closed_or_full_stdout(tmp_path, stdout):
     reason = "stdout was closed at start" if stdout == "closed" else "writing to stdout/stderr failed (ENOSPC"
     assert f"rank 1: {reason}" in log, log
     assert "a library's warning" in log and "an error line" in log, log
+
+
+OVERRIDE_CASES = {
+    "llama-negative-eps": ("llama-tiny", {"rms_norm_eps": -1e-5},
+                           "model_overrides field rms_norm_eps is -1e-05, not a positive number"),
+    "llama-eps-a-string": ("llama-tiny", {"rms_norm_eps": "small"},
+                           'model_overrides field rms_norm_eps is "small" (a string), not a number'),
+    "gpt2-layers-a-string": ("gpt2-tiny", {"n_layer": "small"},
+                             'model_overrides field n_layer is "small" (a string), not an integer'),
+    "gpt2-dropout-above-1": ("gpt2-tiny", {"resid_pdrop": 1.5},
+                             "model_overrides field resid_pdrop is 1.5, not a probability in [0, 1]"),
+    "bert-pre-norm-a-string": ("bert-tiny", {"pre_norm": "yes"},
+                               'model_overrides field pre_norm is "yes" (a string), not true or false'),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OVERRIDE_CASES))
+def test_model_overrides_get_the_family_checks(case, tmp_path, capsys):
+    from zoo.cli.pretrain import main
+
+    preset, overrides, needle = OVERRIDE_CASES[case]
+    path = tmp_path / "ds.json"
+    config = dict(DEMO_DS_CONFIG, zoo={**DEMO_DS_CONFIG["zoo"], "model": preset, "model_overrides": overrides,
+                                       "tensor_parallel_size": 1, "sample_prompts": [],
+                                       "data_path": str(tmp_path / "no-corpus")})
+    path.write_text(json.dumps(config))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--deepspeed_config", str(path), "--save", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    assert needle in one_error_line(capsys, from_zoo=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]

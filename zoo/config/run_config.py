@@ -389,7 +389,8 @@ def shape_flags_into_overrides(config: RunConfig) -> RunConfig:
 
 def validate_static(config: RunConfig) -> RunConfig:
     """Checks that need no process group."""
-    from zoo.models.families import model_config  # local: torch import cost (the parser is built without torch)
+    from zoo.models.config import check_overrides  # local: torch import cost (the parser is built without torch)
+    from zoo.models.families import model_config
 
     check_field_types(config)
     check_ds_config(config.ds_config, config.ds_config_path, needs_optimizer=False)
@@ -399,6 +400,7 @@ def validate_static(config: RunConfig) -> RunConfig:
     if bad:
         raise UserError(f"model_overrides key {bad[0]!r} is not a {type(family_config).__name__} field; "
                          f"use one of {sorted(allowed)}.")
+    check_overrides(model_config(config.model, **config.model_overrides), config.model_overrides)
     for name in ("train_iters", "seq_length", "tensor_parallel_size", "pipeline_model_parallel_size", "log_interval",
                  "eval_iters"):
         if getattr(config, name) < 1:
