@@ -3,7 +3,9 @@
 * a rank's standard streams: closed at start (``>&-``) or pointed at ``/dev/full``, a guarded process
   goes on, its prints and log records land in the run directory's output-rank<R>.log, and it exits 0;
 * the zoo block's ``model_overrides``: each value gets its family's checks (type, bounds, probability,
-  positive epsilon), as a config.json's values do, before anything is built or written.
+  positive epsilon), as a config.json's values do, before anything is built or written;
+* ``--tensorboard-dir`` naming a file, a path under a file or a directory nothing can be written into:
+  one sentence, exit 2, nothing written and the file untouched.
 """
 
 from __future__ import annotations
@@ -86,3 +88,30 @@ def test_model_overrides_get_the_family_checks(case, tmp_path, capsys):
     assert exit_info.value.code == 2
     assert needle in one_error_line(capsys, from_zoo=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
+
+
+def _refused_pretraining(tmp_path, capsys, zoo_block: dict, flags: list[str]) -> str:
+    """launch/pretrain.py over the demo config with ``zoo_block`` changes and ``flags``: exit 2, the one
+    error line returned, and nothing written next to the config."""
+    from zoo.cli.pretrain import main
+
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(dict(DEMO_DS_CONFIG, zoo={**DEMO_DS_CONFIG["zoo"], **zoo_block})))
+    before = sorted(p.name for p in tmp_path.iterdir())
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--deepspeed_config", str(path), "--save", str(tmp_path / "run"), *flags])
+    assert exit_info.value.code == 2
+    line = one_error_line(capsys, from_zoo=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before
+    return line
+
+
+@pytest.mark.parametrize("target", ["a-file", "under-a-file", "proc"])
+def test_an_unusable_tensorboard_dir_is_one_sentence(tmp_path, capsys, target):
+    existing = tmp_path / "notes.txt"
+    existing.write_text("the user's file")
+    directory = {"a-file": existing, "under-a-file": existing / "tb", "proc": Path("/proc/zoo-tensorboard")}[target]
+    line = _refused_pretraining(tmp_path, capsys, {"tensorboard_dir": str(directory), "tensor_parallel_size": 1,
+                                 "data_path": str(tmp_path / "no-corpus")}, [])
+    assert f"--tensorboard-dir {directory}" in line, line
+    assert existing.read_text() == "the user's file"
