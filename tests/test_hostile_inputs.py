@@ -5,7 +5,9 @@
 * the zoo block's ``model_overrides``: each value gets its family's checks (type, bounds, probability,
   positive epsilon), as a config.json's values do, before anything is built or written;
 * ``--tensorboard-dir`` naming a file, a path under a file or a directory nothing can be written into:
-  one sentence, exit 2, nothing written and the file untouched.
+  one sentence, exit 2, nothing written and the file untouched;
+* a checkpoint file whose pickle calls ``os.system`` (torch's zip format or the plain-pickle one): refused
+  as code, not as a truncated file, with no advice to load it with ``weights_only=False``; nothing ran.
 """
 
 from __future__ import annotations
@@ -115,3 +117,39 @@ def test_an_unusable_tensorboard_dir_is_one_sentence(tmp_path, capsys, target):
                                  "data_path": str(tmp_path / "no-corpus")}, [])
     assert f"--tensorboard-dir {directory}" in line, line
     assert existing.read_text() == "the user's file"
+
+
+class _RunsCode:
+    """Unpickling this calls os.system: the marker file appears if it ever runs."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("layout", ["torch-zip", "plain-pickle"])
+def test_a_code_running_checkpoint_is_named_for_what_it_is(tmp_path, layout):
+    import pickle
+
+    import torch
+
+    from zoo.checkpoint.safe_load import check_tag_files
+    from zoo.errors import UserError
+
+    tag, marker = tmp_path / "global_step1", tmp_path / "code-ran"
+    tag.mkdir()
+    planted = tag / "mp_rank_00_model_states.pt"
+    content = {"module": {"w": torch.zeros(2)}, "payload": _RunsCode(marker)}
+    if layout == "torch-zip":
+        torch.save(content, planted)
+    else:
+        planted.write_bytes(pickle.dumps(content))
+    with pytest.raises(UserError) as err:
+        check_tag_files(tag)
+    message = str(err.value)
+    assert f"{planted} holds the pickled global posix.system, code that loading the file would run" in message
+    assert "truncated" not in message and "weights_only" not in message and "\n" not in message, message
+    assert not marker.exists()
+
