@@ -7,7 +7,9 @@
 * ``--tensorboard-dir`` naming a file, a path under a file or a directory nothing can be written into:
   one sentence, exit 2, nothing written and the file untouched;
 * a checkpoint file whose pickle calls ``os.system`` (torch's zip format or the plain-pickle one): refused
-  as code, not as a truncated file, with no advice to load it with ``weights_only=False``; nothing ran.
+  as code, not as a truncated file, with no advice to load it with ``weights_only=False``; nothing ran;
+* a GPT-2 directory as ``--pretrained`` of a Llama preset, or the reverse: one sentence saying the
+  families differ, exit 2.
 """
 
 from __future__ import annotations
@@ -153,3 +155,27 @@ def test_a_code_running_checkpoint_is_named_for_what_it_is(tmp_path, layout):
     assert "truncated" not in message and "weights_only" not in message and "\n" not in message, message
     assert not marker.exists()
 
+
+@pytest.fixture(scope="module")
+def family_directories(tmp_path_factory) -> dict[str, Path]:
+    """A one-layer GPT-2 and a one-layer Llama, each saved in transformers' layout."""
+    from zoo.models import GPT2LMHeadModel
+    from zoo.models.families import model_config
+    from zoo.models.llama import LlamaForCausalLM
+
+    root = tmp_path_factory.mktemp("families")
+    GPT2LMHeadModel(model_config("gpt2-tiny", n_layer=1)).save_pretrained(root / "gpt2")
+    LlamaForCausalLM(model_config("llama-tiny", num_hidden_layers=1)).save_pretrained(root / "llama")
+    return {"gpt2": root / "gpt2", "llama": root / "llama"}
+
+
+@pytest.mark.parametrize(("directory", "preset"), [("gpt2", "llama-tiny"), ("llama", "gpt2-tiny")])
+def test_pretrained_of_another_family_says_the_families_differ(tmp_path, capsys, family_directories,
+                                                                directory, preset):
+    shown_family = {"gpt2": "GPT-2", "llama": "Llama"}
+    line = _refused_pretraining(tmp_path, capsys, {"model": preset, "tensor_parallel_size": 1, "sample_prompts": [],
+                                                   "model_overrides": {}}, ["--pretrained",
+                                                                            str(family_directories[directory])])
+    other = "Llama" if directory == "gpt2" else "GPT-2"
+    assert (f"{family_directories[directory]} holds a {shown_family[directory]} model" in line
+            and f"the run's preset is {other}, and the families differ" in line), line
