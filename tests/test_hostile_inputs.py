@@ -9,7 +9,9 @@
 * a checkpoint file whose pickle calls ``os.system`` (torch's zip format or the plain-pickle one): refused
   as code, not as a truncated file, with no advice to load it with ``weights_only=False``; nothing ran;
 * a GPT-2 directory as ``--pretrained`` of a Llama preset, or the reverse: one sentence saying the
-  families differ, exit 2.
+  families differ, exit 2;
+* finetuning's input errors (flags, the model directory, the task data) are printed once per job, by the
+  writer rank, as pretraining's are: every other rank exits 2 in silence.
 """
 
 from __future__ import annotations
@@ -179,3 +181,27 @@ def test_pretrained_of_another_family_says_the_families_differ(tmp_path, capsys,
     other = "Llama" if directory == "gpt2" else "GPT-2"
     assert (f"{family_directories[directory]} holds a {shown_family[directory]} model" in line
             and f"the run's preset is {other}, and the families differ" in line), line
+
+
+@pytest.mark.parametrize("wrong", ["no-pretrained-directory", "no-training-split"])
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_finetuning_input_errors_are_printed_once_per_job(tmp_path, capsys, monkeypatch,
+                                                          wrong, rank):
+    from zoo.cli.finetune import main
+    from zoo.models import BertForPreTraining
+    from zoo.models.families import model_config
+
+    bert = tmp_path / "bert"
+    BertForPreTraining(model_config("bert-tiny", num_hidden_layers=1)).save_pretrained(bert)
+    data = tmp_path / "mnli"
+    data.mkdir()
+    pretrained = tmp_path / "absent" if wrong == "no-pretrained-directory" else bert
+    monkeypatch.setenv("RANK", rank)        # as the launcher sets it on each rank, before any process group
+    with pytest.raises(SystemExit) as exit_info:
+        main("mnli", ["--deepspeed_config", str(REPO / "ds_configs" / "finetune_cpu.json"), "--pretrained",
+                      str(pretrained), "--data-dir", str(data), "--save", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    if rank == "0":
+        assert one_error_line(capsys, from_zoo=True).startswith("error: ")
+    else:
+        assert "error" not in capsys.readouterr().err
