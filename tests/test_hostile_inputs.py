@@ -11,7 +11,9 @@
 * a GPT-2 directory as ``--pretrained`` of a Llama preset, or the reverse: one sentence saying the
   families differ, exit 2;
 * finetuning's input errors (flags, the model directory, the task data) are printed once per job, by the
-  writer rank, as pretraining's are: every other rank exits 2 in silence.
+  writer rank, as pretraining's are: every other rank exits 2 in silence;
+* a ``.bin`` longer than its ``.idx`` describes (another corpus's data next to this index) is refused, as a
+  shorter one is.
 """
 
 from __future__ import annotations
@@ -205,3 +207,21 @@ def test_finetuning_input_errors_are_printed_once_per_job(tmp_path, capsys, monk
         assert one_error_line(capsys, from_zoo=True).startswith("error: ")
     else:
         assert "error" not in capsys.readouterr().err
+
+
+def test_a_bin_longer_than_its_index_describes_is_refused(tmp_path):
+    import shutil
+
+    from zoo.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+    from zoo.errors import UserError
+
+    for prefix, documents in (("small", [[1, 2, 3]]), ("large", [[1, 2, 3], [4, 5, 6, 7]])):
+        with IndexedDatasetBuilder(tmp_path / prefix, vocab_size=100) as builder:
+            for document in documents:
+                builder.add_document(document)
+    shutil.copy(tmp_path / "large.bin", tmp_path / "small.bin")      # another corpus's data, this index
+    with pytest.raises(UserError) as err:
+        IndexedDataset(tmp_path / "small")
+    assert (f"data file '{tmp_path / 'small.bin'}' holds 14 bytes but its index '{tmp_path / 'small.idx'}' "
+            "describes 6 (1 sequence)") in str(err.value)
+    assert len(IndexedDataset(tmp_path / "large")) == 2
