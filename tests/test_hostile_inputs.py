@@ -13,7 +13,9 @@
 * finetuning's input errors (flags, the model directory, the task data) are printed once per job, by the
   writer rank, as pretraining's are: every other rank exits 2 in silence;
 * a ``.bin`` longer than its ``.idx`` describes (another corpus's data next to this index) is refused, as a
-  shorter one is.
+  shorter one is;
+* zoo's launcher: a ``--master_port`` of 0 (the ranks would never meet) or above 65535, and a hostfile
+  with a line that is no ``HOST slots=N``: one sentence, exit 2, nothing started.
 """
 
 from __future__ import annotations
@@ -225,3 +227,30 @@ def test_a_bin_longer_than_its_index_describes_is_refused(tmp_path):
     assert (f"data file '{tmp_path / 'small.bin'}' holds 14 bytes but its index '{tmp_path / 'small.idx'}' "
             "describes 6 (1 sequence)") in str(err.value)
     assert len(IndexedDataset(tmp_path / "large")) == 2
+
+
+LAUNCHER_CASES = {
+    "port-0": (["--master_port", "0"], None, "--master_port 0 is not a TCP port the ranks can meet on"),
+    "port-70000": (["--master_port=70000"], None, "--master_port 70000 is not a TCP port the ranks can meet on"),
+    "garbage-line": ([], "worker-1 slots=2\n%%garbage%%\n", "line 2 of hostfile {hostfile}, '%%garbage%%', "
+                                                             "names no slots"),
+    "slots-two": ([], "# the nodes\nworker-1 slots=two\n", "line 2 of hostfile {hostfile} gives worker-1 "
+                                                             "slots=two, not a count of ranks"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LAUNCHER_CASES))
+def test_the_launcher_refuses_a_bad_port_or_hostfile_in_one_sentence(tmp_path, capsys, case):
+    from zoo.cli.run import main
+
+    flags, hostfile_text, needle = LAUNCHER_CASES[case]
+    hostfile = tmp_path / "hostfile"
+    if hostfile_text is not None:
+        hostfile.write_text(hostfile_text)
+    marker, script = tmp_path / "started", tmp_path / "script.py"
+    script.write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--hostfile", str(hostfile), *flags, "--num_gpus", "1", str(script)])
+    assert exit_info.value.code == 2
+    assert needle.format(hostfile=hostfile) in one_error_line(capsys, from_zoo=True)
+    assert not marker.exists()
