@@ -15,7 +15,9 @@
 * a ``.bin`` longer than its ``.idx`` describes (another corpus's data next to this index) is refused, as a
   shorter one is;
 * zoo's launcher: a ``--master_port`` of 0 (the ranks would never meet) or above 65535, and a hostfile
-  with a line that is no ``HOST slots=N``: one sentence, exit 2, nothing started.
+  with a line that is no ``HOST slots=N``: one sentence, exit 2, nothing started;
+* a sweep whose grid key is no flag of its finetune script: refused by ``--dry-run`` (and so before a real
+  sweep's first run), naming the key and the closest flag.
 """
 
 from __future__ import annotations
@@ -254,3 +256,23 @@ def test_the_launcher_refuses_a_bad_port_or_hostfile_in_one_sentence(tmp_path, c
     assert exit_info.value.code == 2
     assert needle.format(hostfile=hostfile) in one_error_line(capsys, from_zoo=True)
     assert not marker.exists()
+
+
+def test_a_sweep_dry_run_refuses_a_grid_key_that_is_no_flag(tmp_path, capsys):
+    from zoo.cli.sweep import main
+
+    sweep = tmp_path / "sweep.yaml"
+    sweep.write_text("""program: finetune/qqp.py
+method: grid
+metric: {name: best/dev/accuracy, goal: maximize}
+parameters:
+  bach-size: {values: [16, 32]}
+  seed: {value: 1}
+""")
+    with pytest.raises(SystemExit) as exit_info:
+        main([str(sweep), "--dry-run", "--out", str(tmp_path / "out")])
+    assert exit_info.value.code == 2
+    line = one_error_line(capsys, from_zoo=True)
+    assert (f"sweep file {sweep} has parameter 'bach-size', which is no flag of finetune/qqp.py" in line
+            and "the closest is 'batch-size'" in line), line
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
