@@ -17,7 +17,9 @@
 * zoo's launcher: a ``--master_port`` of 0 (the ranks would never meet) or above 65535, and a hostfile
   with a line that is no ``HOST slots=N``: one sentence, exit 2, nothing started;
 * a sweep whose grid key is no flag of its finetune script: refused by ``--dry-run`` (and so before a real
-  sweep's first run), naming the key and the closest flag.
+  sweep's first run), naming the key and the closest flag;
+* fp16 asked for where the accelerator has no native fp16: one sentence naming ``--bf16``, exit 2; a first
+  GPU run says on one line that DeepSpeed compiles FusedAdam, before it does.
 """
 
 from __future__ import annotations
@@ -276,3 +278,46 @@ parameters:
     assert (f"sweep file {sweep} has parameter 'bach-size', which is no flag of finetune/qqp.py" in line
             and "the closest is 'batch-size'" in line), line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.yaml"]
+
+
+def test_fp16_without_native_fp16_is_one_sentence_naming_bf16(tmp_path, capsys, monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    from tests.helpers.random_corpus import make_corpus
+
+    # CPUs differ (DESIGN.md): an AMD EPYC has no native fp16, a Xeon with AMX has; the test makes the
+    # accelerator answer as the former does, so it holds on both kinds of machine.
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)
+    corpus = make_corpus(tmp_path / "random")
+    line = _refused_pretraining(tmp_path, capsys, {"tensor_parallel_size": 1, "sample_prompts": [],
+                                                   "data_path": corpus, "train_iters": 1},
+                                ["--fp16"])
+    assert "has no native fp16" in line and "pass --bf16 instead" in line, line
+
+
+def test_a_first_gpu_run_says_it_compiles_fused_adam(tmp_path, capsys, monkeypatch):
+    import deepspeed.accelerator
+    import deepspeed.git_version_info
+
+    from zoo.training.engine import announce_fused_adam_build
+
+    class Gpu:   # what DeepSpeed's CUDA accelerator answers on a GPU node
+        def device_name(self, index=None):
+            return "cuda"
+
+    monkeypatch.setattr(deepspeed.accelerator, "get_accelerator", lambda: Gpu())
+    monkeypatch.setattr(deepspeed.git_version_info, "installed_ops", {"fused_adam": False})
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "extensions"))
+    adamw = {"optimizer": {"type": "AdamW", "params": {"lr": 1e-4}}}
+    announce_fused_adam_build(adamw, is_writer=False)
+    assert capsys.readouterr().out == ""
+    announce_fused_adam_build(adamw, is_writer=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("DeepSpeed is compiling its FusedAdam kernel"), lines
+    built = tmp_path / "extensions" / "fused_adam"
+    (built / "fused_adam.so").touch()                       # the next run loads the cached build
+    announce_fused_adam_build(adamw, is_writer=True)
+    announce_fused_adam_build({"optimizer": {"type": "AdamW", "params": {"torch_adam": True}}}, is_writer=True)
+    (built / "fused_adam.so").unlink()
+    announce_fused_adam_build({"optimizer": {"type": "SGD"}}, is_writer=True)
+    assert capsys.readouterr().out == ""
