@@ -40,7 +40,7 @@ from tqdm import tqdm
 from zoo.atomic import atomic_file, write_text_atomic
 from zoo.errors import MissingInput, UserError, report_error
 from zoo.finetune.config import parse_args
-from zoo.finetune.sweep_overrides import SweepOverrides, check_file_values
+from zoo.finetune.sweep_overrides import SweepOverrides, check_file_values, flag_key
 from zoo.training.run_directory import FINETUNING_OUTPUTS
 
 SEED_KEY = "seed"
@@ -318,13 +318,13 @@ def check_parameter_flags(spec: SweepSpec, path: str | os.PathLike) -> None:
     task = task_of_program(spec.program)
     if task not in TASKS:
         return
-    flags = {option for action in build_parser(task)._actions for option in action.option_strings
+    flags = {flag_key(option) for action in build_parser(task)._actions for option in action.option_strings
              if option.startswith("--")}
     for key in [*spec.fixed, *spec.grid]:
-        if f"--{key}" in flags:
+        if flag_key(key) in flags:      # the script takes the dash and the underscore spelling alike
             continue
-        closest = difflib.get_close_matches(f"--{key}", sorted(flags), n=1)
-        hint = f"the closest is {closest[0][2:]!r}" if closest else f"python {spec.program} --help lists them"
+        closest = difflib.get_close_matches(flag_key(key), sorted(flags), n=1)
+        hint = f"the closest is {closest[0]!r}" if closest else f"python {spec.program} --help lists them"
         raise UserError(f"sweep file {path} has parameter {key!r}, which is no flag of {spec.program} (every run "
                          f"would fail on it); rename it to one of the script's flags ({hint}).")
 
