@@ -1,7 +1,8 @@
 """Hostile inputs and faults end in one sentence (exit 2) or go on, never in a traceback.
 
 * a rank's standard streams: closed at start (``>&-``) or pointed at ``/dev/full``, a guarded process
-  goes on, its prints and log records land in the run directory's output-rank<R>.log, and it exits 0;
+  goes on, its prints and log records land in the run directory's output-rank<R>.log while its working
+  stderr still reaches the user, and it exits 0;
 * the zoo block's ``model_overrides``: each value gets its family's checks (type, bounds, probability,
   positive epsilon), as a config.json's values do, before anything is built or written;
 * ``--tensorboard-dir`` naming a file, a path under a file or a directory nothing can be written into:
@@ -70,7 +71,8 @@ def test_a_rank_survives_a_closed_or_full_stdout(tmp_path, stdout):
     assert "Traceback" not in log + proc.stderr, log + proc.stderr
     reason = "stdout was closed at start" if stdout == "closed" else "writing to stdout/stderr failed (ENOSPC"
     assert f"rank 1: {reason}" in log, log
-    assert "a library's warning" in log and "an error line" in log, log
+    assert "a log line" in log and "a library's warning" in log + proc.stderr, log + proc.stderr
+    assert "an error line" in proc.stderr, proc.stderr      # stderr still worked: it still reaches the user
 
 
 OVERRIDE_CASES = {

@@ -10,7 +10,7 @@ handler, any of these would end the rank before it could save its checkpoint.
 :func:`guard_output` (called for every rank a launcher started, :func:`zoo.operations.launcher_watch.watch_launchers`)
 gives a closed descriptor 1 or 2 ``/dev/null`` (so no file the run opens becomes its stdout), and wraps
 ``sys.stdout`` and ``sys.stderr``, also in the logging handlers already writing to them. On the first write
-that fails with any OSError, or at once for a closed stream, the file descriptors 1 and 2 of the process are
+that fails with any OSError, or at once for a closed stream, that stream's file descriptor (1 or 2) is
 pointed at ``<run directory>/output-rank<RANK>.log`` (:func:`keep_output_in` names the directory once the
 run knows it; before that, and when that file cannot be opened, at ``/dev/null``), a line there says why,
 and the write is done again: training or stopping goes on, and everything written afterwards, from Python
@@ -49,14 +49,18 @@ class Diversion:
         self.broken = False
         self.target = os.devnull
         self.reason = ""
+        self.fds: set[int] = set()
         self.lock = threading.Lock()
 
-    def divert(self, reason: str = "") -> None:
-        """Point fds 1 and 2 at the lost-output file (``/dev/null`` while no directory is known, or when the
-        file cannot be opened); ``reason`` says what happened to the launcher's streams, written once there."""
+    def divert(self, reason: str = "", fds: tuple[int, ...] = ()) -> None:
+        """Point ``fds`` (of 1 and 2), and those diverted before, at the lost-output file (``/dev/null`` while
+        no directory is known, or when the file cannot be opened): a stream that still works (stderr on the
+        terminal when only stdout was closed) keeps reaching the user. ``reason`` says what happened to the
+        streams, written once there."""
         with self.lock:
             self.broken = True
             self.reason = self.reason or reason
+            self.fds.update(fds)
             wanted = str(lost_output_file(self.directory)) if self.directory is not None else os.devnull
             try:
                 fd = os.open(wanted, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
@@ -69,8 +73,8 @@ class Diversion:
                     except OSError:
                         pass
                 self.target = wanted
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
+                for diverted in sorted(self.fds):
+                    os.dup2(fd, diverted)
             finally:
                 if fd > 2:
                     os.close(fd)
@@ -98,17 +102,23 @@ class OutputGuard:
     """``sys.stdout`` or ``sys.stderr``, whose writes survive a broken pipe (see the module); everything
     else is the wrapped stream's."""
 
-    def __init__(self, stream, diversion: Diversion):
+    def __init__(self, stream, diversion: Diversion, fd: int):
         self.stream = stream
         self.diversion = diversion
+        self.fd = fd
 
     def write(self, text: str) -> int:
-        """Write ``text``; after an EPIPE the text (already in the stream's buffer, which the failed flush
-        kept) goes to the diverted descriptor."""
+        """Write ``text``; after a failed write the descriptor is diverted and ``text`` written again there
+        (the stream's buffer may have dropped it with the failed flush)."""
         try:
             return self.stream.write(text)
         except OSError as err:
             self._divert(err)
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except OSError:
+                pass
             return len(text)
 
     def flush(self) -> None:
@@ -120,7 +130,7 @@ class OutputGuard:
     def _divert(self, err: OSError) -> None:
         """Divert the descriptors and flush again; output that still cannot be written is dropped, never
         raised, since a rank's stdout is no reason to lose its training."""
-        self.diversion.divert(stream_failure(err))
+        self.diversion.divert(stream_failure(err), (self.fd,))
         try:
             self.stream.flush()
         except OSError:
@@ -152,14 +162,14 @@ def guard_output() -> None:
         if stream is None or fd in closed:
             stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True,
                                       errors="backslashreplace")
-        streams[getattr(sys, name)] = guard = OutputGuard(stream, diversion)
+        streams[getattr(sys, name)] = guard = OutputGuard(stream, diversion, fd)
         setattr(sys, name, guard)
     for handler in logging_handlers():
         if handler.stream in streams and handler.stream is not None:
             handler.setStream(streams[handler.stream])
     if closed:
         diversion.divert(f"{' and '.join(('stdout', 'stderr')[fd - 1] for fd in closed)} "
-                         f"{'were' if len(closed) == 2 else 'was'} closed at start")
+                         f"{'were' if len(closed) == 2 else 'was'} closed at start", tuple(closed))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
 
