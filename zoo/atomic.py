@@ -175,6 +175,26 @@ def check_writable_directory(directory: str | os.PathLike, flag: str) -> Path:
     return path
 
 
+def check_directory_can_be_made(directory: str | os.PathLike, flag: str) -> Path:
+    """``directory`` is a writable directory, or can be created as one, proved without leaving anything:
+    an existing file there or on its path, or a directory no file can be written into (read-only, a
+    filesystem such as /proc), is one sentence naming ``flag``. The writer that needs it creates it later."""
+    path = Path(directory)
+    existing = path
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is a file" if existing == path else f"lies under the file {existing}"
+        raise UserError(f"{flag} {path} {where}, not a directory; pass a directory path.")
+    try:
+        handle, name = tempfile.mkstemp(prefix=".zoo-write-check-", dir=str(existing))
+        os.close(handle)
+        os.unlink(name)
+    except OSError as err:
+        raise unwritable_directory(flag, path, err) from None
+    return path
+
+
 def unwritable_directory(flag: str, path: str | os.PathLike, err: OSError) -> UserError:
     """The one sentence for a directory chosen by ``flag`` that cannot be written (``err`` says why)."""
     why = "permission denied" if isinstance(err, PermissionError) else err.strerror

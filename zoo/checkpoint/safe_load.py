@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import pickle
 import re
+import zipfile
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -62,8 +63,14 @@ except ImportError:   # numpy 1.x
 __all__ = ["UnsafeCheckpointError", "checkpoint_globals", "safe_torch_load", "check_tag_files", "refused_global",
            "weights_only_loads"]
 
-# "Unsupported global: GLOBAL posix.system was not an allowed global ..." (torch's weights-only unpickler)
-_REFUSED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|but got) <?(?:class )?'?([\w.]+)")
+# "Unsupported global: GLOBAL x.y was not an allowed global ..." or "Trying to load unsupported GLOBAL posix.system
+# whose module posix is blocked" (torch's weights-only unpickler, in its versions' wordings)
+_REFUSED_GLOBAL = re.compile(r"(?:Unsupported global: GLOBAL|unsupported GLOBAL|but got) <?(?:class )?'?([\w.]+)",
+                             re.IGNORECASE)
+# what the weights-only unpickler says when it refuses to build something a file names
+_REFUSAL = re.compile(r"WeightsUnpickler error|unsupported (?:global|operand|class)|is blocked", re.IGNORECASE)
+# torch's preamble to every weights-only failure, whose advice (load with weights_only=False) is the unsafe step
+_TORCH_ADVICE = "Weights only load failed"
 
 
 class UnsafeCheckpointError(UserError):
@@ -87,24 +94,49 @@ def checkpoint_globals() -> list:
 
 
 def refused_global(err: BaseException, path: Path) -> str:
-    """The global the weights-only unpickler refused in ``path``: from its message, else from torch's scan."""
+    """The global the weights-only unpickler refused in ``path``: from its message, else from torch's scan of
+    a zip-format file, else from a scan of a plain pickle's opcodes (the unpickler may stop at an opcode it
+    does not take before it reaches the global)."""
     match = _REFUSED_GLOBAL.search(str(err))
     if match:
         return match.group(1)
     try:
         allowed = {name if isinstance(entry, tuple) else f"{entry.__module__}.{entry.__qualname__}"
                    for entry in checkpoint_globals() for name in ([entry[1]] if isinstance(entry, tuple) else [None])}
-        names = [name for name in torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
-                 if name not in allowed]
+        if zipfile.is_zipfile(path):
+            found = torch.serialization.get_unsafe_globals_in_checkpoint(str(path))
+        else:
+            from torch._weights_only_unpickler import _get_allowed_globals  # local: only a refusal needs it
+
+            found = [name for name in pickled_globals(path) if name not in _get_allowed_globals()]
+        # torch's own functions (a tensor pickled outside torch.save) come after the others: they run no user code
+        names = sorted((name for name in found if name not in allowed), key=lambda name: name.startswith("torch."))
     except Exception:  # noqa: BLE001 - the scan is only to name the global; the file is refused either way
         names = []
     return names[0] if names else "an object the weights-only unpickler cannot build"
 
 
+def pickled_globals(path: Path) -> list[str]:
+    """The ``module.name`` of every global a plain pickle file names, read from its opcodes (nothing of it is
+    built): GLOBAL carries the name, STACK_GLOBAL takes the two strings pushed before it."""
+    import pickletools  # local: only a refused file is scanned
+
+    names, strings = [], []
+    with open(path, "rb") as handle:
+        for opcode, argument, _ in pickletools.genops(handle):
+            if opcode.name == "GLOBAL":
+                names.append(argument.replace(" ", "."))
+            elif opcode.name == "STACK_GLOBAL" and len(strings) >= 2:
+                names.append(f"{strings[-2]}.{strings[-1]}")
+            elif isinstance(argument, str) and "UNICODE" in opcode.name:
+                strings.append(argument)
+    return names
+
+
 def is_refused_global(err: BaseException) -> bool:
     """``err`` is the weights-only unpickler refusing something the file names (a global, an opcode, a
     reduce call), not a truncated or foreign file."""
-    return "WeightsUnpickler error" in str(err)
+    return bool(_REFUSAL.search(str(err)))
 
 
 def safe_torch_load(path: str | Path, mmap: bool = True, map_location: Any = "cpu") -> Any:
@@ -112,18 +144,20 @@ def safe_torch_load(path: str | Path, mmap: bool = True, map_location: Any = "cp
 
     Raises :class:`UnsafeCheckpointError` (a UserError) naming the file and the refused global when the
     file names anything else; other read errors (truncated file, not a torch file) propagate as torch
-    raises them, for the caller's own sentence."""
+    raises them, for the caller's own sentence. ``mmap`` applies to torch's zip format only: a file in the
+    older plain-pickle format is read whole, through the same unpickler, so what it names is judged too."""
     path = Path(path)
     try:
         with torch.serialization.safe_globals(checkpoint_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            return torch.load(path, map_location=map_location, weights_only=True,
+                              mmap=mmap and zipfile.is_zipfile(path))
     except pickle.UnpicklingError as err:
         if not is_refused_global(err):
             raise
         raise UnsafeCheckpointError(
-            f"{path} holds the pickled global {refused_global(err, path)}, which zoo refuses to load because "
-            "unpickling it could run code; use only checkpoints written by zoo's pretrain (DeepSpeed states "
-            "files) from a source you trust, or an exported safetensors directory.") from None
+            f"{path} holds the pickled global {refused_global(err, path)}, code that loading the file would run; "
+            "zoo refused the file and ran none of it: load only checkpoints written by zoo's pretrain from a source "
+            "you trust, or an exported safetensors directory.") from None
 
 
 def check_tag_files(tag_dir: str | Path, rank: int = 0, world_size: int = 1) -> None:
@@ -138,7 +172,7 @@ def check_tag_files(tag_dir: str | Path, rank: int = 0, world_size: int = 1) -> 
         except UnsafeCheckpointError as err:
             raise UserError(str(err)) from None   # a user error: ranks agree on it by its kind
         except Exception as err:  # noqa: BLE001 - any unreadable file is the same user error
-            text = str(err).strip().splitlines()
+            text = [line for line in str(err).strip().splitlines() if line.strip() and _TORCH_ADVICE not in line]
             raise UserError(f"{path} cannot be read as a torch checkpoint ({text[0] if text else type(err).__name__});"
                              " it is truncated or not a DeepSpeed states file, copy the complete checkpoint tag or "
                              "re-save it.") from None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from zoo.cli.command import command_parser, run_command
+from zoo.errors import alike_on_every_rank
 from zoo.finetune.config import build_parser as finetune_parser
 from zoo.finetune.config import config_from_args
 
@@ -28,7 +29,9 @@ def main(task: str, argv: list[str] | None = None, leave_process_group: bool = T
         from zoo.finetune.finetune_job import finetune  # local: torch import cost, after parsing
 
         single_process_env()
-        finetune(config_from_args(task, args))
+        with alike_on_every_rank():   # every rank reads the same flags and files: the writer says it once
+            config = config_from_args(task, args)
+        finetune(config)
 
     args = build_parser(task).parse_args(argv)
     run_command(work, teardown=leave_process_group, log_level=args.log_level)

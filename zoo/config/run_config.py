@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from zoo.atomic import check_directory_can_be_made
 from zoo.config.deepspeed_overrides import apply_overrides, precision_flags_given
 from zoo.errors import MissingInput, UserError
 from zoo.options import (
@@ -352,7 +353,7 @@ def data_warnings(config: RunConfig) -> list[str]:
 
 
 def check_input_paths(config: RunConfig) -> RunConfig:
-    """Every file the run reads exists, checked before a process group, a model or an engine is built: the
+    """Every file the run reads exists, and the TensorBoard directory it writes can be made, checked before a process group, a model or an engine is built: the
     ``.bin`` and ``.idx`` of every ``data_path`` prefix (one, or each corpus of a blend), the ``pretrained``
     directory and its config.json (read and checked, see :func:`zoo.models.families.read_checked_config_json`), and ``load`` when it exists (a ``load`` not
     there yet is a run to start, so a job script can always pass ``--save X --load X``)."""
@@ -360,6 +361,8 @@ def check_input_paths(config: RunConfig) -> RunConfig:
     from zoo.data.indexed_dataset import check_dataset_files  # local: torch import cost
     from zoo.models.families import read_checked_config_json  # local: torch import cost
 
+    if config.tensorboard_dir is not None:
+        check_directory_can_be_made(config.tensorboard_dir, "--tensorboard-dir")
     for _, prefix in parse_data_path(config.data_path) or ():
         check_dataset_files(prefix)
     if config.pretrained is not None:
@@ -389,7 +392,8 @@ def shape_flags_into_overrides(config: RunConfig) -> RunConfig:
 
 def validate_static(config: RunConfig) -> RunConfig:
     """Checks that need no process group."""
-    from zoo.models.families import model_config  # local: torch import cost (the parser is built without torch)
+    from zoo.models.config import check_overrides  # local: torch import cost (the parser is built without torch)
+    from zoo.models.families import model_config
 
     check_field_types(config)
     check_ds_config(config.ds_config, config.ds_config_path, needs_optimizer=False)
@@ -399,6 +403,7 @@ def validate_static(config: RunConfig) -> RunConfig:
     if bad:
         raise UserError(f"model_overrides key {bad[0]!r} is not a {type(family_config).__name__} field; "
                          f"use one of {sorted(allowed)}.")
+    check_overrides(model_config(config.model, **config.model_overrides), config.model_overrides)
     for name in ("train_iters", "seq_length", "tensor_parallel_size", "pipeline_model_parallel_size", "log_interval",
                  "eval_iters"):
         if getattr(config, name) < 1:

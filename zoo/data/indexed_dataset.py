@@ -234,8 +234,10 @@ class IndexedDataset:
 def check_index(idx_path: str, bin_path: str, bin_bytes: int, sizes: np.ndarray, pointers: np.ndarray,
                 doc_idx: np.ndarray, itemsize: int) -> None:
     """The index describes sequences that lie inside ``.bin`` and documents made of them, or one sentence
-    naming the file: sizes >= 0, pointers aligned to the dtype and in bounds, and a document index that
-    starts at 0, never decreases and stays within the N sequences (one vectorised pass, no Python loop)."""
+    naming the file: sizes >= 0, pointers aligned to the dtype and in bounds, ``.bin`` ending where its last
+    sequence ends (every writer of the format stores the sequences back to back, so a longer ``.bin`` is
+    another corpus's, or one the index no longer describes), and a document index that starts at 0, never
+    decreases and stays within the N sequences (one vectorised pass, no Python loop)."""
     n_seq = len(sizes)
     rebuild = "rebuild it with launch/preprocess.py"
     if n_seq:
@@ -253,6 +255,11 @@ def check_index(idx_path: str, bin_path: str, bin_bytes: int, sizes: np.ndarray,
             first = int(np.argmax(ends > bin_bytes))
             raise UserError(f"data file '{bin_path}' is truncated: {bin_bytes} bytes but sequence {first} of the "
                              f"index ends at byte {int(ends[first])}; rebuild the dataset.")
+    described = int(ends.max()) if n_seq else 0
+    if bin_bytes > described:
+        raise UserError(f"data file '{bin_path}' holds {bin_bytes} bytes but its index '{idx_path}' describes "
+                         f"{described} ({n_seq} sequence{'' if n_seq == 1 else 's'}), so the two files are not one dataset (another corpus's "
+                         "data or index); pass the prefix of a matching pair, or rebuild it with launch/preprocess.py.")
     if int(doc_idx[0]) != 0:
         raise UserError(f"index file '{idx_path}' is corrupt: its document index starts at sequence "
                          f"{int(doc_idx[0])}, not 0; {rebuild}.")

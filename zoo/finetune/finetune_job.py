@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 from zoo.data.tokenizers import load_bert_tokenizer
 from zoo.distributed import host_group, raise_on_any_rank
-from zoo.errors import MissingInput, UserError
+from zoo.errors import MissingInput, UserError, alike_on_every_rank
 from zoo.finetune.config import FinetuneConfig, deepspeed_dict
 from zoo.finetune.dev_curve import DEV_CURVE_FILE, baseline_metric, plot_dev_curve
 from zoo.finetune.task_catalog import Task, get_task
@@ -63,7 +63,8 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     """Run one finetuning job; returns the results also written to ``results.json``. Everything a user can
     get wrong in files and flags is checked before any process group starts."""
     task = get_task(config.task)
-    model_config, data = read_inputs(config, task)
+    with alike_on_every_rank():   # every rank reads the same files: the writer says what is wrong, once
+        model_config, data = read_inputs(config, task)
     parallel = training_loop.join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
     is_writer = dist.get_rank() == 0
     # one run per directory, and never over an earlier run's results: checked before the model is read

@@ -40,7 +40,7 @@ from tqdm import tqdm
 from zoo.atomic import atomic_file, write_text_atomic
 from zoo.errors import MissingInput, UserError, report_error
 from zoo.finetune.config import parse_args
-from zoo.finetune.sweep_overrides import SweepOverrides, check_file_values
+from zoo.finetune.sweep_overrides import SweepOverrides, check_file_values, flag_key
 from zoo.training.run_directory import FINETUNING_OUTPUTS
 
 SEED_KEY = "seed"
@@ -305,6 +305,30 @@ def _write_csv(path: Path, rows: list[dict[str, Any]]) -> None:
         writer.writerows(rows)
 
 
+def check_parameter_flags(spec: SweepSpec, path: str | os.PathLike) -> None:
+    """Every parameter of the sweep (fixed or a grid key) is a flag its finetune script takes, else one sentence
+    naming the key, the file and the closest flag: each run passes it as ``--<key>=<value>``, and a script
+    refuses a flag it does not take, so a wrong key would fail every run. A program that is no zoo finetune
+    script is left to itself."""
+    import difflib
+
+    from zoo.finetune.config import build_parser  # local: with the tasks, only a sweep's check needs it
+    from zoo.finetune.task_catalog import TASKS  # local: torch import cost (the tasks import torch)
+
+    task = task_of_program(spec.program)
+    if task not in TASKS:
+        return
+    flags = {flag_key(option) for action in build_parser(task)._actions for option in action.option_strings
+             if option.startswith("--")}
+    for key in [*spec.fixed, *spec.grid]:
+        if flag_key(key) in flags:      # the script takes the dash and the underscore spelling alike
+            continue
+        closest = difflib.get_close_matches(flag_key(key), sorted(flags), n=1)
+        hint = f"the closest is {closest[0]!r}" if closest else f"python {spec.program} --help lists them"
+        raise UserError(f"sweep file {path} has parameter {key!r}, which is no flag of {spec.program} (every run "
+                         f"would fail on it); rename it to one of the script's flags ({hint}).")
+
+
 def task_of_program(program: str) -> str:
     """The task a finetune script runs, from its file name: ``finetune/race.py`` runs race, and underscores
     read as dashes where only that spelling is a task (``finetune/same_article.py`` runs same-article)."""
@@ -403,6 +427,7 @@ def run_sweep(path: str | os.PathLike, out: str | os.PathLike | None = None, cou
         raise UserError(f"--count {count} must be 1 or more (the number of grid points to run); leave it out to "
                          "run them all.")
     spec = apply_overrides(spec, overrides)
+    check_parameter_flags(spec, path)
     wandb_env = tracking_environment(spec, project, entity, path, track_wandb)
     out_dir = Path(out or Path("runs") / "sweeps" / spec.name)
     settings = spec.settings()[: count or None]

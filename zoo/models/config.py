@@ -6,6 +6,9 @@ in a transformers config.json, as one-sentence errors. Each family's config clas
 from __future__ import annotations
 
 import dataclasses
+import math
+import types
+import typing
 from typing import Any, Self
 
 from zoo.checkpoint.hf.hf_io import check_json_object
@@ -30,6 +33,10 @@ MAX_POSITIONS = 1_048_576
 MAX_HIDDEN_SIZE = 65_536
 MAX_LAYERS = 4_096
 MAX_TOKEN_TYPES = 1_024
+
+# Fields of any family that must be a positive, finite number: an epsilon added under a square root, the
+# standard deviation of the initial weights, the base of the rotary frequencies.
+POSITIVE_NUMBER_FIELDS = ("layer_norm_epsilon", "layer_norm_eps", "rms_norm_eps", "initializer_range", "rope_theta")
 
 
 class FamilyConfig:
@@ -111,9 +118,28 @@ def probability_problem(value: Any) -> str | None:
     return None
 
 
+def positive_number_problem(value: Any) -> str | None:
+    """What is wrong with an epsilon, a standard deviation or a rotary base, or None when it is a positive,
+    finite number."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return f"is {shown(value)} ({json_kind(value)}), not a number"
+    if not 0 < value < math.inf:
+        return f"is {value}, not a positive number"
+    return None
+
+
+def check_positive_numbers(values: dict[str, Any], what: str) -> None:
+    """The :data:`POSITIVE_NUMBER_FIELDS` among ``values`` are positive, finite numbers, else one sentence."""
+    for name in POSITIVE_NUMBER_FIELDS:
+        problem = positive_number_problem(values[name]) if name in values else None
+        if problem:
+            raise UserError(f"{what} field {name} {problem}; set it to a positive number, the model's own.")
+
+
 def check_field_values(config: Any, shape_fields: dict[str, tuple[int, bool]],
                        probability_fields: tuple[str, ...], what: str) -> None:
-    """Shape fields are integers in [1, bound] and dropouts probabilities, else one sentence naming the field."""
+    """Shape fields are integers in [1, bound], dropouts probabilities and epsilons, initializer ranges and
+    rotary bases positive numbers, else one sentence naming the field."""
     for name, (maximum, nullable) in shape_fields.items():
         problem = shape_field_problem(getattr(config, name), maximum, nullable)
         if problem:
@@ -122,6 +148,52 @@ def check_field_values(config: Any, shape_fields: dict[str, tuple[int, bool]],
         problem = probability_problem(getattr(config, name))
         if problem:
             raise UserError(f"{what} field {name} {problem}; set it to a dropout probability such as 0.1.")
+    check_positive_numbers({name: getattr(config, name) for name in POSITIVE_NUMBER_FIELDS if hasattr(config, name)},
+                           what)
+
+
+def type_allows(value: Any, hint: Any) -> bool:
+    """Whether ``value`` (as JSON gives it) has the type a config field is annotated with; an integer is a
+    number, a boolean is no integer."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):
+        return any(type_allows(value, arm) for arm in typing.get_args(hint))
+    if hint is Any:
+        return True
+    if hint is type(None):
+        return value is None
+    if origin is not None:
+        return isinstance(value, origin)
+    if hint is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if hint is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, hint)
+
+
+def type_words(hint: Any) -> str:
+    """A field's annotation in words, for messages: "an integer or null"."""
+    arms = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
+    words = {int: "an integer", float: "a number", bool: "true or false", str: "a string", type(None): "null"}
+    return " or ".join(words.get(arm, words.get(typing.get_origin(arm)) or
+                                 {dict: "a JSON object", list: "a list"}.get(typing.get_origin(arm), str(arm)))
+                       for arm in arms)
+
+
+def check_overrides(config: Any, overrides: dict[str, Any], what: str = "model_overrides") -> None:
+    """``overrides`` (field -> value, already applied to ``config``) pass the checks a config.json's values
+    pass: each has its field's type, shape fields are integers within their bounds, dropouts probabilities,
+    epsilons positive (the family's ``shape_fields`` and ``probability_fields``); then the whole config passes
+    its family's ``validate`` (at tp 1: the tp degree is
+    checked where the layout is). One sentence naming the override and the fix."""
+    hints = typing.get_type_hints(type(config))
+    for name, value in overrides.items():
+        if name in hints and not type_allows(value, hints[name]):
+            raise UserError(f"{what} field {name} is {shown(value)} ({json_kind(value)}), not "
+                             f"{type_words(hints[name])}; write {type_words(hints[name])} there.")
+    check_field_values(config, {k: v for k, v in config.shape_fields.items() if k in overrides},
+                       tuple(k for k in config.probability_fields if k in overrides), what)
+    config.validate()
 
 
 def check_hf_fields(values: dict, path: Any, required: tuple[str, ...], shape_fields: dict[str, tuple[int, bool]],
@@ -142,3 +214,4 @@ def check_hf_fields(values: dict, path: Any, required: tuple[str, ...], shape_fi
         problem = probability_problem(values[name]) if name in values else None
         if problem:
             raise UserError(f"{path} field {name} {problem}; write a dropout probability such as 0.1.")
+    check_positive_numbers(values, str(path))

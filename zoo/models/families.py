@@ -268,10 +268,18 @@ def read_checked_config_json(directory: str | os.PathLike) -> dict:
 
 def pretrained_config(directory: str, family: ModelFamily | None = None) -> ModelConfig:
     """The checked config of a transformers-layout directory's config.json, read as ``family``'s (by default
-    the family of its ``model_type``, and a model type zoo does not build is one sentence)."""
+    the family of its ``model_type``, and a model type zoo does not build is one sentence). A directory of
+    another zoo family than ``family`` is one sentence saying the families differ, before any field is read
+    by the wrong family's checks."""
     path = f"{directory}/config.json"
     values = read_config_json(directory)
-    family = family or family_of_model_type(values.get("model_type"))
+    stored = family_of_model_type(values.get("model_type"))
+    if family is not None and stored is not None and stored is not family:
+        raise UserError(f"{directory} holds a {stored.display_name} model (model_type {values['model_type']!r}) "
+                         f"but the run's preset is {family.display_name}, and the families differ; pass a "
+                         f"{stored.display_name} --model preset (one of {sorted(stored.presets)}) or a "
+                         f"{family.display_name} directory.")
+    family = family or stored
     if family is None:
         raise UserError(f"{path} has model_type {values.get('model_type')!r}, which zoo does not build; pass a "
                          f"directory of one of {known_model_types()}.")

@@ -61,6 +61,7 @@ from __future__ import annotations
 import ctypes
 import os
 import random
+import re
 import signal
 import socket
 import subprocess
@@ -324,7 +325,48 @@ def runner_arguments(argv: Sequence[str], environ: dict[str, str] | None = None)
     parsed = parse_args(list(argv))
     own = list(argv[:len(argv) - len(parsed.user_args) - 1])     # what comes before the user's script
     check_counts(parsed, own)
+    if given(own, "--master_port"):
+        check_port(parsed.master_port)
+    if os.path.isfile(parsed.hostfile):
+        check_hostfile(parsed.hostfile)
     return with_rendezvous_port(argv, parsed, own, environ)
+
+
+def check_port(port: int) -> None:
+    """A UserError (one sentence) for a ``--master_port`` that is no TCP port the ranks can meet on: 0 would
+    let each rank's store bind a port of its own, so the ranks would wait for each other forever."""
+    if not 0 < port < 65536:
+        raise UserError(f"--master_port {port} is not a TCP port the ranks can meet on: give a number from 1 to "
+                         "65535, or leave --master_port out and zoo's launcher picks a free port.")
+
+
+def check_hostfile(path: str) -> None:
+    """A UserError (one sentence naming the file, the line and the fix) for a hostfile DeepSpeed's runner would
+    end in a traceback on, or start nothing from: each line not blank and no ``#`` comment is ``HOST slots=N``
+    with N a count from 1 up, each host once, at least one host."""
+    hosts = set()
+    form = "write each node as 'HOST slots=N', e.g. 'worker-1 slots=4' (# starts a comment)"
+    try:
+        lines = Path(path).read_text().splitlines()
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserError(f"--hostfile {path} cannot be read ({getattr(err, 'strerror', None) or err}); pass a "
+                         f"readable text file, one line per node: {form}.") from None
+    for number, line in enumerate(lines, 1):
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        match = re.match(r"(\S+)\s+slots=(\S*)", line)
+        if match is None:
+            raise UserError(f"line {number} of hostfile {path}, {line!r}, names no slots; {form}.")
+        host, slots = match.groups()
+        if not slots.isdigit() or int(slots) < 1:
+            raise UserError(f"line {number} of hostfile {path} gives {host} slots={slots}, not a count of ranks; "
+                             f"{form}, with N a number from 1 up.")
+        if host in hosts:
+            raise UserError(f"line {number} of hostfile {path} names {host} a second time; give each node one line.")
+        hosts.add(host)
+    if not hosts:
+        raise UserError(f"hostfile {path} names no node; {form}, or leave --hostfile out to run on this node only.")
 
 
 def given(own: Sequence[str], *flags: str) -> bool:

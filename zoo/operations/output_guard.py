@@ -1,17 +1,21 @@
-"""A rank survives losing its stdout and stderr.
+"""A rank survives any state of its stdout and stderr.
 
 A rank's stdout and stderr are pipes its launcher holds; on another node they are the ssh session's. When
 the ``deepspeed`` runner dies or kills pdsh, sshd closes its ends of those pipes, and the rank's next write
-(a tqdm progress bar, a log line) fails with EPIPE. Raised as BrokenPipeError from inside tqdm or
-``print``, it would end the rank before it could save the checkpoint of its stop.
+(a tqdm progress bar, a log line) fails with EPIPE. A user may also start a run with stdout closed
+(``>&-``, so ``sys.stdout`` is None and the next file opened would take descriptor 1) or pointed at a
+device that refuses writes (``/dev/full``: ENOSPC). Raised from inside tqdm, ``print`` or a logging
+handler, any of these would end the rank before it could save its checkpoint.
 
 :func:`guard_output` (called for every rank a launcher started, :func:`zoo.operations.launcher_watch.watch_launchers`)
-wraps ``sys.stdout`` and ``sys.stderr``. On the first EPIPE, the file descriptors 1 and 2 of the process are
+gives a closed descriptor 1 or 2 ``/dev/null`` (so no file the run opens becomes its stdout), and wraps
+``sys.stdout`` and ``sys.stderr``, also in the logging handlers already writing to them. On the first write
+that fails with any OSError, or at once for a closed stream, that stream's file descriptor (1 or 2) is
 pointed at ``<run directory>/output-rank<RANK>.log`` (:func:`keep_output_in` names the directory once the
-run knows it; before that, at ``/dev/null``), a line there says so, and the write is done again: training
-or stopping goes on, and everything written afterwards, from Python or native code, lands in that file.
-SIGPIPE is ignored (Python's default, restored in case a library changed it), so a broken pipe is always
-an error to catch, never a silent death.
+run knows it; before that, and when that file cannot be opened, at ``/dev/null``), a line there says why,
+and the write is done again: training or stopping goes on, and everything written afterwards, from Python
+or native code, lands in that file. SIGPIPE is ignored (Python's default, restored in case a library
+changed it), so a broken pipe is always an error to catch, never a silent death.
 
 This module imports nothing from zoo: every layer may use it.
 """
@@ -19,6 +23,8 @@ This module imports nothing from zoo: every layer may use it.
 from __future__ import annotations
 
 import errno
+import io
+import logging
 import os
 import signal
 import sys
@@ -42,22 +48,36 @@ class Diversion:
         self.directory: Path | None = None
         self.broken = False
         self.target = os.devnull
+        self.reason = ""
+        self.fds: set[int] = set()
         self.lock = threading.Lock()
 
-    def divert(self) -> None:
-        """Point fds 1 and 2 at the lost-output file (``/dev/null`` while no directory is known)."""
+    def divert(self, reason: str = "", fds: tuple[int, ...] = ()) -> None:
+        """Point ``fds`` (of 1 and 2), and those diverted before, at the lost-output file (``/dev/null`` while
+        no directory is known, or when the file cannot be opened): a stream that still works (stderr on the
+        terminal when only stdout was closed) keeps reaching the user. ``reason`` says what happened to the
+        streams, written once there."""
         with self.lock:
-            first = not self.broken
             self.broken = True
-            self.target = str(lost_output_file(self.directory)) if self.directory is not None else os.devnull
-            fd = os.open(self.target, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self.reason = self.reason or reason
+            self.fds.update(fds)
+            wanted = str(lost_output_file(self.directory)) if self.directory is not None else os.devnull
             try:
-                if first and self.target != os.devnull:
-                    os.write(fd, self.notice())
-                os.dup2(fd, 1)
-                os.dup2(fd, 2)
+                fd = os.open(wanted, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            except OSError:
+                wanted, fd = os.devnull, os.open(os.devnull, os.O_WRONLY)
+            try:
+                if wanted != self.target and wanted != os.devnull:
+                    try:
+                        os.write(fd, self.notice())
+                    except OSError:
+                        pass
+                self.target = wanted
+                for diverted in sorted(self.fds):
+                    os.dup2(fd, diverted)
             finally:
-                os.close(fd)
+                if fd > 2:
+                    os.close(fd)
 
     def keep_in(self, directory: str | os.PathLike) -> None:
         """Name the run directory; output already diverted to ``/dev/null`` moves to its file."""
@@ -65,41 +85,56 @@ class Diversion:
         if self.broken and self.target == os.devnull:
             self.divert()
 
-    @staticmethod
-    def notice() -> bytes:
+    def notice(self) -> bytes:
         stamp = time.strftime("%Y-%m-%d %H:%M:%S")
-        return (f"{stamp} rank {os.environ.get('RANK', '0')}: the launcher's stdout/stderr pipe broke (EPIPE); "
+        return (f"{stamp} rank {os.environ.get('RANK', '0')}: {self.reason}; "
                 f"this rank's output continues in this file\n").encode()
+
+
+def stream_failure(err: OSError) -> str:
+    """The notice's words for a failed write to the standard streams."""
+    if err.errno == errno.EPIPE:
+        return "the launcher's stdout/stderr pipe broke (EPIPE)"
+    return f"writing to stdout/stderr failed ({errno.errorcode.get(err.errno, err.errno)}: {err.strerror})"
 
 
 class OutputGuard:
     """``sys.stdout`` or ``sys.stderr``, whose writes survive a broken pipe (see the module); everything
     else is the wrapped stream's."""
 
-    def __init__(self, stream, diversion: Diversion):
+    def __init__(self, stream, diversion: Diversion, fd: int):
         self.stream = stream
         self.diversion = diversion
+        self.fd = fd
 
     def write(self, text: str) -> int:
-        """Write ``text``; after an EPIPE the text (already in the stream's buffer, which the failed flush
-        kept) goes to the diverted descriptor."""
+        """Write ``text``; after a failed write the descriptor is diverted and ``text`` written again there
+        (the stream's buffer may have dropped it with the failed flush)."""
         try:
             return self.stream.write(text)
         except OSError as err:
-            self._divert_on_epipe(err)
+            self._divert(err)
+            try:
+                self.stream.write(text)
+                self.stream.flush()
+            except OSError:
+                pass
             return len(text)
 
     def flush(self) -> None:
         try:
             self.stream.flush()
         except OSError as err:
-            self._divert_on_epipe(err)
+            self._divert(err)
 
-    def _divert_on_epipe(self, err: OSError) -> None:
-        if err.errno != errno.EPIPE:
-            raise err
-        self.diversion.divert()
-        self.stream.flush()
+    def _divert(self, err: OSError) -> None:
+        """Divert the descriptors and flush again; output that still cannot be written is dropped, never
+        raised, since a rank's stdout is no reason to lose its training."""
+        self.diversion.divert(stream_failure(err), (self.fd,))
+        try:
+            self.stream.flush()
+        except OSError:
+            pass
 
     def writelines(self, lines) -> None:
         for line in lines:
@@ -115,10 +150,44 @@ def guard_output() -> None:
     if isinstance(sys.stdout, OutputGuard):
         return
     diversion = Diversion()
-    sys.stdout = OutputGuard(sys.stdout, diversion)
-    sys.stderr = OutputGuard(sys.stderr, diversion)
+    closed = [fd for fd in (1, 2) if not descriptor_open(fd)]
+    for fd in closed:
+        null = os.open(os.devnull, os.O_WRONLY)
+        if null != fd:
+            os.dup2(null, fd)
+            os.close(null)
+    streams = {}
+    for name, fd in (("stdout", 1), ("stderr", 2)):
+        stream = getattr(sys, name)
+        if stream is None or fd in closed:
+            stream = io.TextIOWrapper(io.FileIO(fd, "w", closefd=False), line_buffering=True,
+                                      errors="backslashreplace")
+        streams[getattr(sys, name)] = guard = OutputGuard(stream, diversion, fd)
+        setattr(sys, name, guard)
+    for handler in logging_handlers():
+        if handler.stream in streams and handler.stream is not None:
+            handler.setStream(streams[handler.stream])
+    if closed:
+        diversion.divert(f"{' and '.join(('stdout', 'stderr')[fd - 1] for fd in closed)} "
+                         f"{'were' if len(closed) == 2 else 'was'} closed at start", tuple(closed))
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+
+
+def descriptor_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def logging_handlers() -> list[logging.StreamHandler]:
+    """Every stream handler of the root logger and of the loggers created so far."""
+    loggers = [logging.getLogger(), *(logger for logger in logging.Logger.manager.loggerDict.values()
+                                      if isinstance(logger, logging.Logger))]
+    return [handler for logger in loggers for handler in logger.handlers
+            if isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)]
 
 
 def keep_output_in(directory: str | os.PathLike) -> None:

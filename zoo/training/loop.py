@@ -57,7 +57,7 @@ from zoo.operations.cuda_arch import fit_cuda_arch_list_for_deepspeed
 from zoo.operations.launcher_watch import CHECK_INTERVAL_S, current_watch
 from zoo.operations.stop_report import report_stop
 from zoo.parallel import ParallelState, model_parallel_seed
-from zoo.training.engine import refresh_fp32_master_weights
+from zoo.training.engine import announce_fused_adam_build, refresh_fp32_master_weights
 from zoo.training.loss_scaling import backward
 from zoo.training.phase_clock import PhaseClock, timing_event_class
 
@@ -102,6 +102,7 @@ def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], parallel, we
     import deepspeed  # local: DeepSpeed costs seconds to import
 
     fit_cuda_arch_list_for_deepspeed()
+    announce_fused_adam_build(ds_config, dist.get_rank() == 0)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
                                            config=ds_config, mpu=parallel)
     if refresh_masters:

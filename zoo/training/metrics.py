@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from zoo.atomic import atomic_file
+from zoo.atomic import atomic_file, check_directory_can_be_made, unwritable_directory
 from zoo.errors import UserError
 
 METRICS_FILE = "metrics.jsonl"
@@ -178,13 +178,18 @@ class MetricsLogger:
 
 
 def _start_tensorboard(directory: str | os.PathLike, purge_step: int | None):
-    """torch's SummaryWriter on ``directory``; UserError in one sentence when tensorboard is not installed."""
+    """torch's SummaryWriter on ``directory``; UserError in one sentence when tensorboard is not installed or
+    ``directory`` cannot be made or written."""
     try:
         from torch.utils.tensorboard import SummaryWriter  # local: tensorboard is optional
     except ImportError:
         raise UserError(f"--tensorboard-dir {directory} needs the tensorboard package; pip install tensorboard, "
                          "or run without --tensorboard-dir.") from None
-    return SummaryWriter(log_dir=str(directory), purge_step=purge_step)
+    check_directory_can_be_made(directory, "--tensorboard-dir")
+    try:
+        return SummaryWriter(log_dir=str(directory), purge_step=purge_step)
+    except OSError as err:
+        raise unwritable_directory("--tensorboard-dir", directory, err) from None
 
 
 def _start_wandb(project: str, config: dict[str, Any] | None, run_dir: Path):

@@ -115,10 +115,11 @@ def setup_pipeline_engine(module, ds_config: dict[str, Any], parallel, weight_de
 
     from zoo.models.families import param_groups
     from zoo.operations.cuda_arch import fit_cuda_arch_list_for_deepspeed
-    from zoo.training.engine import refresh_fp32_master_weights
+    from zoo.training.engine import announce_fused_adam_build, refresh_fp32_master_weights
 
     ds, clip = pipeline_ds_dict(ds_config, sequence_parallel)
     fit_cuda_arch_list_for_deepspeed()
+    announce_fused_adam_build(ds, torch.distributed.get_rank() == 0)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, weight_decay),
                                            config=ds)
     check_same_grid(engine, parallel)

@@ -6,6 +6,9 @@ DeepSpeed is imported, a process group exists or a model is built.
 - The sequence length against the model's position table.
 - A model larger than the demo's without ``--data-path``: the bundled Wikipedia sample is the demo
   configs' corpus, and a paper-scale model would train on it silently (:func:`check_bundled_corpus`).
+- fp16 asked for on a device without native fp16 (a CPU without AVX512-FP16/AMX, where DeepSpeed refuses
+  fp16 in a traceback): one sentence naming ``--bf16`` (:func:`check_precision_supported`; the one check
+  that imports DeepSpeed, for its accelerator, and only for an fp16 run).
 - The planner's fit check on this rank's device (:func:`zoo.planning.fit_check.check_fit`), unless
   ``--skip-fit-check``; the device's memory is an argument, filled by the caller from the device.
 """
@@ -56,6 +59,22 @@ def check_bundled_corpus(config: RunConfig, shape) -> None:
                      "--data-path with a corpus written by launch/preprocess.py.")
 
 
+def check_precision_supported(config: RunConfig) -> None:
+    """An fp16 run on a device whose DeepSpeed accelerator has no native fp16 is one sentence naming ``--bf16``
+    (DeepSpeed's own refusal is a ValueError traceback at ``deepspeed.initialize``)."""
+    if config.dtype_name != "fp16":
+        return
+    from deepspeed.accelerator import get_accelerator  # local: DeepSpeed's import cost, for fp16 runs only
+
+    accelerator = get_accelerator()
+    if accelerator.is_fp16_supported():
+        return
+    source = config.ds_config_path or "the config"
+    raise UserError(f"fp16 is enabled (by --fp16 or {source}) but this {accelerator.device_name()} device has no "
+                     "native fp16, so DeepSpeed cannot train in it; pass --bf16 instead (bf16 runs natively here), "
+                     "or run the fp16 config on a GPU.")
+
+
 def check_seq_length(config: RunConfig, shape) -> None:
     if config.seq_length > shape.max_positions:
         raise UserError(f"seq_length {config.seq_length} exceeds the {config.model} model's position table of "
@@ -68,6 +87,7 @@ def check_before_launch(config: RunConfig, world_size: int, memory: DeviceMemory
     from zoo.models.families import shape_of  # local: torch and transformers import cost
 
     gas = validate_for_world(config, world_size)
+    check_precision_supported(config)
     shape = shape_of(model_config_of(config))
     check_seq_length(config, shape)
     check_bundled_corpus(config, shape)

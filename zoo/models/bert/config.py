@@ -61,6 +61,9 @@ class BertConfig(FamilyConfig):
     recompute_granularity: str | None = None
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
+    shape_fields = BERT_SHAPE_FIELDS
+    probability_fields = BERT_PROBABILITY_FIELDS
+
     @property
     def model_type(self) -> str:
         return "megatron-bert" if self.pre_norm else "bert"

@@ -64,6 +64,8 @@ class GPT2Config(FamilyConfig):
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     model_type = "gpt2"
+    shape_fields = GPT2_SHAPE_FIELDS
+    probability_fields = GPT2_PROBABILITY_FIELDS
 
     # ---------------------------------------------------------------- derived values
     @property

@@ -21,6 +21,7 @@ from zoo.models.config import (
     ZOO_RUN_FIELDS,
     FamilyConfig,
     check_field_values,
+    check_positive_numbers,
     recompute_mode,
     shape_field_problem,
 )
@@ -75,6 +76,8 @@ class LlamaConfig(FamilyConfig):
     extra: dict[str, Any] = field(default_factory=dict, repr=False)
 
     model_type = "llama"
+    shape_fields = LLAMA_SHAPE_FIELDS
+    probability_fields = LLAMA_PROBABILITY_FIELDS
 
     # ---------------------------------------------------------------- derived values
     @property
@@ -189,3 +192,4 @@ def check_llama_config_values(values: dict[str, Any], path: Any) -> None:
         if problem:
             raise UserError(f"{path} field {name} {problem}; write the model's {name} there as a positive integer "
                              f"of at most {maximum:,}.")
+    check_positive_numbers(values, str(path))
