@@ -159,10 +159,12 @@ def test_at_most_one_chunk_of_fp32_logits(results, tp, dtype):
 
 
 def test_default_chunk_fits_the_byte_budget():
-    from zoo.parallel.cross_entropy import CHUNK_BYTES, default_chunk_tokens
+    from zoo.parallel.cross_entropy import CHUNK_BYTES, CPU_CHUNK_BYTES, default_chunk_tokens
 
-    for width in (50304, 6400, 2**20):
-        assert 1 <= default_chunk_tokens(width) and default_chunk_tokens(width) * width * 4 <= CHUNK_BYTES
-    assert default_chunk_tokens(50304, torch.float64) == CHUNK_BYTES // (50304 * 8)
-    assert default_chunk_tokens(50304, torch.bfloat16) == default_chunk_tokens(50304)   # computed in fp32
-    assert default_chunk_tokens(CHUNK_BYTES) == 1          # wider than the budget: one token at a time
+    fp32, bf16, fp64 = torch.float32, torch.bfloat16, torch.float64
+    for device, budget in (("cuda", CHUNK_BYTES), ("cpu", CPU_CHUNK_BYTES)):
+        for width in (50304, 12576, 6400):
+            assert 1 <= default_chunk_tokens(width, fp32, device) and default_chunk_tokens(width, fp32, device) * width * 4 <= budget
+        assert default_chunk_tokens(50304, fp64, device) == budget // (50304 * 8)
+        assert default_chunk_tokens(50304, bf16, device) == default_chunk_tokens(50304, fp32, device)  # computed in fp32
+        assert default_chunk_tokens(budget, fp32, device) == 1          # wider than the budget: one token at a time

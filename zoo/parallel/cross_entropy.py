@@ -17,7 +17,8 @@ all-reduce of the 2n values [s, z_t - M], whatever the number of chunks; the b*s
 backward communicates nothing: dZ_i = (exp(Z_i - M) / s - onehot_i(t)) * dloss.
 
 Memory. The tokens go in chunks of ``chunk_tokens`` (default: as many as fit ``CHUNK_BYTES`` of this
-shard's logits in fp32), and no fp32 tensor larger than one chunk is made beyond these:
+shard's logits in fp32, ``CPU_CHUNK_BYTES`` on a CPU), and no fp32 tensor larger than one chunk is made
+beyond these:
 - bf16/fp16 logits: none. Backward keeps the logits themselves (the caller's tensor, no copy) and per
   token M and s (fp32), the target column and two masks (18 B a token); it recomputes exp(z - M) chunk
   by chunk and writes the gradient, rounded once, into a tensor of the logits' dtype. At gpt2-1.2b
@@ -43,14 +44,20 @@ from zoo.errors import UserError
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import real_vocab_columns
 
-CHUNK_BYTES = 64 * 2**20   # fp32 logits of one chunk: bounded, yet large enough that per-kernel overhead is small
+# The fp32 bytes of one chunk. On an accelerator, large enough that each chunk's few elementwise kernels are
+# long next to their launch; on a CPU, small enough that a chunk stays in cache across its passes (measured
+# on a 2-core EPYC, bf16 logits of 2,048 tokens: 2 MiB chunks ~30 % faster than 64 MiB ones).
+CHUNK_BYTES = 64 * 2**20
+CPU_CHUNK_BYTES = 2 * 2**20
 
 
-def default_chunk_tokens(local_vocab: int, dtype: torch.dtype = torch.float32) -> int:
-    """How many tokens of a ``local_vocab``-wide logits shard fit ``CHUNK_BYTES`` in the compute dtype
-    (fp32, fp64 for fp64 logits); at least one."""
+def default_chunk_tokens(local_vocab: int, dtype: torch.dtype, device: torch.device | str) -> int:
+    """How many tokens of a ``local_vocab``-wide logits shard fit the chunk budget of ``device`` (CPU:
+    ``CPU_CHUNK_BYTES``, any accelerator: ``CHUNK_BYTES``) in the compute dtype (fp32, fp64 for fp64
+    logits); at least one."""
+    budget = CPU_CHUNK_BYTES if torch.device(device).type == "cpu" else CHUNK_BYTES
     itemsize = torch.empty((), dtype=torch.promote_types(dtype, torch.float32)).element_size()
-    return max(1, CHUNK_BYTES // (max(local_vocab, 1) * itemsize))
+    return max(1, budget // (max(local_vocab, 1) * itemsize))
 
 
 def _token_rows(x: torch.Tensor) -> list[torch.Tensor]:
@@ -189,13 +196,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, target: torch.Tensor,
     ``ignore_index``; ``vocab_size``: the unpadded vocabulary, columns at or beyond it are excluded.
     Ignored tokens get loss 0; average with ``loss.sum() / (target != ignore_index).sum()``.
     ``chunk_tokens``: tokens per chunk, the most whose logits exist in fp32 at once (default: those that
-    fit ``CHUNK_BYTES``); the result does not depend on it beyond fp32 rounding.
+    fit ``CHUNK_BYTES``, ``CPU_CHUNK_BYTES`` on a CPU); the result does not depend on it beyond fp32 rounding.
     """
     if logits.shape[:-1] != target.shape:
         raise UserError(f"logits of shape {tuple(logits.shape)} do not match targets of shape "
                          f"{tuple(target.shape)}; pass logits (..., vocab_shard) and targets (...).")
     if chunk_tokens is None:
-        chunk_tokens = default_chunk_tokens(logits.shape[-1], logits.dtype)
+        chunk_tokens = default_chunk_tokens(logits.shape[-1], logits.dtype, logits.device)
     elif chunk_tokens < 1:
         raise UserError(f"chunk_tokens {chunk_tokens} is invalid; pass a positive number of tokens or None.")
     # Logits already in the compute dtype (fp32, fp64) get their gradient's exp(z - m) in forward, in the
