@@ -27,7 +27,8 @@ beyond these:
 - fp32/fp64 logits with a gradient wanted: forward writes exp(z - m_i) into the buffer backward then
   scales in place and returns as the gradient (one exp per element instead of two). That buffer is the
   gradient backward would allocate anyway, so the step's peak does not grow; it is the only tensor of
-  the logits' size that the loss makes.
+  the logits' size that the loss makes, and backward keeps it and the per-token statistics, not the
+  logits.
 Without a gradient (evaluation) only the chunk buffer is made, whatever the dtype.
 
 Padded vocabulary columns (ids >= vocab_size) are excluded from the softmax and get zero gradient; a
@@ -154,8 +155,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         loss = (torch.log(s) - target_logit).masked_fill(~valid, 0.0)    # (n,)
         # exp_z holds exp(z - m_i); softmax = exp_z * exp(m_i - M) / s.
         rescale = torch.exp(local_max - m) / s if grad_in_forward else None
-        ctx.save_for_backward(logits, exp_z, rescale, m, s, local_target, in_real, valid)
-        ctx.real, ctx.chunk_tokens = real, chunk_tokens
+        # The logits only where backward recomputes from them (kept by reference, not copied).
+        ctx.save_for_backward(None if grad_in_forward else logits, exp_z, rescale, m, s, local_target, in_real, valid)
+        ctx.real, ctx.chunk_tokens, ctx.shape = real, chunk_tokens, logits.shape
         return loss.view(target.shape)
 
     @staticmethod
@@ -170,7 +172,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         if exp_z is not None:                                            # computed in forward: finish in place
             grad = exp_z.mul_((rescale * g).unsqueeze(-1)).scatter_add_(-1, target_column, minus_g)
-            return grad.view(logits.shape), None, None, None, None, None, None
+            return grad.view(ctx.shape), None, None, None, None, None, None
 
         scale = (g / s).unsqueeze(-1)                                    # (n, 1): softmax = exp(z - M) / s
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
