@@ -8,10 +8,12 @@ O(1) sums of 40-64 terms, so fp32 rounding sits near 1e-7. Cases: padded vocabul
 garbage, ignored targets, targets on every rank's range; a sliced sequence whose leading dimensions do not
 merge; logits near 1000 (exp overflows without the shift). fp64 logits stay fp64 and agree to 1e-12.
 
-Memory: bf16 and fp16 logits of 26 tokens x 512 columns per rank, chunks of 5 tokens. The peak bytes of the
-fp32 tensors that forward + backward create and hold at once must be <= one chunk in fp32 (5 x 512 x 4 B)
-plus 64 B per token for the per-token statistics; the bytes saved for backward, the logits themselves aside
-(they are saved by reference), must be <= 32 B per token. The whole logits in fp32 are 53 KB a rank here.
+Memory: bf16 and fp16 logits of 26 tokens x 512 columns per rank, chunks of 5 tokens, forward + backward, and
+fp32 logits without a gradient (evaluation). The peak bytes of the fp32 tensors that the loss creates and
+holds at once must be <= one chunk in fp32 (5 x 512 x 4 B) plus 64 B per token for the per-token statistics;
+the bytes saved for backward, the logits themselves aside (they are saved by reference), must be <= 32 B per
+token. The whole logits in fp32 are 53 KB a rank here. (fp32 logits with a gradient get one logits-sized
+buffer, the gradient itself, made in forward: the equality checks cover that path.)
 
 tp = 1 runs in the pytest process; tp = 2 and 4 run in one world-4 spawn.
 """
@@ -107,14 +109,16 @@ def _memory_checks(ps) -> dict:
     tp = 1 if ps is None else ps.tp_size
     logits, targets, vocab, upstream = _case("padded", width=MEM_LOCAL * tp, vocab=MEM_VOCAB - MEM_LOCAL * (4 - tp))
     out = {}
-    for dtype in (torch.bfloat16, torch.float16):
+    for dtype in (torch.bfloat16, torch.float16, torch.float32):
         piece, _ = _shard(logits.to(dtype), ps)
-        local = piece.contiguous().requires_grad_()
+        train = dtype != torch.float32              # fp32 logits: evaluation, no gradient
+        local = piece.contiguous().requires_grad_(train)
         chunk_bytes = MEM_CHUNK * local.shape[-1] * 4
-        with LiveTensorBytes({torch.float32}) as live, saved_tensor_bytes(local) as saved:
+        with LiveTensorBytes({torch.float32}) as live, saved_tensor_bytes(local) as saved, torch.set_grad_enabled(train):
             loss = vocab_parallel_cross_entropy(local, targets, ps, vocab_size=vocab, chunk_tokens=MEM_CHUNK)
-            (loss * upstream.float()).sum().backward()
-        tag = str(dtype)[6:]
+            if train:
+                (loss * upstream.float()).sum().backward()
+        tag = "memory " + (str(dtype)[6:] if train else "float32 eval")
         out[f"{tag} peak fp32 bytes"] = (live.peak, chunk_bytes + STATS_BYTES_PER_TOKEN * N)
         out[f"{tag} saved bytes"] = (sum(b for _, b in saved), SAVED_BYTES_PER_TOKEN * N)
         out[f"{tag} whole fp32 logits"] = local.numel() * 4
@@ -147,12 +151,12 @@ def test_chunked_loss_equals_the_fp64_reference(results, tp, dtype):
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
-@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16", "float32 eval"])
 def test_at_most_one_chunk_of_fp32_logits(results, tp, dtype):
     for rank, checks in enumerate(results[tp]):
-        peak, peak_bound = checks[f"{dtype} peak fp32 bytes"]
-        saved, saved_bound = checks[f"{dtype} saved bytes"]
-        whole = checks[f"{dtype} whole fp32 logits"]
+        peak, peak_bound = checks[f"memory {dtype} peak fp32 bytes"]
+        saved, saved_bound = checks[f"memory {dtype} saved bytes"]
+        whole = checks[f"memory {dtype} whole fp32 logits"]
         assert peak <= peak_bound < whole, (f"rank {rank}: {peak:,} B of fp32 tensors alive at once, more than one "
                                             f"chunk and the statistics ({peak_bound:,} B); the whole logits: {whole:,} B")
         assert saved <= saved_bound, f"rank {rank}: {saved:,} B saved for backward besides the logits (> {saved_bound:,})"
