@@ -27,8 +27,8 @@ beyond these:
 - fp32/fp64 logits with a gradient wanted: forward writes exp(z - m_i) into the buffer backward then
   scales in place and returns as the gradient (one exp per element instead of two). That buffer is the
   gradient backward would allocate anyway, so the step's peak does not grow; it is the only tensor of
-  the logits' size that the loss makes, and backward keeps it and the per-token statistics, not the
-  logits.
+  the logits' size that the loss makes, and backward keeps it, exp(m_i - M) / s (fp32), the target column
+  and two masks (14 B a token), not the logits.
 Without a gradient (evaluation) only the chunk buffer is made, whatever the dtype.
 
 Padded vocabulary columns (ids >= vocab_size) are excluded from the softmax and get zero gradient; a
@@ -154,18 +154,20 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
         loss = (torch.log(s) - target_logit).masked_fill(~valid, 0.0)    # (n,)
         # exp_z holds exp(z - m_i); softmax = exp_z * exp(m_i - M) / s.
-        rescale = torch.exp(local_max - m) / s if grad_in_forward else None
-        # The logits only where backward recomputes from them (kept by reference, not copied).
-        ctx.save_for_backward(None if grad_in_forward else logits, exp_z, rescale, m, s, local_target, in_real, valid)
-        ctx.real, ctx.chunk_tokens, ctx.shape = real, chunk_tokens, logits.shape
+        # Backward needs, per token, exp(m_i - M) / s where it finishes exp_z, else M and s to recompute from
+        # the logits (kept by reference, not copied).
+        if grad_in_forward:
+            ctx.save_for_backward(None, exp_z, torch.exp(local_max - m) / s, None, None, local_target, in_real, valid)
+        else:
+            ctx.save_for_backward(logits, None, None, m, s, local_target, in_real, valid)
+        ctx.real, ctx.chunk_tokens, ctx.shape, ctx.compute = real, chunk_tokens, logits.shape, compute
         return loss.view(target.shape)
 
     @staticmethod
     def backward(ctx, grad_loss):
         logits, exp_z, rescale, m, s, local_target, in_real, valid = ctx.saved_tensors
-        real, chunk_tokens = ctx.real, ctx.chunk_tokens
-        compute = m.dtype
-        n = m.numel()
+        real, chunk_tokens, compute = ctx.real, ctx.chunk_tokens, ctx.compute
+        n = valid.numel()
         g = grad_loss.reshape(-1).to(compute).masked_fill(~valid, 0.0)  # (n,) dloss, 0 where ignored
         minus_g = torch.where(in_real, -g, 0.0).unsqueeze(-1)            # (n, 1): the one-hot's term
         target_column = local_target.unsqueeze(-1)                       # (n, 1)
