@@ -17,20 +17,20 @@ REPO = Path(__file__).resolve().parent.parent
 # activations_output, activations_attention_scores, flops_per_iteration, stages (layers, params, activations,
 # total)), as the planner gave them with GPT-2's formulas for every family.
 GPT2_AND_BERT_PLANS = {
-    ("tp1.json", 1, 1, "V100"): (1212103680, 1212103680, 24034656256, 4640997376, 2105540608, 2535456768,
+    ("tp1.json", 1, 1, "V100"): (1212103680, 1212103680, 22386294784, 2992635904, 2105540608, 887095296,
                                  671088640, 5520716602540032.0, ()),
-    ("tp8.json", 8, 1, "V100"): (8317040640, 1043549184, 21255995392, 4559208448, 4118806528, 440401920,
+    ("tp8.json", 8, 1, "V100"): (8317040640, 1043549184, 21046280192, 4349493248, 4118806528, 230686720,
                                  167772160, 3.659394599564083e+16, ()),
-    ("tp8_zero1.json", 8, 2, "A100"): (8317040640, 1043549184, 16038249472, 4559208448, 4118806528, 440401920,
+    ("tp8_zero1.json", 8, 2, "A100"): (8317040640, 1043549184, 15828534272, 4349493248, 4118806528, 230686720,
                                        167772160, 3.659394599564083e+16, ()),
     ("gpt2_20b_tp8_pp4.json", 8, 4, "H100"): (
         20262014976, 675223296, 15863761920, 2359296000, 2359296000, 0, 0, 2.6868545745636557e+17,
         ((11, 675223296, 2359296000, 15863761920), (11, 623318784, 1764753408, 14231129088),
-         (11, 623318784, 1176502272, 13642877952), (11, 662652672, 673185792, 13926239232))),
-    ("bert_336m_tp1.json", 1, 1, "V100"): (336297858, 336297858, 6035601440, 654835712, 255852544, 398983168,
+         (11, 623318784, 1176502272, 13642877952), (11, 662652672, 620756992, 13873810432))),
+    ("bert_336m_tp1.json", 1, 1, "V100"): (336297858, 336297858, 5784991776, 404226048, 255852544, 148373504,
                                            83886080, 1470734241103872.0, ()),
-    ("bert_3.9b_tp4_zero1.json", 8, 1, "A100"): (3869588482, 978782722, 11558284822, 791674880, 639631360,
-                                                 152043520, 52428800, 1.6608123137556482e+16, ()),
+    ("bert_3.9b_tp4_zero1.json", 8, 1, "A100"): (3869588482, 978782722, 11495370262, 728760320, 639631360,
+                                                 89128960, 52428800, 1.6608123137556482e+16, ()),
     ("cpu_demo.json", 2, 1, "cpu"): (6884864, 3459712, 168863744, 113508352, 9437184, 104071168, 3145728,
                                      42479910912.0, ()),
     ("bert_cpu_demo.json", 2, 1, "cpu"): (4459010, 2280066, 184330272, 147849216, 18874368, 128974848, 6291456,
@@ -153,8 +153,9 @@ def test_llama_flops_per_iteration_are_what_torch_counts(tmp_path, recompute):
 
 
 def _saved_bytes(model, ids, extra_storages=()) -> tuple[int, int, object]:
-    """(bytes of the floating-point tensors autograd saves in a forward with labels, parameters and token ids
-    and label masks left out; number of saved (b, s, 1) per-row statistics; the output)."""
+    """(bytes of the floating-point tensors autograd saves in a forward with labels, and of the returned logits
+    (once, whether or not the loss saves them too), parameters and token ids and label masks left out; bytes of
+    the saved per-row statistics: (b, s, 1) ones and the cross-entropy's flat (b s,) ones; the output)."""
     import torch
 
     saved = {}
@@ -165,9 +166,11 @@ def _saved_bytes(model, ids, extra_storages=()) -> tuple[int, int, object]:
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
         output = model(ids, labels=ids)
+    logits = output.logits.untyped_storage()
+    saved.setdefault(logits.data_ptr(), (logits.nbytes(), output.logits))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()} | set(extra_storages)
     kept = [(n, t) for ptr, (n, t) in saved.items() if ptr not in params and t.is_floating_point()]
-    row_statistics = [n for n, t in kept if t.dim() == 3 and t.shape[-1] == 1]
+    row_statistics = [n for n, t in kept if (t.dim() == 3 and t.shape[-1] == 1) or (t.dim() == 1 and t.numel() == ids.numel())]
     return sum(n for n, _ in kept), sum(row_statistics), output
 
 
@@ -175,7 +178,8 @@ def _saved_bytes(model, ids, extra_storages=()) -> tuple[int, int, object]:
 def test_llama_activation_bytes_are_what_the_model_saves_for_backward(tmp_path, dtype, recompute):
     """The planner's activation bytes of llama-tiny (layers plus embeddings/head/logits) are what its forward
     saves for backward on CPU, the returned logits included, up to what the formulas leave out by design: the
-    norms' per-row 1/rms, the rotary cos/sin tables (2 x (1, s, d), shared by the layers) and the token ids;
+    norms' per-row 1/rms and the cross-entropy's per-token statistics (16-bit logits: its max and sum, fp32:
+    one scale, 4 B each), the rotary cos/sin tables (2 x (1, s, d), shared by the layers) and the token ids;
     under selective recomputation DeepSpeed's checkpoint holds Q, K and V outside autograd's saved tensors,
     v (n d + 2 n_kv d) per token of each layer, added by hand."""
     import torch
@@ -194,11 +198,12 @@ def test_llama_activation_bytes_are_what_the_model_saves_for_backward(tmp_path, 
     ids = torch.randint(0, config.vocab_size, (planned.micro_batch, planned.seq_length))
     measured, row_statistics, output = _saved_bytes(model, ids)
     tokens = planned.micro_batch * planned.seq_length
-    assert row_statistics == (2 * layers + 1) * 4 * tokens
+    loss_statistics = (1 if dtype == "fp32" else 2) * 4 * tokens
+    assert row_statistics == (2 * layers + 1) * 4 * tokens + loss_statistics
     rotary_tables = 2 * v * planned.seq_length * head_dim
     checkpoint_inputs = (layers * v * tokens * (config.num_attention_heads + 2 * config.kv_heads) * head_dim
                          if recompute else 0)
-    measured += output.logits.untyped_storage().nbytes() + checkpoint_inputs - row_statistics - rotary_tables
+    measured += checkpoint_inputs - row_statistics - rotary_tables
     assert measured == planned.activations_layers + planned.activations_output
     assert planned.activations_attention_scores == 0   # SDPA's fused kernel keeps no scores
 
@@ -217,8 +222,8 @@ def _llama_saved_bytes_at_tp(rank: int, world_size: int, seq: int, micro_batch: 
         torch.manual_seed(0)
         model = LlamaForCausalLM(llama_config("llama-tiny", sequence_parallel=sequence_parallel), parallel).train()
         ids = torch.randint(0, 50257, (micro_batch, seq))
-        measured, row_statistics, output = _saved_bytes(model, ids)
-        results.append((measured + output.logits.untyped_storage().nbytes(), row_statistics))
+        measured, row_statistics, _ = _saved_bytes(model, ids)
+        results.append((measured, row_statistics))
     return results
 
 
@@ -226,7 +231,7 @@ def test_llama_activation_bytes_at_tp2_with_and_without_sequence_parallelism(tmp
     """At tp = 2 each rank saves what the planner says, without sequence parallelism and with it, where the
     norms, the q/k/v GEMMs' shared input, the MLP's input and the head's input are this rank's s/2 tokens (an
     attention that kept its all-gathered input, s tokens, would save v h s b / 2 more per layer and fail); the
-    norms' per-row 1/rms and the rotary tables left out as above."""
+    norms' per-row 1/rms, the cross-entropy's per-token statistics and the rotary tables left out as above."""
     from tests.spawn import spawn
 
     seq, micro_batch, head_dim, layers = 64, 4, 32, 2
@@ -236,7 +241,8 @@ def test_llama_activation_bytes_at_tp2_with_and_without_sequence_parallelism(tmp
     measured = spawn(_llama_saved_bytes_at_tp, 2, seq, micro_batch)
     for (saved, row_statistics), p, sp in zip(measured[0], planned, (False, True)):
         assert p.sequence_parallel is sp and p.micro_batch == micro_batch and p.tp == 2
-        assert row_statistics == (2 * layers + 1) * 4 * micro_batch * seq // (2 if sp else 1)
+        loss_statistics = 4 * micro_batch * seq              # fp32 logits: one scale a token, every token
+        assert row_statistics == (2 * layers + 1) * 4 * micro_batch * seq // (2 if sp else 1) + loss_statistics
         rotary_tables = 2 * 4 * seq * head_dim
         assert saved - row_statistics - rotary_tables == p.activations_layers + p.activations_output, sp
     assert measured[0] == measured[1]

@@ -121,10 +121,14 @@ def test_activation_bytes_equal_the_papers_expressions_at_8_3b():
 
 
 def test_output_activation_bytes_by_hand():
-    # s=4, b=2, h=8, V=16, t=2, 16-bit: mask s b h + two inputs 2 * 2 s b h = 320; logits (2 + 4) s b V / t = 384
-    assert output_activation_bytes(4, 2, 8, 16, 2) == 320 + 384
-    assert output_activation_bytes(4, 2, 8, 16, 2, True) == 320 / 2 + 384
-    assert output_activation_bytes(4, 2, 8, 16, 2, mlm_transform=True) == 320 + 3 * 2 * 64 + 384
+    # s=4, b=2, h=8, V=16, t=2, 16-bit: mask s b h + two inputs 2 * 2 s b h = 320; the logits 2 s b V / t = 128
+    # (the cross-entropy recomputes its softmax from them in backward)
+    assert output_activation_bytes(4, 2, 8, 16, 2) == 320 + 128
+    assert output_activation_bytes(4, 2, 8, 16, 2, True) == 320 / 2 + 128
+    assert output_activation_bytes(4, 2, 8, 16, 2, mlm_transform=True) == 320 + 3 * 2 * 64 + 128
+    # fp32: mask + two inputs 2 * 4 s b h = 576; the logits and the gradient buffer the loss fills in forward,
+    # 2 * 4 s b V / t = 512
+    assert output_activation_bytes(4, 2, 8, 16, 2, value_bytes=4) == 576 + 512
 
 
 def test_zero_stages_divide_optimizer_and_gradients_with_the_step_s_fp32_gradient_partition():

@@ -163,9 +163,8 @@ def output_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1, sequ
     - with ``mlm_transform`` (BERT's MLM head: dense, GeLU, LayerNorm before the decoder) their three
       inputs, 3 v s b h;
     these are replicated over TP ranks unless sequence parallelism splits them by t. And the logits,
-    vocab-parallel (this rank's V/t columns): the logits themselves in the compute dtype (zoo's forward
-    returns them, so they live until backward) plus the fp32 softmax zoo's fused cross-entropy saves
-    for backward, (v + 4) s b V / t; Korthikanti counts the 4 s b V / t of fp32 logits.
+    vocab-parallel (this rank's V/t columns), :func:`logits_bytes_per_element` each: s b V / t times v in
+    16-bit, 2v in fp32; Korthikanti counts the 4 s b V / t of fp32 logits.
     The embedding lookups themselves keep only the token ids.
     """
     hidden_terms = mask_bytes * s * b * h + 2 * value_bytes * s * b * h
@@ -173,8 +172,16 @@ def output_activation_bytes(s: int, b: int, h: int, vocab: int, t: int = 1, sequ
         hidden_terms += 3 * value_bytes * s * b * h
     if sequence_parallel:
         hidden_terms /= t
-    logits = (value_bytes + 4) * s * b * vocab / t
+    logits = logits_bytes_per_element(value_bytes) * s * b * vocab / t
     return hidden_terms + logits
+
+
+def logits_bytes_per_element(value_bytes: int) -> int:
+    """Bytes per logit that a micro-batch keeps until backward: the logits in the compute dtype (zoo's forward
+    returns them, and in 16-bit the fused cross-entropy recomputes its softmax from them in backward) and, for
+    fp32 logits, the buffer the cross-entropy fills in forward with exp(z - m), which backward finishes in
+    place as the gradient. Per-token statistics are left out, as for the norms."""
+    return value_bytes if value_bytes < 4 else 2 * value_bytes
 
 
 def norm_bytes_per_token(shape, value_bytes: int) -> int:
@@ -261,7 +268,7 @@ def head_activation_bytes(shape, s: int, b: int, vocab: int, t: int = 1, sequenc
     sequence parallelism, and the logits (see :func:`output_activation_bytes`)."""
     v, h = value_bytes, shape.hidden
     per_token = norm_bytes_per_token(shape, v) + v * h + (3 * v * h if mlm_transform else 0)
-    return per_token * s * b / (t if sequence_parallel else 1) + (v + 4) * s * b * vocab / t
+    return per_token * s * b / (t if sequence_parallel else 1) + logits_bytes_per_element(v) * s * b * vocab / t
 
 
 def output_activation_bytes_of(shape, s: int, b: int, vocab: int, t: int = 1, sequence_parallel: bool = False, *,
@@ -276,7 +283,7 @@ def output_activation_bytes_of(shape, s: int, b: int, vocab: int, t: int = 1, se
     hidden_terms = per_token * s * b
     if sequence_parallel:
         hidden_terms /= t
-    return hidden_terms + (value_bytes + 4) * s * b * vocab / t
+    return hidden_terms + logits_bytes_per_element(value_bytes) * s * b * vocab / t
 
 
 # ---------------------------------------------------------------------------------------------- parameters
