@@ -107,15 +107,17 @@ def build_pipeline_model(config: RunConfig, model_config, parallel, device):
 
 def setup_pipeline_engine(module, ds_config: dict[str, Any], parallel, weight_decay: float, sequence_parallel: bool):
     """DeepSpeed's pipeline engine over ``module`` (its mpu is the module's grid, built from ``parallel.topology``),
-    with zoo's fp32 clipping hooked to the optimizer, the fp16 loss scale applied once and the gradients tagged
-    for FP16_UnfusedOptimizer's norm (see the module doc); returns (engine, clipping)."""
+    bf16 gradients accumulated in fp32, zoo's fp32 clipping hooked to the optimizer, the fp16 loss scale applied
+    once and the gradients tagged for FP16_UnfusedOptimizer's norm (see the module doc); returns (engine,
+    clipping)."""
     import deepspeed  # local: DeepSpeed costs seconds to import
 
     from zoo.models.families import param_groups
     from zoo.operations.cuda_arch import fit_cuda_arch_list_for_deepspeed
     from zoo.training.engine import refresh_fp32_master_weights
+    from zoo.training.loop import engine_ds_config
 
-    ds, clip = pipeline_ds_dict(ds_config, sequence_parallel)
+    ds, clip = pipeline_ds_dict(engine_ds_config(ds_config), sequence_parallel)
     fit_cuda_arch_list_for_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, weight_decay),
                                            config=ds)
