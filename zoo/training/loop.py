@@ -55,6 +55,7 @@ from zoo.operations.launcher_watch import CHECK_INTERVAL_S, current_watch
 from zoo.operations.stop_report import report_stop
 from zoo.parallel import ParallelState, model_parallel_seed
 from zoo.training.engine import refresh_fp32_master_weights
+from zoo.training.lean_step import lighten_step
 from zoo.training.loss_scaling import backward
 
 __all__ = ["LoopState", "StopConditions", "TrainingLoop", "LogWindow", "join", "setup_engine", "engine_ds_config",
@@ -92,13 +93,15 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
 def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], parallel, weight_decay: float,
                  refresh_masters: bool):
     """The DeepSpeed engine of ``model`` (AdamW groups without decay on biases and norms, zoo's mpu), bf16
-    gradients accumulated in fp32 (:func:`engine_ds_config`); ``refresh_masters`` copies weights loaded before
+    gradients accumulated in fp32 (:func:`zoo.config.deepspeed_overrides.accumulate_bf16_in_fp32`), its step
+    lightened (:func:`zoo.training.lean_step.lighten_step`); ``refresh_masters`` copies weights loaded before
     ``initialize`` into fp16/bf16 master weights."""
     import deepspeed  # local: DeepSpeed costs seconds to import
 
     fit_cuda_arch_list_for_deepspeed()
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
                                            config=engine_ds_config(ds_config), mpu=parallel)
+    lighten_step(engine)
     if refresh_masters:
         refresh_fp32_master_weights(engine)
     return engine
