@@ -16,6 +16,11 @@ flags it cannot honour in one sentence. The batch flags drop a file's ``gradient
 it follows from micro x accumulation x dp = global, checked once the world size is known
 (:func:`zoo.config.run_config.validate_for_world`).
 
+bf16 sums the micro-batches' gradients in fp32, within a rank and over the data-parallel ranks
+(:func:`accumulate_bf16_in_fp32`): DeepSpeed sums them in the model's dtype unless ``data_types.grad_accum_dtype``
+and ``communication_data_type`` say otherwise, and a bf16 sum of tens of micro-batches (8 bits of mantissa) loses
+the small ones, where Megatron always accumulates and reduces bf16 gradients in fp32.
+
 Applying the overrides twice gives the same ds_config, so a config that was resolved once may be resolved
 again (the planner does).
 """
@@ -28,12 +33,14 @@ from typing import Any
 
 from zoo.errors import UserError
 
-__all__ = ["OVERRIDE_FIELDS", "apply_overrides", "overridden_ds_config", "precision_flags_given"]
+__all__ = ["OVERRIDE_FIELDS", "apply_overrides", "overridden_ds_config", "precision_flags_given", "accumulate_bf16_in_fp32",
+           "bf16_accumulation_warning", "gradient_accumulation_dtype", "gradient_reduction_dtype"]
 
 OVERRIDE_FIELDS = ("lr", "min_lr", "lr_warmup_iters", "micro_batch_size", "global_batch_size", "fp16", "bf16",
                    "clip_grad", "weight_decay")
 WARMUP_SCHEDULES = ("WarmupCosineLR", "WarmupDecayLR", "WarmupLR")
 DEEPSPEED_DEFAULT_COS_MIN_RATIO = 0.0001   # WarmupCosineLR's default floor, a ratio of the lr
+FP32_NAMES = ("fp32", "float32", "float")   # DeepSpeed's names of float32 in data_types.grad_accum_dtype
 
 
 def apply_overrides(config):
@@ -62,7 +69,7 @@ def overridden_ds_config(ds_config: dict[str, Any], values: dict[str, Any], path
     if values.get("weight_decay") is not None:
         optimizer_params(ds)["weight_decay"] = float(values["weight_decay"])
     override_schedule(ds, values, path)
-    return ds
+    return accumulate_bf16_in_fp32(ds)
 
 
 def check_values(values: dict[str, Any]) -> None:
@@ -189,3 +196,80 @@ def rewrite_cosine_ratios(sched: dict[str, Any], old_peak: float | None, peak: f
     sched["cos_min_ratio"] = floor / peak
     if "warmup_min_ratio" in sched:
         sched["warmup_min_ratio"] = start / peak
+
+
+# ------------------------------------------------------------------------------- bf16 gradient accumulation
+
+def bf16_enabled(ds: dict[str, Any]) -> bool:
+    return bool((ds.get("bf16") or {}).get("enabled")) if isinstance(ds.get("bf16"), dict) else False
+
+
+def explicit_accumulation_dtype(ds: dict[str, Any]) -> str | None:
+    """The ds_config's own ``data_types.grad_accum_dtype``, lower-case (None where it names none)."""
+    data_types = ds.get("data_types")
+    value = data_types.get("grad_accum_dtype") if isinstance(data_types, dict) else None
+    return None if value is None else str(value).lower()
+
+
+def accumulate_bf16_in_fp32(ds: dict[str, Any]) -> dict[str, Any]:
+    """A copy of ``ds`` in which a bf16 run sums its micro-batches' gradients in fp32 (other runs: unchanged).
+
+    bf16 without ``data_types.grad_accum_dtype`` gets ``"fp32"``; an explicit value is the user's choice and is
+    kept (:func:`bf16_accumulation_warning` names a bf16 one). Where the run then accumulates in fp32:
+
+    * at ZeRO stage 0 it gets stage 1: DeepSpeed 0.19 builds its fp32-accumulating BF16_Optimizer for bf16 with
+      fp32 accumulation at stage 1 (with or without pipeline stages) and refuses the mix at stage 0 ("unsupported
+      mix"). That optimizer keeps a whole fp32 gradient buffer beside the bf16 gradients (4 bytes a parameter,
+      which the planner counts) and partitions the fp32 master weights and Adam's moments over the data-parallel
+      ranks; ZeRO stages 2 and 3 keep their own fp32 gradient partition;
+    * without a ``communication_data_type`` it gets ``"fp32"``: the data-parallel all-reduce (or reduce-scatter)
+      sums the ranks' micro-batches too, and DeepSpeed's bf16 default would cast the fp32 sums to bf16 for it
+      (twice the bytes on the wire, as Megatron's bf16 reduction).
+
+    Idempotent."""
+    ds = copy.deepcopy(ds)
+    if not bf16_enabled(ds):
+        return ds
+    if explicit_accumulation_dtype(ds) is None:
+        data_types = ds.get("data_types") if isinstance(ds.get("data_types"), dict) else {}
+        ds["data_types"] = {**data_types, "grad_accum_dtype": "fp32"}
+    if explicit_accumulation_dtype(ds) in FP32_NAMES:
+        zero = ds.get("zero_optimization") if isinstance(ds.get("zero_optimization"), dict) else {}
+        if zero.get("stage", 0) == 0:
+            ds["zero_optimization"] = {**zero, "stage": 1}
+        ds.setdefault("communication_data_type", "fp32")
+    return ds
+
+
+def gradient_accumulation_dtype(ds: dict[str, Any]) -> str:
+    """The dtype DeepSpeed sums micro-batches' gradients in under ``ds``: ``data_types.grad_accum_dtype`` where it
+    names one, else the model's (fp16, bf16 or fp32)."""
+    explicit = explicit_accumulation_dtype(ds)
+    if explicit is not None:
+        return "fp32" if explicit in FP32_NAMES else explicit
+    for name in ("fp16", "bf16"):
+        if isinstance(ds.get(name), dict) and ds[name].get("enabled"):
+            return name
+    return "fp32"
+
+
+def gradient_reduction_dtype(ds: dict[str, Any]) -> str:
+    """The dtype DeepSpeed all-reduces gradients over the data-parallel ranks in under ``ds``:
+    ``communication_data_type`` where it names one, else the model's."""
+    explicit = ds.get("communication_data_type")
+    if explicit is not None:
+        return str(explicit).lower()
+    for name in ("fp16", "bf16"):
+        if isinstance(ds.get(name), dict) and ds[name].get("enabled"):
+            return name
+    return "fp32"
+
+
+def bf16_accumulation_warning(ds: dict[str, Any], path: str | None = None) -> str | None:
+    """The warning to print once (one sentence) when a bf16 run asks to accumulate its gradients in bf16."""
+    if not bf16_enabled(ds) or gradient_accumulation_dtype(ds) != "bf16":
+        return None
+    where = f"DeepSpeed config {path}" if path else "the DeepSpeed config"
+    return (f"{where} sets data_types.grad_accum_dtype {ds['data_types']['grad_accum_dtype']!r}, so "
+            "the micro-batches' gradients are summed in bf16 (8 bits of mantissa), which loses small ones; remove it "
+            "to accumulate in fp32.")

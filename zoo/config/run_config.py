@@ -48,7 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import check_directory_can_be_made
-from zoo.config.deepspeed_overrides import apply_overrides, precision_flags_given
+from zoo.config.deepspeed_overrides import accumulate_bf16_in_fp32, apply_overrides, precision_flags_given
 from zoo.errors import MissingInput, UserError
 from zoo.options import (
     CommandParser,
@@ -577,8 +577,9 @@ SCHEDULES_OVER_TRAIN_ITERS = ("WarmupCosineLR", "WarmupDecayLR")
 
 def deepspeed_dict(config: RunConfig, gas: int) -> dict[str, Any]:
     """The dict handed to deepspeed.initialize: the file's config, schedule length tied to train_iters
-    (a warm-up longer than the run is cut to it; :func:`clipped_warmup_warning` says so)."""
-    ds = copy.deepcopy(config.ds_config)
+    (a warm-up longer than the run is cut to it; :func:`clipped_warmup_warning` says so), bf16 gradients
+    accumulated in fp32 (:func:`zoo.config.deepspeed_overrides.accumulate_bf16_in_fp32`)."""
+    ds = accumulate_bf16_in_fp32(config.ds_config)
     for key in ZOO_TOP_LEVEL_KEYS:
         ds.pop(key, None)
     ds["gradient_accumulation_steps"] = gas

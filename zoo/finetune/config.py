@@ -14,6 +14,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from zoo.config.deepspeed_overrides import accumulate_bf16_in_fp32
 from zoo.config.run_config import check_ds_config, read_ds_config
 from zoo.errors import UserError
 from zoo.options import (
@@ -160,7 +161,8 @@ def validate(config: FinetuneConfig) -> FinetuneConfig:
 
 
 def deepspeed_dict(config: FinetuneConfig, dp_size: int, total_steps: int) -> dict[str, Any]:
-    """The ds_config with the run's batch, learning rate and schedule filled in (zoo block removed)."""
+    """The ds_config with the run's batch, learning rate and schedule filled in (zoo block removed), bf16 gradients
+    accumulated in fp32 (:func:`zoo.config.deepspeed_overrides.accumulate_bf16_in_fp32`)."""
     ds = copy.deepcopy(config.ds_config)
     ds.pop("zoo", None)
     micro = ds.get("train_micro_batch_size_per_gpu")
@@ -176,4 +178,4 @@ def deepspeed_dict(config: FinetuneConfig, dp_size: int, total_steps: int) -> di
     ds["scheduler"] = {"type": "WarmupDecayLR", "params": {
         "total_num_steps": max(total_steps, 1), "warmup_num_steps": max(1, int(round(config.warmup * total_steps))),
         "warmup_min_lr": 0.0, "warmup_max_lr": config.lr, "warmup_type": "linear"}}
-    return ds
+    return accumulate_bf16_in_fp32(ds)

@@ -2,9 +2,9 @@
 
 Megatron prints its arguments at start; zoo's settings come from three places (the ds_config, its zoo block,
 the flags: :mod:`zoo.config.deepspeed_overrides`) plus what the world size decides. The writer prints one
-block (model shape, layout tp x pp x dp, batch arithmetic, precision, optimizer, schedule with what
-``--train-iters`` rewrote, data with each corpus's weight, documents, tokens and epochs covered) and writes
-the same as ``<save>/config.json``:
+block (model shape, layout tp x pp x dp, batch arithmetic, precision with the dtype the micro-batches'
+gradients are summed in, optimizer, schedule with what ``--train-iters`` rewrote, data with each corpus's weight,
+documents, tokens and epochs covered) and writes the same as ``<save>/config.json``:
 
     {<the ds_config DeepSpeed is given>, "zoo": {<every zoo setting, resolved>}, "effective": {<the block>}}
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import check_writable_directory, unwritable_directory, write_text_atomic
-from zoo.config.deepspeed_overrides import OVERRIDE_FIELDS
+from zoo.config.deepspeed_overrides import OVERRIDE_FIELDS, gradient_accumulation_dtype, gradient_reduction_dtype
 from zoo.config.run_config import SCHEDULES_OVER_TRAIN_ITERS, ZOO_TOP_LEVEL_KEYS, RunConfig, deepspeed_dict
 from zoo.errors import UserError
 from zoo.options import settings_of
@@ -89,7 +89,9 @@ def effective_settings(config: RunConfig, world_size: int, gas: int) -> dict[str
         "layout": {"tp": tp, "pp": pp, "dp": dp, "world_size": world_size},
         "batch": {"micro": micro, "accumulation": gas, "dp": dp, "global": global_batch,
                   "tokens_per_iteration": global_batch * config.seq_length},
-        "precision": {"dtype": config.dtype_name, "zero_stage": zero_stage_of(ds),
+        "precision": {"dtype": config.dtype_name, "grad_accum_dtype": gradient_accumulation_dtype(ds),
+                      "grad_reduce_dtype": gradient_reduction_dtype(ds),
+                      "zero_stage": zero_stage_of(ds),
                       "gradient_clipping": ds.get("gradient_clipping", 0.0), "recompute": config.recompute or "none",
                       "sequence_parallel": config.sequence_parallel},
         "optimizer": {"type": (ds.get("optimizer") or {}).get("type"), **((ds.get("optimizer") or {}).get("params") or {})},
@@ -201,7 +203,9 @@ def describe_model(m: dict[str, Any]) -> str:
 def describe_precision(p: dict[str, Any]) -> str:
     clipping = f"gradient clipping {p['gradient_clipping']:g}" if p["gradient_clipping"] else "no gradient clipping"
     extras = f", recompute {p['recompute']}" + (", sequence parallel" if p["sequence_parallel"] else "")
-    return f"{p['dtype']}, ZeRO stage {p['zero_stage']}, {clipping}{extras}"
+    accumulation = (f" (gradients accumulated in {p['grad_accum_dtype']}, all-reduced in {p['grad_reduce_dtype']})"
+                    if p.get("grad_accum_dtype") else "")
+    return f"{p['dtype']}{accumulation}, ZeRO stage {p['zero_stage']}, {clipping}{extras}"
 
 
 def describe_optimizer(o: dict[str, Any]) -> str:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+from zoo.config.deepspeed_overrides import accumulate_bf16_in_fp32, bf16_accumulation_warning
 from zoo.distributed import (
     agree_max,
     describe_duration,
@@ -58,11 +59,12 @@ from zoo.operations.launcher_watch import CHECK_INTERVAL_S, current_watch
 from zoo.operations.stop_report import report_stop
 from zoo.parallel import ParallelState, model_parallel_seed
 from zoo.training.engine import announce_fused_adam_build, refresh_fp32_master_weights
+from zoo.training.lean_step import lighten_step
 from zoo.training.loss_scaling import backward
 from zoo.training.phase_clock import PhaseClock, timing_event_class
 
-__all__ = ["LoopState", "StopConditions", "TrainingLoop", "LogWindow", "join", "setup_engine", "to_device",
-           "pin_memory_here", "Validates", "Saves"]
+__all__ = ["LoopState", "StopConditions", "TrainingLoop", "LogWindow", "join", "setup_engine", "engine_ds_config",
+           "to_device", "pin_memory_here", "Validates", "Saves"]
 
 
 OWN_REASON_GRACE_S = 2 * CHECK_INTERVAL_S   # how long a rank waits to see for itself a stop another rank saw
@@ -96,19 +98,33 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
 def setup_engine(model: torch.nn.Module, ds_config: dict[str, Any], parallel, weight_decay: float,
                  refresh_masters: bool):
     """The DeepSpeed engine of ``model`` (AdamW groups without decay on biases and norms, zoo's mpu), in training
-    mode: a model from ``from_pretrained`` arrives in eval mode and DeepSpeed's engine keeps its module's mode
-    (only the pipeline engine's ``train_batch`` sets it). ``refresh_masters`` copies weights loaded before
+    mode (a model from ``from_pretrained`` arrives in eval mode and DeepSpeed's engine keeps its module's mode;
+    only the pipeline engine's ``train_batch`` sets it), bf16 gradients accumulated in fp32
+    (:func:`zoo.config.deepspeed_overrides.accumulate_bf16_in_fp32`), its step lightened
+    (:func:`zoo.training.lean_step.lighten_step`); ``refresh_masters`` copies weights loaded before
     ``initialize`` into fp16/bf16 master weights."""
     import deepspeed  # local: DeepSpeed costs seconds to import
 
     fit_cuda_arch_list_for_deepspeed()
     announce_fused_adam_build(ds_config, dist.get_rank() == 0)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=param_groups(model, weight_decay),
-                                           config=ds_config, mpu=parallel)
+                                           config=engine_ds_config(ds_config), mpu=parallel)
+    lighten_step(engine)
     if refresh_masters:
         refresh_fp32_master_weights(engine)
     engine.train()
     return engine
+
+
+def engine_ds_config(ds_config: dict[str, Any]) -> dict[str, Any]:
+    """The ds_config an engine is built from: bf16 gradients accumulated in fp32
+    (:func:`zoo.config.deepspeed_overrides.accumulate_bf16_in_fp32`); where the config asks bf16 accumulation
+    explicitly it is kept, and rank 0 says once what that costs."""
+    ds_config = accumulate_bf16_in_fp32(ds_config)
+    warning = bf16_accumulation_warning(ds_config)
+    if warning and (not dist.is_initialized() or dist.get_rank() == 0):
+        print(f"warning: {warning}", file=sys.stderr, flush=True)
+    return ds_config
 
 
 def pin_memory_here() -> bool:

@@ -21,6 +21,8 @@ What zoo adds to DeepSpeed's engine:
   the gradient tensors, so each gradient is tagged as its parameter is, whenever autograd accumulates into it
   (:func:`zoo.training.grad_norm.keep_gradients_tagged`): the tied embedding counted once, the sharded
   gradients of every TP rank counted. Its norm still carries S (DeepSpeed#8588): zoo logs it divided by S.
+* **A lean step.** The non-finite check of the fp16 optimizers is one host synchronisation, and at dp = 1 the
+  gradients are not all-reduced (:func:`zoo.training.lean_step.lighten_step`).
 * **Sequence parallelism.** Under SP the activation sent between stages is this TP rank's own tokens, so
   DeepSpeed's partitioning of stage activations across the TP group (which assumes they are replicated)
   is turned off.
@@ -109,20 +111,24 @@ def build_pipeline_model(config: RunConfig, model_config, parallel, device):
 
 def setup_pipeline_engine(module, ds_config: dict[str, Any], parallel, weight_decay: float, sequence_parallel: bool):
     """DeepSpeed's pipeline engine over ``module`` (its mpu is the module's grid, built from ``parallel.topology``),
-    with zoo's fp32 clipping hooked to the optimizer, the fp16 loss scale applied once and the gradients tagged
-    for FP16_UnfusedOptimizer's norm (see the module doc); returns (engine, clipping)."""
+    bf16 gradients accumulated in fp32, zoo's fp32 clipping hooked to the optimizer, the fp16 loss scale applied
+    once, the gradients tagged for FP16_UnfusedOptimizer's norm and the step lightened (see the module doc);
+    returns (engine, clipping)."""
     import deepspeed  # local: DeepSpeed costs seconds to import
 
     from zoo.models.families import param_groups
     from zoo.operations.cuda_arch import fit_cuda_arch_list_for_deepspeed
     from zoo.training.engine import announce_fused_adam_build, refresh_fp32_master_weights
+    from zoo.training.lean_step import lighten_step
+    from zoo.training.loop import engine_ds_config
 
-    ds, clip = pipeline_ds_dict(ds_config, sequence_parallel)
+    ds, clip = pipeline_ds_dict(engine_ds_config(ds_config), sequence_parallel)
     fit_cuda_arch_list_for_deepspeed()
     announce_fused_adam_build(ds, torch.distributed.get_rank() == 0)
     engine, _, _, _ = deepspeed.initialize(model=module, model_parameters=param_groups(module, weight_decay),
                                            config=ds)
     check_same_grid(engine, parallel)
+    lighten_step(engine)
     refresh_fp32_master_weights(engine)
     scale_pipeline_losses_once(engine)
     keep_gradients_tagged(engine)
