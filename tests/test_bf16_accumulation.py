@@ -73,7 +73,7 @@ def test_bf16_on_an_fp16_config_accumulates_in_fp32_as_the_settings_and_the_plan
     assert (settings["precision"]["grad_accum_dtype"], settings["precision"]["grad_reduce_dtype"]) == ("fp32", "fp32")
     assert "bf16 (gradients accumulated in fp32, all-reduced in fp32), ZeRO stage 1" in format_effective_settings(
         settings)
-    planned = plan(config, 8, with_deepspeed_estimate=False)
+    planned = plan(config, 8, gpu="A100", with_deepspeed_estimate=False)
     assert planned.zero_stage == 1
     assert (planned.weights, planned.gradients, planned.optimizer) == state_bytes(
         planned.params_per_rank, "bf16", 1, 8, fp32_grad_accumulation=True)
