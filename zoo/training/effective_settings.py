@@ -91,7 +91,7 @@ def effective_settings(config: RunConfig, world_size: int, gas: int) -> dict[str
                   "tokens_per_iteration": global_batch * config.seq_length},
         "precision": {"dtype": config.dtype_name, "zero_stage": zero_stage_of(ds),
                       "gradient_clipping": ds.get("gradient_clipping", 0.0), "recompute": config.recompute or "none",
-                      "sequence_parallel": config.sequence_parallel},
+                      "sequence_parallel": config.sequence_parallel, "compiled_blocks": config.compile},
         "optimizer": {"type": (ds.get("optimizer") or {}).get("type"), **((ds.get("optimizer") or {}).get("params") or {})},
         "schedule": schedule_settings(config, ds),
         "data": data_settings(config, global_batch),
@@ -196,7 +196,8 @@ def describe_model(m: dict[str, Any]) -> str:
 
 def describe_precision(p: dict[str, Any]) -> str:
     clipping = f"gradient clipping {p['gradient_clipping']:g}" if p["gradient_clipping"] else "no gradient clipping"
-    extras = f", recompute {p['recompute']}" + (", sequence parallel" if p["sequence_parallel"] else "")
+    extras = (f", recompute {p['recompute']}" + (", sequence parallel" if p["sequence_parallel"] else "")
+              + (", transformer blocks compiled (torch.compile)" if p.get("compiled_blocks") else ""))
     return f"{p['dtype']}, ZeRO stage {p['zero_stage']}, {clipping}{extras}"
 
 
