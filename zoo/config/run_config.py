@@ -6,7 +6,7 @@ zoo reads its own settings from the top-level ``"zoo"`` key, which DeepSpeed ign
     "zoo": {"tensor_parallel_size": 2, "model": "gpt2-tiny", "seq_length": 128, "train_iters": 300,
             "data_path": null, "split": "969,30,1", "seed": 1234, "save": "runs/demo",
             "pretrained": null, "log_interval": 10, "eval_interval": 100, "eval_iters": 4, "save_interval": 0,
-            "checkpoint_activations": false, "wandb_project": null, "model_overrides": {},
+            "checkpoint_activations": false, "compile": false, "wandb_project": null, "model_overrides": {},
             "data_workers": 2, "exit_interval": 0, "exit_duration_in_mins": null, "exit_signal_handler": true,
             "distributed_timeout_minutes": null, "sample_prompts": []}
 
@@ -103,6 +103,11 @@ class RunConfig:
              "--recompute-granularity full)")
     recompute_granularity: str | None = option(
         None, group="training", help="'full' (every layer) or 'selective' (the attention core)")
+    compile: bool = option(
+        False, group="training", negatable=True,
+        help="compile each transformer block with torch.compile (inductor; one graph serves every layer); off by "
+             "default: on CPU it measured no faster than eager (benchmarks/bench_compile.py), and it has not been "
+             "measured on a GPU yet")
     sequence_parallel: bool = option(
         False, group="parallelism",
         help="sequence parallelism (Korthikanti et al. 2022): LayerNorm, dropout and residuals on seq_length / tp "

@@ -42,11 +42,10 @@ from zoo.parallel import (
     ColumnParallelLinear,
     RowParallelLinear,
     gather_from_tp_region,
-    tp_rng_fork,
     vocab_parallel_cross_entropy,
 )
 from zoo.parallel.layers import SequenceParallelLayerNorm
-from zoo.parallel.random import region_rng
+from zoo.parallel.random import in_tp_stream, region_rng
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide
 
@@ -113,6 +112,7 @@ class KVCache:
         return tuple(layer.present for layer in self.layers)
 
 
+@torch._disable_dynamo   # a compiled block breaks here once; DeepSpeed's checkpoint is not traced either
 def recomputed(function, *tensors, **options):
     """``function(*tensors, **options)`` with its activations recomputed in backward by DeepSpeed's activation
     checkpointing, which restores the RNG states (default and TP tracker) so recomputed dropout masks match.
@@ -213,9 +213,8 @@ class ParallelSelfAttention(nn.Module):
         """softmax(QK^T / sqrt(d) + bias) with dropout, times V: (b, heads_local, s, d). The part selective
         recomputation recomputes (its activations grow with s^2, its FLOPs are a small share)."""
         if dropout_p > 0.0:
-            with tp_rng_fork(self.parallel):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p,
-                                                      is_causal=is_causal)
+            return in_tp_stream(self.parallel, F.scaled_dot_product_attention, q, k, v, attn_mask=attn_bias,
+                                dropout_p=dropout_p, is_causal=is_causal)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=is_causal)
 
 
@@ -247,6 +246,10 @@ class TransformerLayer(nn.Module):
 
     Every setting comes from one :class:`LayerOptions`, built once per model from its config; the layer
     declares no file layout (how a format stores its weights is the format's reader's business).
+
+    The computation is :meth:`layer_forward`; ``forward`` (and a pipeline stage's forward) calls it through the
+    instance, so :func:`zoo.models.compiled.compile_transformer_blocks` can replace it with its compiled form in
+    place, leaving the module tree and its state_dict keys as they are.
     """
 
     def __init__(self, options: LayerOptions, *, parallel: ParallelState | None = None):
@@ -266,6 +269,13 @@ class TransformerLayer(nn.Module):
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, *, causal: bool = False,
                 cache: LayerCache | None = None, sequence_parallel: bool = False,
                 recompute_attention: bool = False) -> torch.Tensor:
+        """:meth:`layer_forward`, compiled where the block was compiled."""
+        return self.layer_forward(x, attn_bias, causal=causal, cache=cache, sequence_parallel=sequence_parallel,
+                                  recompute_attention=recompute_attention)
+
+    def layer_forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None = None, *, causal: bool = False,
+                      cache: LayerCache | None = None, sequence_parallel: bool = False,
+                      recompute_attention: bool = False) -> torch.Tensor:
         """The layer output (b, s, h), or (b, s/p, h) for a (b, s/p, h) input with ``sequence_parallel``; a
         ``cache`` gets this layer's updated keys and values (see :class:`ParallelSelfAttention`)."""
         sp = sequence_parallel
@@ -290,10 +300,16 @@ def region_dropout(dropout: nn.Dropout, x: torch.Tensor, parallel: ParallelState
                    sequence_parallel: bool) -> torch.Tensor:
     """Dropout on activations between the TP GEMMs: from the TP-rank stream when they are this rank's
     s/p tokens (sequence parallelism), else from the default stream (replicated activations, same mask
-    on every rank). An inactive dropout (eval, p = 0) draws nothing and needs no stream."""
-    if not (dropout.training and dropout.p > 0):
+    on every rank). An inactive dropout (eval, p = 0) draws nothing and needs no stream. Only the TP-rank
+    stream's dropout breaks a compiled block's graph (:func:`zoo.parallel.random.in_tp_stream`)."""
+    if not (dropout.training and dropout.p > 0) or not sequence_parallel:
         return dropout(x)
-    with region_rng(parallel, sequence_parallel):
+    return _sequence_parallel_dropout(dropout, x, parallel)
+
+
+@torch._disable_dynamo   # the TP-rank stream cannot be traced: see zoo.parallel.random.in_tp_stream
+def _sequence_parallel_dropout(dropout: nn.Dropout, x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
+    with region_rng(parallel, True):
         return dropout(x)
 
 

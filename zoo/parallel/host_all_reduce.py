@@ -20,6 +20,12 @@ sums. The kernel is used only where it is exact and safe:
 Everything else (NCCL on GPUs, dp > 1, several hosts, the spawn harness of the tests, which never sets
 ``LOCAL_SIZE``) goes to ``torch.distributed.all_reduce``, looked up at call time so the tests can
 count the calls.
+
+Inside a region ``torch.compile`` traces (a compiled transformer block, :mod:`zoo.models.compiled`) the sum is
+torch's functional all-reduce (``torch.distributed._functional_collectives``), which Dynamo records in the graph
+as ``_c10d_functional.all_reduce`` plus a ``wait_tensor`` on any backend (NCCL, gloo): the process-group call's
+``async_op=True`` and ``Work.wait()`` would each break the graph, and the shared-memory kernel is not traced.
+The compiler then schedules the wait, so the overlap written by hand below is its business there.
 """
 
 from __future__ import annotations
@@ -29,6 +35,7 @@ import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
 _KERNEL_LEVEL_NEEDED = {torch.float32: 1, torch.bfloat16: 2, torch.float16: 2}
 _KERNEL_MAX_BYTES = 2 ** 31 - 1      # the kernel counts bytes in an int: larger tensors come back unreduced
@@ -90,13 +97,16 @@ def shared_memory_all_reduce_applies(tensor: torch.Tensor, group) -> bool:
 
 def tp_all_reduce_(tensor: torch.Tensor, group) -> None:
     """Sum ``tensor`` over ``group`` in place."""
+    if torch.compiler.is_compiling():
+        tensor.copy_(funcol.all_reduce(tensor, "sum", group))
+        return
     if shared_memory_all_reduce_applies(tensor, group):
         torch.ops.deepspeed.inference_all_reduce_(tensor)
     else:
         dist.all_reduce(tensor, group=group)
 
 
-class _Done:
+class Done:
     """The handle of a sum that already happened."""
 
     def wait(self) -> None:
@@ -106,8 +116,12 @@ class _Done:
 def start_tp_all_reduce_(tensor: torch.Tensor, group):
     """Start summing ``tensor`` over ``group`` in place; returns a handle whose ``wait()`` ends it. The
     shared-memory kernel is synchronous, and at 1/5 of gloo's time it costs less done at once than gloo
-    does overlapped with the caller's next GEMM."""
+    does overlapped with the caller's next GEMM. Under ``torch.compile`` the sum is issued at once (functional,
+    see the module docstring) and the handle is already done."""
+    if torch.compiler.is_compiling():
+        tp_all_reduce_(tensor, group)
+        return Done()
     if shared_memory_all_reduce_applies(tensor, group):
         torch.ops.deepspeed.inference_all_reduce_(tensor)
-        return _Done()
+        return Done()
     return dist.all_reduce(tensor, group=group, async_op=True)

@@ -36,6 +36,7 @@ from zoo.parallel.mappings import (
     all_reduce_grads_of_replicated,
     check_sequence_divisible,
     gather_from_tp_region,
+    records_grad,
     reduce_from_tp_region_,
     reduce_scatter_to_sequence_parallel_region,
     scatter_to_tp_region,
@@ -106,14 +107,9 @@ class _ColumnParallelLinear(torch.autograd.Function):
         ctx.sequence_parallel = sequence_parallel
         ctx.has_bias = tuple(bias is not None for bias in biases)
         ctx.grad_dtypes = (x.dtype, *(t.dtype for t in weights), *(None if t is None else t.dtype for t in biases))
-        # Under autocast F.linear would compute in the autocast dtype; backward runs outside autocast, so the
-        # operands are cast here, once, and saved as cast (as torch.amp.custom_fwd(cast_inputs=...) does).
-        dtype = autocast_dtype(x.device.type)
-        if dtype is not None:
-            x, weights, biases = x.to(dtype), [w.to(dtype) for w in weights], [_cast(b, dtype) for b in biases]
+        x, weights, biases = _autocast_operands(x, weights, biases)
         ctx.save_for_backward(x, *weights)
-        total = _gather_sequence(x, parallel) if sequence_parallel else x             # (b, s, in)
-        return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))        # n x (b, s, out_j / p)
+        return _column_parallel_outputs(x, weights, biases, parallel, sequence_parallel)
 
     @staticmethod
     def backward(ctx, *grads):
@@ -149,6 +145,24 @@ class _ColumnParallelLinear(torch.autograd.Function):
 
 def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
     return None if tensor is None else tensor.to(dtype)
+
+
+def _autocast_operands(x: torch.Tensor, weights, biases) -> tuple:
+    """(x, weights, biases) in autocast's dtype where autocast is on. Under autocast F.linear would compute in that
+    dtype; backward runs outside autocast, so the operands are cast once, before the forward, and saved as cast
+    (as torch.amp.custom_fwd(cast_inputs=...) does)."""
+    dtype = autocast_dtype(x.device.type)
+    if dtype is None:
+        return x, list(weights), list(biases)
+    return x.to(dtype), [w.to(dtype) for w in weights], [_cast(b, dtype) for b in biases]
+
+
+def _column_parallel_outputs(x: torch.Tensor, weights, biases, parallel: ParallelState,
+                             sequence_parallel: bool) -> tuple[torch.Tensor, ...]:
+    """Y_j = f(X) A_j^T + b_j, or AG(X_i) A_j^T + b_j with ``sequence_parallel``: the forward of
+    :class:`_ColumnParallelLinear`, n x (b, s, out_j / p)."""
+    total = _gather_sequence(x, parallel) if sequence_parallel else x             # (b, s, in)
+    return tuple(F.linear(total, w, b) for w, b in zip(weights, biases))
 
 
 def _summed_input_gradient(grads: tuple[torch.Tensor, ...], weights: list[torch.Tensor]) -> torch.Tensor:
@@ -201,6 +215,9 @@ def column_parallel_linears(x: torch.Tensor, weights, biases, parallel: Parallel
                          "least one weight and one bias (or None) per weight.")
     if parallel.tp_size == 1:
         return tuple(F.linear(x, w, b) for w, b in zip(weights, biases))
+    if not records_grad(x, *weights, *biases):
+        x, weights, biases = _autocast_operands(x, weights, biases)
+        return _column_parallel_outputs(x, weights, biases, parallel, sequence_parallel)
     return _ColumnParallelLinear.apply(x, parallel, sequence_parallel, *weights, *biases)
 
 

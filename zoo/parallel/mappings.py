@@ -41,15 +41,22 @@ Collectives are called as ``torch.distributed.all_reduce`` / ``all_gather`` /
 ``reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.13), looked up at call time, so
 the tests can count them. On one host's CPU ranks whose TP group is the world, the sums go through
 DeepSpeed's shared-memory kernel instead (``zoo.parallel.host_all_reduce``).
+
+Under ``torch.compile`` (a compiled transformer block, :mod:`zoo.models.compiled`) the same operators trace into
+the graph: Dynamo traces each autograd Function's forward and backward, and there every collective is torch's
+functional collective (``all_reduce``, ``all_gather_single``, ``reduce_scatter_single`` of
+``torch.distributed._functional_collectives``, on NCCL and gloo alike), whose wait the compiler places. The
+process-group calls are kept for eager execution: ``async_op=True`` and ``Work.wait()`` break a graph.
 """
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
 
 from zoo.errors import UserError
-from zoo.parallel.host_all_reduce import tp_all_reduce_
+from zoo.parallel.host_all_reduce import Done, tp_all_reduce_
 from zoo.parallel.state import ParallelState, as_state
 
 
@@ -82,6 +89,8 @@ def _split_last_dim(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tens
 
 def _gather_last_dim(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tensor:
     tensor = tensor.contiguous()
+    if torch.compiler.is_compiling():
+        return funcol.all_gather_single(tensor, tensor.dim() - 1, parallel.tp_group)
     pieces = [torch.empty_like(tensor) for _ in range(parallel.tp_size)]
     dist.all_gather(pieces, tensor, group=parallel.tp_group)
     return torch.cat(pieces, dim=-1)
@@ -106,8 +115,12 @@ def _split_sequence(tensor: torch.Tensor, parallel: ParallelState) -> torch.Tens
 
 def _start_gather_sequence(tensor: torch.Tensor, parallel: ParallelState):
     """Start the all-gather of ``tensor`` (b, s/p, ...) along s; returns (work, finish), finish() waits and
-    gives (b, s, ...). Between the two calls the caller may compute (Megatron's backward overlap)."""
+    gives (b, s, ...). Between the two calls the caller may compute (Megatron's backward overlap); under
+    ``torch.compile`` the gather is the functional one and the compiler places its wait."""
     tensor = tensor.contiguous()
+    if torch.compiler.is_compiling():
+        gathered = funcol.all_gather_single(tensor, SEQUENCE_DIM, parallel.tp_group)        # (b, s, ...)
+        return Done(), lambda: gathered
     pieces = [torch.empty_like(tensor) for _ in range(parallel.tp_size)]
     work = dist.all_gather(pieces, tensor, group=parallel.tp_group, async_op=True)
 
@@ -128,8 +141,10 @@ def _start_reduce_scatter_sequence(tensor: torch.Tensor, parallel: ParallelState
 
     ``reduce_scatter_tensor`` splits its input along dim 0, so the token blocks are first moved to the
     front, (p, b, s/p, ...) viewed as (p*b, s/p, ...), in one copy (which also leaves the caller's tensor
-    untouched)."""
+    untouched). Under ``torch.compile`` it is the functional reduce-scatter along s, already done."""
     check_sequence_divisible(tensor.shape[SEQUENCE_DIM], parallel)
+    if torch.compiler.is_compiling():
+        return Done(), funcol.reduce_scatter_single(tensor.contiguous(), "sum", SEQUENCE_DIM, parallel.tp_group)
     p = parallel.tp_size
     b, s = tensor.shape[0], tensor.shape[1]
     rest = tensor.shape[2:]
@@ -146,6 +161,18 @@ def _reduce_scatter_sequence(tensor: torch.Tensor, parallel: ParallelState) -> t
     work, out = _start_reduce_scatter_sequence(tensor, parallel)
     work.wait()
     return out
+
+
+def records_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records an operation on ``tensors``: grad mode is on and one of them requires grad.
+
+    Where it does not (evaluation; the first, forward-only pass of full recomputation) the operators whose
+    autograd Function takes ``*tensors`` compute their forward directly. The result is the same, and it is what
+    ``torch.compile`` traces there: torch 2.13's Dynamo inlines such a Function's forward without autograd and
+    drops its ``ctx`` when the number of arguments happens to equal the number of parameters of the forward
+    (``*tensors`` counting as one), which makes the block fall back to eager.
+    """
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
 
 
 class _CopyToTensorParallelRegion(torch.autograd.Function):
@@ -268,8 +295,13 @@ def reduce_from_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> to
 def reduce_from_tp_region_(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
     """g in place, as Megatron does it: all-reduce ``x`` itself (no copy) forward, identity backward. Only for
     a caller that owns ``x`` as a throwaway buffer nobody else reads or saved for backward, such as the
-    partial product a row-parallel GEMM has just made (autograd refuses it otherwise)."""
-    return x if as_state(parallel).tp_size == 1 else _ReduceFromTensorParallelRegionInPlace.apply(x, parallel)
+    partial product a row-parallel GEMM has just made (autograd refuses it otherwise). Under ``torch.compile`` it
+    is :func:`reduce_from_tp_region`: a traced graph is functional, so the copy costs nothing there."""
+    if as_state(parallel).tp_size == 1:
+        return x
+    if torch.compiler.is_compiling():
+        return _ReduceFromTensorParallelRegion.apply(x, parallel)
+    return _ReduceFromTensorParallelRegionInPlace.apply(x, parallel)
 
 
 def scatter_to_tp_region(x: torch.Tensor, parallel: ParallelState | None) -> torch.Tensor:
@@ -315,6 +347,6 @@ def all_reduce_grads_of_replicated(parallel: ParallelState | None, *params: torc
     DeepSpeed engine, unchanged. The parameters stay replicated (identical gradients on every TP rank), so
     gradient norms count them once, as any parameter without ``tensor_model_parallel``.
     """
-    if as_state(parallel).tp_size == 1:
+    if as_state(parallel).tp_size == 1 or not records_grad(*params):
         return params
     return _AllReduceGradOfReplicated.apply(parallel, *params)

@@ -94,6 +94,16 @@ def tp_rng_fork(parallel: ParallelState | None):
     return contextlib.nullcontext()
 
 
+# Not traced by torch.compile (DeepSpeed's tracker sets the generator's state, which a graph cannot hold): a
+# compiled region breaks at the call and runs it eagerly. torch._disable_dynamo, as DeepSpeed's checkpoint uses,
+# imports torch._dynamo at the first call rather than when zoo.parallel is imported (seconds on a small CPU).
+@torch._disable_dynamo
+def in_tp_stream(parallel: ParallelState | None, function, *args, **kwargs):
+    """``function(*args, **kwargs)`` drawing from the TP-rank stream (:func:`tp_rng_fork`), always eagerly."""
+    with tp_rng_fork(parallel):
+        return function(*args, **kwargs)
+
+
 def region_rng(parallel: ParallelState | None, sequence_parallel: bool):
     """Context manager for dropout on the activations between the TP GEMMs: the TP-rank stream when
     sequence parallelism is in use (each rank holds other tokens), else the default stream (the

@@ -93,7 +93,7 @@ def effective_settings(config: RunConfig, world_size: int, gas: int) -> dict[str
                       "grad_reduce_dtype": gradient_reduction_dtype(ds),
                       "zero_stage": zero_stage_of(ds),
                       "gradient_clipping": ds.get("gradient_clipping", 0.0), "recompute": config.recompute or "none",
-                      "sequence_parallel": config.sequence_parallel},
+                      "sequence_parallel": config.sequence_parallel, "compiled_blocks": config.compile},
         "optimizer": {"type": (ds.get("optimizer") or {}).get("type"), **((ds.get("optimizer") or {}).get("params") or {})},
         "schedule": schedule_settings(config, ds),
         "data": data_settings(config, global_batch),
@@ -202,7 +202,8 @@ def describe_model(m: dict[str, Any]) -> str:
 
 def describe_precision(p: dict[str, Any]) -> str:
     clipping = f"gradient clipping {p['gradient_clipping']:g}" if p["gradient_clipping"] else "no gradient clipping"
-    extras = f", recompute {p['recompute']}" + (", sequence parallel" if p["sequence_parallel"] else "")
+    extras = (f", recompute {p['recompute']}" + (", sequence parallel" if p["sequence_parallel"] else "")
+              + (", transformer blocks compiled (torch.compile)" if p.get("compiled_blocks") else ""))
     accumulation = (f" (gradients accumulated in {p['grad_accum_dtype']}, all-reduced in {p['grad_reduce_dtype']})"
                     if p.get("grad_accum_dtype") else "")
     return f"{p['dtype']}{accumulation}, ZeRO stage {p['zero_stage']}, {clipping}{extras}"

@@ -30,6 +30,7 @@ from zoo.config.run_config import (
 from zoo.distributed import host_group, raise_on_any_rank
 from zoo.errors import UserError
 from zoo.models import model_config as build_model_config
+from zoo.models.compiled import compile_transformer_blocks
 from zoo.models.families import build_model, shape_of
 from zoo.operations.output_guard import keep_output_in
 from zoo.training.baselines import unigram_perplexity
@@ -184,8 +185,9 @@ def pretrain_in_claimed_directory(config: RunConfig, parallel, gas: int, is_writ
 
 def build_engine(config: RunConfig, parallel, gas: int, is_writer: bool):
     """(engine, model, model config, shape, ds_config, clipping) of the run: the model
-    (:func:`build_pretraining_model`, or this rank's pipeline stage), DeepSpeed's activation checkpointing when
-    ``--checkpoint-activations`` or ``--recompute-granularity`` asks for it, and the engine over both
+    (:func:`build_pretraining_model`, or this rank's pipeline stage), its blocks compiled with ``--compile``,
+    DeepSpeed's activation checkpointing when ``--checkpoint-activations`` or ``--recompute-granularity`` asks
+    for it, and the engine over both
     (DeepSpeed's pipeline engine with stages; ``clipping`` is then zoo's fp32 clipping hook, else None)."""
     import deepspeed  # local: DeepSpeed costs seconds to import
 
@@ -202,14 +204,23 @@ def build_engine(config: RunConfig, parallel, gas: int, is_writer: bool):
         if config.recompute:
             deepspeed.checkpointing.configure(parallel, num_checkpoints=shape.layers)
         model = build_pipeline_model(config, model_config, parallel, accelerator_device())
+        compile_blocks(config, model)
         engine, clipping = setup_pipeline_engine(model, ds_config, parallel, weight_decay, config.sequence_parallel)
         return engine, model, model_config, shape, ds_config, clipping
     # agreed: a shape every rank refuses (heads that tp does not divide) is one sentence, printed once
     model, model_config, shape = raise_on_any_rank(lambda: build_pretraining_model(config, parallel))
     if config.recompute:   # full or selective: DeepSpeed's checkpointing restores the TP RNG on recompute
         deepspeed.checkpointing.configure(parallel, num_checkpoints=shape.layers)
+    compile_blocks(config, model)
     engine = setup_engine(model, ds_config, parallel, weight_decay, refresh_masters=bool(config.pretrained))
     return engine, model, model_config, shape, ds_config, None
+
+
+def compile_blocks(config: RunConfig, model: torch.nn.Module) -> int:
+    """With ``--compile``, this rank's transformer blocks compiled in place (:mod:`zoo.models.compiled`), after the
+    weights are in and before ``deepspeed.initialize`` sees the module (whose parameters and state_dict keys stay
+    as they were); returns how many."""
+    return compile_transformer_blocks(model) if config.compile else 0
 
 
 def open_metrics(config: RunConfig, ds_config: dict[str, Any], iteration: int, is_writer: bool, host) -> MetricsLogger:

@@ -113,8 +113,8 @@ class GPT2BlockPipe(TransformerLayer):
         options = {"causal": True, "sequence_parallel": self.sequence_parallel,
                    "recompute_attention": recompute == "selective"}
         if recompute == "full" and torch.is_grad_enabled():
-            return recomputed(super().forward, x, None, **options)
-        return super().forward(x, None, **options)
+            return recomputed(self.layer_forward, x, None, **options)
+        return self.layer_forward(x, None, **options)
 
 
 class FinalNormPipe(nn.Module):

@@ -27,9 +27,10 @@ from zoo.errors import UserError
 from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.rope import apply_rotary
 from zoo.models.transformer import LayerCache, recomputed
-from zoo.parallel import ColumnParallelLinear, RowParallelLinear, scaled_init_std, tp_rng_fork
+from zoo.parallel import ColumnParallelLinear, RowParallelLinear, scaled_init_std
 from zoo.parallel.layers import column_parallel_linears, mark_sequence_parallel, uses_sequence_parallel
 from zoo.parallel.mappings import all_reduce_grads_of_replicated
+from zoo.parallel.random import in_tp_stream
 from zoo.parallel.state import ParallelState, as_state
 from zoo.parallel.utils import divide
 
@@ -127,9 +128,8 @@ class LlamaAttention(nn.Module):
             k = k.repeat_interleave(groups, dim=1)                                 # (b, heads_local, P + s, d)
             v = v.repeat_interleave(groups, dim=1)
         if dropout_p > 0.0:
-            with tp_rng_fork(self.parallel):
-                return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, dropout_p=dropout_p,
-                                                      is_causal=is_causal)
+            return in_tp_stream(self.parallel, F.scaled_dot_product_attention, q, k, v, attn_mask=attn_bias,
+                                dropout_p=dropout_p, is_causal=is_causal)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=is_causal)
 
 
@@ -158,7 +158,12 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """Pre-norm decoder layer (see the module docstring); transformers' ``LlamaDecoderLayer`` names."""
+    """Pre-norm decoder layer (see the module docstring); transformers' ``LlamaDecoderLayer`` names.
+
+    The computation is :meth:`layer_forward`; ``forward`` (and a pipeline stage's forward) calls it through the
+    instance, so :func:`zoo.models.compiled.compile_transformer_blocks` can replace it with its compiled form in
+    place (RMSNorm, RoPE, SwiGLU and the residual adds then fuse), leaving the state_dict keys as they are.
+    """
 
     def __init__(self, config: LlamaConfig, parallel: ParallelState | None):
         super().__init__()
@@ -172,6 +177,14 @@ class LlamaDecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_bias: torch.Tensor | None = None,
                 *, cache: LayerCache | None = None, sequence_parallel: bool = False,
                 recompute_attention: bool = False) -> torch.Tensor:
+        """:meth:`layer_forward`, compiled where the block was compiled."""
+        return self.layer_forward(x, cos, sin, attn_bias, cache=cache, sequence_parallel=sequence_parallel,
+                                  recompute_attention=recompute_attention)
+
+    def layer_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                      attn_bias: torch.Tensor | None = None, *, cache: LayerCache | None = None,
+                      sequence_parallel: bool = False, recompute_attention: bool = False) -> torch.Tensor:
+        """(b, s, h) -> (b, s, h), or (b, s/p, h) -> (b, s/p, h) with ``sequence_parallel``."""
         sp = sequence_parallel
         x = x + self.self_attn(self.input_layernorm(x, sp), cos, sin, attn_bias, cache=cache, sequence_parallel=sp,
                                recompute_attention=recompute_attention)             # (b, s or s/p, h)

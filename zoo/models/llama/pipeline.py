@@ -95,8 +95,8 @@ class LlamaDecoderPipe(LlamaDecoderLayer):
         recompute = recompute_mode(self.config) if self.training else None
         options = {"sequence_parallel": self.sequence_parallel, "recompute_attention": recompute == "selective"}
         if recompute == "full" and torch.is_grad_enabled():
-            return recomputed(super().forward, x, cos, sin, None, **options)
-        return super().forward(x, cos, sin, None, **options)
+            return recomputed(self.layer_forward, x, cos, sin, None, **options)
+        return self.layer_forward(x, cos, sin, None, **options)
 
 
 class LlamaNormPipe(nn.Module):
