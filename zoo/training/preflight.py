@@ -87,10 +87,10 @@ def check_before_launch(config: RunConfig, world_size: int, memory: DeviceMemory
     from zoo.models.families import shape_of  # local: torch and transformers import cost
 
     gas = validate_for_world(config, world_size)
-    check_precision_supported(config)
     shape = shape_of(model_config_of(config))
     check_seq_length(config, shape)
     check_bundled_corpus(config, shape)
     if memory is not None and not config.skip_fit_check:
         check_fit(config, world_size, memory)
+    check_precision_supported(config)   # last: the one check that imports DeepSpeed (fp16 runs only)
     return gas
