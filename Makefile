@@ -26,7 +26,7 @@ export TOKENIZERS_PARALLELISM := false
 WHEELHOUSE ?=
 PIP_SOURCE := $(if $(WHEELHOUSE),--no-index --find-links $(WHEELHOUSE),)
 
-.PHONY: setup setup-test demo finetune-demo test lint bench clean wheelhouse
+.PHONY: setup setup-test demo finetune-demo test test-oldest lint bench clean wheelhouse
 
 setup: $(VENV)/.zoo-installed
 
@@ -82,6 +82,39 @@ finetune-demo: $(VENV)/.zoo-demo-installed
 test: setup-test
 	$(PY) -m pytest -q
 
+# The other end of setup.cfg's ranges: `make test` gets the newest transformers and DeepSpeed, a GPU node may keep
+# any older release that satisfies the range, so the model and interop tests also run against the oldest the ranges
+# allow (read from setup.cfg's `>=` bounds). pip's resolver says what that environment has that the test venv has
+# not (transformers, DeepSpeed and what they pin: tokenizers, huggingface_hub, ...); those packages go into a
+# --target directory that shadows the venv's through PYTHONPATH, torch and the rest come from the venv. DeepSpeed
+# builds its CPU ops for that directory into its own extensions folder, so the venv's builds stay valid.
+# Of tests/test_llama.py, test_llama_equals_transformers is left out there: transformers 4.45 computes Llama's rotary
+# angles in float32 whatever the model's dtype, so its float64 reference cannot meet that test's 1e-9 (Llama's fp32
+# parity with it is in test_dependency_range.py, its round trip and greedy generation below).
+OLDEST_PINS := $(shell sed -n 's/^ *\(transformers\|deepspeed\)>=\([0-9.]*\),.*/\1==\2/p' setup.cfg)
+OLDEST := $(VENV)-oldest
+OLDEST_LLAMA_TESTS := save_pretrained_loads_in_transformers_exactly greedy_generation_equals_transformers \
+	sequence_parallel_equals_transformers rope_frequencies_equal_transformers older_config_spelling_reads_the_same \
+	bare_model_reads_and_writes_transformers_llama_model
+OLDEST_TESTS := tests/test_dependency_range.py tests/test_hf_roundtrip.py tests/test_bert.py \
+	tests/test_gpt2.py::test_gpt2_equals_transformers $(OLDEST_LLAMA_TESTS:%=tests/test_llama.py::test_%)
+DELTA := import json, sys; new = [i["metadata"] for i in json.load(open(sys.argv[1]))["install"]]; \
+	sys.exit("the oldest environment would replace torch: " + str(new)) if any(m["name"] == "torch" for m in new) else \
+	print("\n".join(m["name"] + "==" + m["version"] for m in new if m["name"] != "zoo"))
+
+# --no-build-isolation: DeepSpeed is a source distribution whose build imports torch, the venv's (never a download).
+$(OLDEST)/.installed: setup.cfg $(VENV)/.zoo-test-installed
+	rm -rf $(OLDEST) && mkdir -p $(OLDEST)
+	$(PY) -m pip install -q --dry-run --no-build-isolation --report $(OLDEST)/resolved.json -e ".[test]" $(OLDEST_PINS)
+	$(PY) -c '$(DELTA)' $(OLDEST)/resolved.json > $(OLDEST)/requirements.txt
+	$(PY) -m pip install -q --no-compile --no-deps --no-build-isolation --target $(OLDEST)/site -r $(OLDEST)/requirements.txt
+	touch $@
+
+test-oldest: $(OLDEST)/.installed
+	@echo "the model and interop tests against $$(tr '\n' ' ' < $(OLDEST)/requirements.txt)"
+	PYTHONPATH=$(abspath $(OLDEST))/site$${PYTHONPATH:+:$$PYTHONPATH} TORCH_EXTENSIONS_DIR=$(abspath $(OLDEST))/torch_extensions \
+		$(PY) -m pytest -q -p no:cacheprovider $(OLDEST_TESTS)
+
 # ruff (from the test extra) with the rules of pyproject.toml; `ruff format --check` is left to the formatter's own run.
 lint: setup-test
 	$(PY) -m ruff check .
@@ -94,4 +127,4 @@ wheelhouse:
 	PYTHON=$(PYTHON) benchmarks/wheelhouse.sh $(or $(WHEELHOUSE),wheelhouse)
 
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(OLDEST) runs

@@ -23,6 +23,7 @@ import torch
 
 from tests.checks import decision_margin, rel_err
 from tests.spawn import spawn
+from zoo.models.outputs import cache_of
 
 REPO = Path(__file__).resolve().parent.parent
 REL_TOL = 1e-5
@@ -90,7 +91,7 @@ def _cache_logits_errors(model, parallel) -> dict[str, float]:
             out = model(x[:, lo:hi], attention_mask=None if m is None else m[:, :hi],
                         position_ids=None if pos is None else pos[:, lo:hi], past_key_values=past,
                         use_cache=True, gather_output=True)
-            past = out.past_key_values
+            past = cache_of(out)
             pieces.append(out.logits)
         cached = torch.cat(pieces, dim=1)                                  # (b, T, V)
         real = torch.ones_like(x, dtype=torch.bool) if m is None else m    # pad queries are not compared

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.checks import decision_margin, rel_err, tolerance_failures
+from tests.helpers.llama_reference import hf_llama_config
 from tests.spawn import spawn
 
 # The test checkpoints carry no tokenizer files; the bundled one standing in for them is what this warns about.
@@ -49,10 +50,9 @@ REFUSAL = ("num_attention_heads=4 and num_key_value_heads=2 must both be divisib
 
 
 def hf_config(shape: str):
-    import transformers
-
-    return transformers.LlamaConfig(vocab_size=VOCAB, num_hidden_layers=2, attention_dropout=0.0,
-                                    bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, **SHAPES[shape])
+    fields = {k: v for k, v in SHAPES[shape].items() if k != "rope_parameters"}
+    return hf_llama_config(SHAPES[shape]["rope_parameters"], vocab_size=VOCAB, num_hidden_layers=2,
+                           attention_dropout=0.0, bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1, **fields)
 
 
 def save_random_llama(path, shape: str, seed: int, matrix_std: float | None = None) -> str:
@@ -323,9 +323,9 @@ def test_rope_frequencies_equal_transformers():
     for shape in SHAPES:
         values = hf_config(shape).to_dict()
         ours = inverse_frequencies(LlamaConfig.from_hf_dict(values))
-        theirs = LlamaRotaryEmbedding(hf_config(shape)).inv_freq
+        theirs = LlamaRotaryEmbedding(config=hf_config(shape)).inv_freq
         assert torch.equal(ours, theirs), shape
-    scaled = ROPE_INIT_FUNCTIONS["llama3"](hf_config("gqa8x4-llama3"))[0]
+    scaled = ROPE_INIT_FUNCTIONS["llama3"](hf_config("gqa8x4-llama3"), None)[0]    # (config, device)
     unscaled = inverse_frequencies(LlamaConfig.from_hf_dict({**hf_config("gqa8x4-llama3").to_dict(),
                                                               "rope_parameters": {"rope_theta": 10000.0}}))
     assert torch.equal(inverse_frequencies(LlamaConfig.from_hf_dict(hf_config("gqa8x4-llama3").to_dict())), scaled)

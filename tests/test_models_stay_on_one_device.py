@@ -30,6 +30,7 @@ from torch.utils._pytree import tree_leaves
 
 from tests.checks import rel_err
 from tests.spawn import spawn
+from zoo.models.outputs import cache_of
 
 META = torch.device("meta")
 REL_TOL = 1e-5
@@ -121,7 +122,7 @@ def gpt2_cached_decoding_step():
     prefill = model(ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
     mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)          # (b, L + 1)
     step = model(on_meta(3, 1), attention_mask=mask, position_ids=positions[:, -1:] + 1,
-                 past_key_values=prefill.past_key_values, use_cache=True, logits_to_keep=1, gather_output=True)
+                 past_key_values=cache_of(prefill), use_cache=True, logits_to_keep=1, gather_output=True)
     return step.logits.float().sum(), step.logits
 
 
@@ -129,7 +130,7 @@ def gpt2_cached_chunk_without_mask():
     """A 3-token chunk after the cache with no mask: the model builds the offset causal mask itself."""
     model = _gpt2()
     prefill = model(on_meta(1, 5), use_cache=True)
-    out = model(on_meta(1, 3), past_key_values=prefill.past_key_values, use_cache=True, labels=on_meta(1, 3))
+    out = model(on_meta(1, 3), past_key_values=cache_of(prefill), use_cache=True, labels=on_meta(1, 3))
     return out.loss, out.logits
 
 
@@ -319,7 +320,7 @@ def test_left_padding_changes_no_real_position_even_if_keyless_rows_give_nan(mon
         batched = model(ids, attention_mask=mask, position_ids=positions).logits             # (b, L, V/p)
         prefill = model(ids, attention_mask=mask, position_ids=positions, use_cache=True)
         step = model(new_tokens, attention_mask=torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1),
-                     position_ids=positions[:, -1:] + 1, past_key_values=prefill.past_key_values,
+                     position_ids=positions[:, -1:] + 1, past_key_values=cache_of(prefill),
                      use_cache=True).logits[:, -1]                                          # (b, V/p)
     for row, prompt in enumerate(prompts):
         real = batched[row, width - len(prompt):]

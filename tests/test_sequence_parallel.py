@@ -28,6 +28,7 @@ from tests.helpers import bert_parity
 from tests.helpers.bert_parity import bert_parity_errors, hf_grads, make_hf_bert, zoo_grads
 from tests.helpers.gpt2_parity import causal_lm_loss, tiny_hf_config, tiny_zoo_config
 from tests.spawn import spawn
+from zoo.models.outputs import cache_of
 
 REL_TOL = 1e-5
 VOCAB = 1000
@@ -217,7 +218,7 @@ def _decoding_without_sp(ps):
         model = GPT2LMHeadModel(tiny_zoo_config().replace(sequence_parallel=sp), parallel=ps).eval()
         with torch.no_grad():
             first = model(ids, use_cache=True)
-            step = model(ids[:, :1], past_key_values=first.past_key_values, use_cache=True)
+            step = model(ids[:, :1], past_key_values=cache_of(first), use_cache=True)
             last = model(torch.cat([ids, ids[:, :1]], dim=1), logits_to_keep=1)
         outs.append((first.logits, step.logits, last.logits))
     return max(rel_err(a, b) for a, b in zip(*outs))

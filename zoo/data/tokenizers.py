@@ -1,4 +1,9 @@
-"""GPT-2 byte-level BPE tokenizer, loaded as a transformers fast tokenizer from the bundled files."""
+"""GPT-2 byte-level BPE tokenizer, loaded as a transformers fast tokenizer from the bundled files.
+
+The bundled tokenizer configs name ``clean_up_tokenization_spaces``, whose default transformers 4 and 5 disagree
+on, so text decodes the same on every transformers version setup.cfg allows: GPT-2's is false (decoding gives
+back exactly the text the byte-level tokens encode, " ," included), BERT's true (as bert-base-uncased's own).
+"""
 
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from zoo.data.tokenizers import GPT2_EOD_TOKEN_ID
 from zoo.distributed import dp_block
 from zoo.errors import UserError
 from zoo.inference.sampling import check_sampling_settings, filter_logits, sample
+from zoo.models.outputs import cache_of
 from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.parallel.state import ParallelState, as_state
 
@@ -172,7 +173,7 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], config: GenerationCo
             fresh = slice(None) if past is None else slice(-1, None)           # prefill, then the last token
             out = model(ids[:, fresh], attention_mask=mask if padded else None, position_ids=positions[:, fresh],
                         past_key_values=past, use_cache=True, logits_to_keep=1, gather_output=not config.is_greedy)
-            past = out.past_key_values
+            past = cache_of(out)
         else:
             # Active rows hold at most n_positions real tokens, so the columns cut here are pads for them.
             window = slice(-n_positions, None)

@@ -295,9 +295,6 @@ class RunHealth:
 # DeepSpeed's WarmupLR/WarmupCosineLR ask for the learning rate while they are built, before their first
 # step; they answer 0 and DeepSpeed's first step sets the real rate (the log's lr column shows it).
 DEEPSPEED_SCHEDULER_NOTE = "Attempting to get learning rate from scheduler before it has started"
-# zoo's model outputs are transformers' ModelOutput classes, which renamed the field ``past_key_values`` to
-# ``cache``; zoo's KV cache is its own tuple and reads back the same under either name.
-TRANSFORMERS_CACHE_RENAME = "`past_key_values`/`cache_params` are deprecated"
 # DeepSpeed's pipeline engine moves activations and tied weights between stages with c10d broadcasts (its
 # point-to-point on gloo, its tied-weight sync), some on tensors that require grad, and torch warns that
 # c10d::broadcast_ has no autograd kernel. The gradients cross stages by the engine's own sends and its
@@ -318,13 +315,12 @@ class _DropMessage:
 
 @contextmanager
 def library_noise_silenced():
-    """Within the block: DeepSpeed's scheduler note, transformers' cache-name deprecation and torch's
-    c10d::broadcast_ autograd warning of pipeline runs are not printed (each is harmless for zoo, see the
-    comments above); every other warning and log record goes through as before. Restored on exit."""
+    """Within the block: DeepSpeed's scheduler note and torch's c10d::broadcast_ autograd warning of
+    pipeline runs are not printed (each is harmless for zoo, see the comments above); every other warning
+    and log record goes through as before. Restored on exit."""
     import logging
 
-    loggers = [(logging.getLogger("DeepSpeed"), _DropMessage(DEEPSPEED_SCHEDULER_NOTE)),
-               (logging.getLogger("transformers.utils.generic"), _DropMessage(TRANSFORMERS_CACHE_RENAME))]
+    loggers = [(logging.getLogger("DeepSpeed"), _DropMessage(DEEPSPEED_SCHEDULER_NOTE))]
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message=re.escape(C10D_BROADCAST_AUTOGRAD), category=UserWarning)
         for logger, drop in loggers:

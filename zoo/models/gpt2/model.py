@@ -10,6 +10,7 @@ from zoo.assets import GPT2_TOKENIZER_DIR
 from zoo.errors import UserError
 from zoo.models.config import recompute_mode
 from zoo.models.gpt2.config import GPT2Config, check_gpt2_config_values
+from zoo.models.outputs import with_cache
 from zoo.models.pretrained import HFPretrainedMixin
 from zoo.models.transformer import (
     KVCache,
@@ -125,8 +126,10 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
     this rank's vocab shard (b, s, V_padded / p) by default at tp > 1, and the full unpadded vocabulary
     (b, s, V) with ``gather_output=True`` and always at tp = 1. The loss never gathers logits (fused cross-entropy).
 
-    Decoding: ``use_cache=True`` returns ``.past_key_values``, a tuple of one (k, v) per layer, each
-    (b, heads_local, P + s, d) for this rank's heads; pass it back with only the new tokens.
+    Decoding: ``use_cache=True`` returns the key/value cache, a tuple of one (k, v) per layer, each
+    (b, heads_local, P + s, d) for this rank's heads, under the installed transformers' field name (``.cache``
+    or ``.past_key_values``; :func:`zoo.models.outputs.cache_of` reads either); pass it back as
+    ``past_key_values`` with only the new tokens.
     ``logits_to_keep`` = n > 0 computes (and gathers) the logits of the last n positions only.
 
     ``config.sequence_parallel`` (tp > 1, Korthikanti et al. 2022): the full-sequence forward keeps
@@ -166,7 +169,7 @@ class GPT2LMHeadModel(HFPretrainedMixin, nn.Module):
         loss, logits = causal_lm_head_outputs(local_logits, labels, self.parallel, self.config.vocab_size,
                                               gather_output)                     # (b, s, V) gathered
         presents = cache.presents() if use_cache else None
-        return CausalLMOutputWithPast(loss=loss, logits=logits, past_key_values=presents)
+        return with_cache(CausalLMOutputWithPast, presents, loss=loss, logits=logits)
 
     # ------------------------------------------------------------------ transformers checkpoints
     @classmethod

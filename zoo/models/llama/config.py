@@ -3,8 +3,9 @@
 Derived values (head dim, query heads per KV head, padded vocabulary) are computed here and nowhere else.
 config.json is read in both of transformers' spellings of the rotary settings: ``rope_parameters``
 (``{"rope_theta": ..., "rope_type": ...}``, what transformers 5 writes) and the older top-level
-``rope_theta`` plus ``rope_scaling``; it is written as the installed transformers writes it
-(``rope_parameters``).
+``rope_theta`` plus ``rope_scaling`` (transformers 4). It is written in the spelling the installed
+transformers' ``LlamaConfig`` takes, because each version reads only its own: transformers 4 ignores
+``rope_parameters`` and would load an export with the default theta and no scaling.
 """
 
 from __future__ import annotations
@@ -142,13 +143,26 @@ class LlamaConfig(FamilyConfig):
         return cls(**known, extra=extra)
 
     def to_hf_dict(self, architecture: str = "LlamaForCausalLM") -> dict[str, Any]:
-        """config.json as the installed transformers writes a Llama's (``rope_parameters``, the explicit
-        ``head_dim`` and ``num_key_value_heads``)."""
+        """config.json as the installed transformers writes a Llama's (the rotary settings in its spelling,
+        the explicit ``head_dim`` and ``num_key_value_heads``)."""
         values = self.hf_field_values(skip=("rope_theta", "rope_scaling"))
-        values.update(head_dim=self.attention_head_dim, num_key_value_heads=self.kv_heads,
-                      rope_parameters={**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta})
+        values.update(head_dim=self.attention_head_dim, num_key_value_heads=self.kv_heads)
+        if transformers_takes_rope_parameters():
+            values["rope_parameters"] = {**(self.rope_scaling or {"rope_type": "default"}), "rope_theta": self.rope_theta}
+        else:
+            values.update(rope_theta=self.rope_theta, rope_scaling=self.rope_scaling)
         return {**self.passthrough(_NOT_WRITTEN), **values, "model_type": self.model_type, "architectures": [architecture],
                 "tie_word_embeddings": False}
+
+
+def transformers_takes_rope_parameters() -> bool:
+    """Whether the installed transformers' ``LlamaConfig`` takes the rotary settings as ``rope_parameters``
+    (transformers 5) rather than as ``rope_theta`` and ``rope_scaling`` (transformers 4)."""
+    import inspect
+
+    import transformers  # local: slow to import, and only writing a config.json needs it
+
+    return "rope_parameters" in inspect.signature(transformers.LlamaConfig.__init__).parameters
 
 
 def check_tp_divides_heads(heads: int, kv_heads: int, intermediate_size: int, tp_size: int) -> None:

@@ -20,6 +20,7 @@ from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.hf_names import LlamaCheckpointMixin
 from zoo.models.llama.layers import LlamaDecoderLayer, LlamaRMSNorm
 from zoo.models.llama.rope import rotary_cos_sin
+from zoo.models.outputs import with_cache
 from zoo.models.transformer import KVCache, attention_bias, causal_lm_head_outputs, recomputed
 from zoo.parallel import VocabParallelEmbedding
 from zoo.parallel.layers import uses_sequence_parallel
@@ -40,8 +41,10 @@ class VocabParallelLMHead(VocabParallelEmbedding):
 class LlamaModel(LlamaCheckpointMixin, nn.Module):
     """Embeddings, N decoder layers and the final RMSNorm (transformers' ``LlamaModel``).
 
-    ``forward`` returns ``.last_hidden_state`` (b, s, h) and, with ``use_cache``, ``.past_key_values``: one
-    (k, v) per layer, each (b, kv_heads_local, P + s, d), this rank's key/value heads after RoPE.
+    ``forward`` returns ``.last_hidden_state`` (b, s, h) and, with ``use_cache``, the key/value cache: one
+    (k, v) per layer, each (b, kv_heads_local, P + s, d), this rank's key/value heads after RoPE, under the
+    installed transformers' field name (``.cache`` or ``.past_key_values``; :func:`zoo.models.outputs.cache_of`
+    reads either).
 
     ``config.sequence_parallel`` (tp > 1): a full-sequence forward scatters the embeddings along the sequence
     and runs the layers and ``norm`` on this rank's s/p tokens (:meth:`hidden_states`); :meth:`forward`
@@ -104,7 +107,7 @@ class LlamaModel(LlamaCheckpointMixin, nn.Module):
         x, sp = self.hidden_states(input_ids, attention_mask, position_ids, cache)   # (b, s or s/p, h)
         if sp:
             x = self.gather_sequence(x)                                             # (b, s, h)
-        return BaseModelOutputWithPast(last_hidden_state=x, cache=cache.presents() if use_cache else None)
+        return with_cache(BaseModelOutputWithPast, cache.presents() if use_cache else None, last_hidden_state=x)
 
 
 class LlamaForCausalLM(LlamaCheckpointMixin, nn.Module):
@@ -113,8 +116,8 @@ class LlamaForCausalLM(LlamaCheckpointMixin, nn.Module):
     ``forward`` follows transformers: labels are shifted inside, -100 is ignored. ``.logits`` is this rank's
     vocab shard (b, s, V_padded / p) by default at tp > 1, and the full unpadded vocabulary (b, s, V) with
     ``gather_output=True`` and always at tp = 1. The loss is the fused vocab-parallel cross-entropy (the logits are never
-    gathered for it). ``use_cache=True`` returns ``.past_key_values`` (see :class:`LlamaModel`), to be passed
-    back with only the new tokens; ``logits_to_keep`` = n > 0 computes the logits of the last n positions only.
+    gathered for it). ``use_cache=True`` returns the key/value cache (see :class:`LlamaModel`), to be passed
+    back as ``past_key_values`` with only the new tokens; ``logits_to_keep`` = n > 0 computes the logits of the last n positions only.
     """
 
     architecture = "LlamaForCausalLM"
@@ -143,4 +146,4 @@ class LlamaForCausalLM(LlamaCheckpointMixin, nn.Module):
         local_logits = self.lm_head(hidden, sequence_parallel=sp)                  # (b, s, V_pad/p)
         loss, logits = causal_lm_head_outputs(local_logits, labels, self.parallel, self.config.vocab_size,
                                               gather_output)                     # (b, s, V) gathered
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=cache.presents() if use_cache else None)
+        return with_cache(CausalLMOutputWithPast, cache.presents() if use_cache else None, loss=loss, logits=logits)
