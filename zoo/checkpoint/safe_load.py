@@ -133,6 +133,21 @@ def pickled_globals(path: Path) -> list[str]:
     return names
 
 
+def is_pickle_stream(path: Path) -> bool:
+    """Whether ``path`` parses as a plain pickle to its STOP opcode (nothing of it is built): a file that does not
+    is a foreign or damaged file, whatever opcode the unpickler stopped at, not one that names code."""
+    import pickletools  # local: only a refused file is checked
+
+    try:
+        with open(path, "rb") as handle:
+            for opcode, _, _ in pickletools.genops(handle):
+                if opcode.name == "STOP":
+                    return True
+    except Exception:  # noqa: BLE001 - any parse failure means the bytes are no pickle
+        return False
+    return False
+
+
 def is_refused_global(err: BaseException) -> bool:
     """``err`` is the weights-only unpickler refusing something the file names (a global, an opcode, a
     reduce call), not a truncated or foreign file."""
@@ -152,7 +167,7 @@ def safe_torch_load(path: str | Path, mmap: bool = True, map_location: Any = "cp
             return torch.load(path, map_location=map_location, weights_only=True,
                               mmap=mmap and zipfile.is_zipfile(path))
     except pickle.UnpicklingError as err:
-        if not is_refused_global(err):
+        if not is_refused_global(err) or not (zipfile.is_zipfile(path) or is_pickle_stream(path)):
             raise
         raise UnsafeCheckpointError(
             f"{path} holds the pickled global {refused_global(err, path)}, code that loading the file would run; "
