@@ -47,16 +47,16 @@ def test_the_rehearsal_checks_every_command_runs_gpt2_and_reports(tmp_path):
 
     headers, rows = markdown_rows(report, "run")
     runs = {row[0]: dict(zip(headers, row)) for row in rows}
-    assert list(runs) == ["gpt2-tiny fp16", "gpt2-tiny bf16", "llama-tiny fp16", "llama-tiny bf16", "bert-tiny fp16",
-                          "bert-tiny bf16", "acceptance (launch/smoke.py, 1 rank)",
-                          "finetune fp16 (same-article, MiniLM)"]
-    for name in ("gpt2-tiny fp16", "gpt2-tiny bf16"):
+    models = [f"{model} {precision}" for model in ("gpt2-tiny", "llama-tiny", "bert-tiny")
+              for precision in ("fp16, eager", "bf16, eager", "bf16, compiled")]
+    assert list(runs) == models + ["acceptance (launch/smoke.py, 1 rank)", "finetune fp16 (same-article, MiniLM)"]
+    for name in models[:3]:
         run = runs[name]
         assert run["status"] == "ok" and run["throughput"].endswith(" tokens/s"), run
         phases = [float(run[f"{phase} ms"]) for phase in ("forward", "backward", "optimizer", "data")]
         assert min(phases) >= 0 and sum(phases) <= float(run["iteration ms"]) + 0.1 * len(phases), run  # rounded to 0.1
         assert run["MFU %"] == "n/a" and run["peak memory GB"].endswith(" RSS"), run
-    for name in list(runs)[2:]:
+    for name in list(runs)[3:]:
         assert runs[name]["status"] == "checked, not run (--only)", runs[name]
 
     headers, rows = markdown_rows(report, "iteration")
