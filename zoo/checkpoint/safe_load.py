@@ -154,6 +154,19 @@ def is_refused_global(err: BaseException) -> bool:
     return bool(_REFUSAL.search(str(err)))
 
 
+def weights_only_load(path: Path, mmap: bool, map_location: Any) -> Any:
+    """``torch.load`` with the weights-only unpickler, memory-mapped when ``mmap`` and the file is in torch's zip
+    format. The file is opened once in that common case: torch itself refuses to memory-map the older
+    plain-pickle format, and only then is the file read again, whole."""
+    if mmap:
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap can only be used" not in str(err):
+                raise
+    return torch.load(path, map_location=map_location, weights_only=True, mmap=False)
+
+
 def safe_torch_load(path: str | Path, mmap: bool = True, map_location: Any = "cpu") -> Any:
     """``torch.load(path)`` (on the CPU by default) with the weights-only unpickler and :func:`checkpoint_globals`.
 
@@ -164,8 +177,7 @@ def safe_torch_load(path: str | Path, mmap: bool = True, map_location: Any = "cp
     path = Path(path)
     try:
         with torch.serialization.safe_globals(checkpoint_globals()):
-            return torch.load(path, map_location=map_location, weights_only=True,
-                              mmap=mmap and zipfile.is_zipfile(path))
+            return weights_only_load(path, mmap, map_location)
     except pickle.UnpicklingError as err:
         if not is_refused_global(err) or not (zipfile.is_zipfile(path) or is_pickle_stream(path)):
             raise
