@@ -44,6 +44,7 @@ from zoo.parallel import (
     gather_from_tp_region,
     vocab_parallel_cross_entropy,
 )
+from zoo.parallel.context import UlyssesAttention, sum_over_context
 from zoo.parallel.layers import SequenceParallelLayerNorm
 from zoo.parallel.random import in_tp_stream, region_rng
 from zoo.parallel.state import ParallelState, as_state
@@ -127,19 +128,27 @@ def recomputed(function, *tensors, **options):
 def lm_loss(local_logits: torch.Tensor, targets: torch.Tensor, parallel: ParallelState | None,
             vocab_size: int) -> torch.Tensor:
     """Mean token cross-entropy of vocab-parallel logits (b, s, V_padded / p) against ``targets`` (b, s), -100
-    ignored, without gathering the logits (the fused vocab-parallel cross-entropy); 0 when nothing counts."""
+    ignored, without gathering the logits (the fused vocab-parallel cross-entropy); 0 when nothing counts. With
+    context parallelism the mean is over the tokens of every context rank (:func:`zoo.parallel.context.sum_over_context`)."""
     token_loss = vocab_parallel_cross_entropy(local_logits, targets, parallel, vocab_size=vocab_size)   # (b, s)
-    return token_loss.sum() / (targets != -100).sum().clamp(min=1)
+    total, count = token_loss.sum(), (targets != -100).sum()
+    if parallel is not None and parallel.cp_size > 1:   # the whole sequence's mean; each rank's tokens' gradient
+        total, count = sum_over_context(torch.stack([total, count.to(total.dtype)]), parallel).unbind()
+    return total / count.clamp(min=1)
 
 
 def causal_lm_head_outputs(local_logits: torch.Tensor, labels: torch.Tensor | None, parallel: ParallelState,
                            vocab_size: int, gather_output: bool) -> tuple[torch.Tensor | None, torch.Tensor]:
     """(loss, logits) of a causal LM from this rank's vocab-parallel logits (b, s, V_padded / p): the loss
     of position t predicting label t+1 (the labels are shifted, not the logits: no logits-sized copy), None
-    without labels; the logits as :func:`user_logits` hands them out."""
+    without labels; the logits as :func:`user_logits` hands them out. ``labels`` are (b, s), or (b, s + 1) for a
+    context shard (:func:`zoo.parallel.context.context_shard`), whose last label is the next shard's first token."""
     loss = None
     if labels is not None:
-        targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)   # (b, s)
+        if labels.shape[1] == local_logits.shape[1] + 1:   # a context shard's labels carry the next token
+            targets = labels[:, 1:]                                            # (b, s)
+        else:
+            targets = torch.nn.functional.pad(labels[:, 1:], (0, 1), value=-100)   # (b, s)
         loss = lm_loss(local_logits, targets, parallel, vocab_size)
     return loss, user_logits(local_logits, parallel, vocab_size, gather_output)
 
@@ -180,6 +189,8 @@ class ParallelSelfAttention(nn.Module):
         self.c_proj = RowParallelLinear(hidden_size, hidden_size, parallel=parallel,
                                         init_std=options.output_init_std,
                                         sequence_parallel=options.sequence_parallel)
+        self.context_attention = (UlyssesAttention(self._context_core, parallel, self.local_heads, self.local_heads)
+                                  if parallel.cp_size > 1 else None)
 
     def forward(self, x: torch.Tensor, attn_bias: torch.Tensor | None, causal: bool, *,
                 cache: LayerCache | None = None, sequence_parallel: bool = False,
@@ -201,12 +212,23 @@ class ParallelSelfAttention(nn.Module):
             k, v = cache.extend(k, v)                                       # (b, heads_local, s_past + s, d)
         dropout_p = self.attn_dropout if self.training else 0.0
         is_causal = causal and attn_bias is None and not has_past
-        if recompute_attention and torch.is_grad_enabled():
+        if self.context_attention is not None:
+            check_context_call(cache, attn_bias)
+            y = self.context_attention(q, k, v, is_causal=is_causal, dropout_p=dropout_p,
+                                       recompute=recompute_attention and torch.is_grad_enabled())  # (b, heads_local, s, d)
+        elif recompute_attention and torch.is_grad_enabled():
             y = recomputed(self._core, q, k, v, attn_bias, is_causal=is_causal, dropout_p=dropout_p)
         else:
             y = self._core(q, k, v, attn_bias, is_causal=is_causal, dropout_p=dropout_p)  # (b, heads_local, s, d)
         y = y.transpose(1, 2).reshape(b, s, self.local_hidden)              # (b, s, h/p)
         return self.c_proj(y, sequence_parallel=sequence_parallel)          # (b, s, h) or (b, s/p, h)
+
+    def _context_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, recompute: bool,
+                      **options) -> torch.Tensor:
+        """The attention core of one context head group over the whole sequence, (b, heads_local/c, S, d)."""
+        if recompute:
+            return recomputed(self._core, q, k, v, None, **options)
+        return self._core(q, k, v, None, **options)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None, *,
               is_causal: bool, dropout_p: float) -> torch.Tensor:
@@ -216,6 +238,17 @@ class ParallelSelfAttention(nn.Module):
             return in_tp_stream(self.parallel, F.scaled_dot_product_attention, q, k, v, attn_mask=attn_bias,
                                 dropout_p=dropout_p, is_causal=is_causal)
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_bias, is_causal=is_causal)
+
+
+def check_context_call(cache, attn_bias) -> None:
+    """One sentence for what attention does not do over a context-parallel split: decode from a key/value cache
+    or take a padding mask (the shards are whole causal sequences)."""
+    if cache is not None:
+        raise UserError("key/value-cached decoding runs at context-parallel size 1; load the model with "
+                         "context_parallel_size 1 to generate.")
+    if attn_bias is not None:
+        raise UserError("an attention mask is not supported with context parallelism (each sample is one causal "
+                         "sequence split over the context ranks); pass attention_mask=None.")
 
 
 class ParallelMLP(nn.Module):

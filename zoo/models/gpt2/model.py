@@ -22,6 +22,7 @@ from zoo.models.transformer import (
     run_layers,
 )
 from zoo.parallel import VocabParallelEmbedding, scaled_init_std
+from zoo.parallel.context import context_positions
 from zoo.parallel.layers import SequenceParallelLayerNorm, uses_sequence_parallel
 from zoo.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from zoo.parallel.state import ParallelState, as_state
@@ -79,13 +80,16 @@ class GPT2Model(nn.Module):
         else (b, s, h). With a ``cache`` (decoding) ``input_ids`` holds only the s new tokens after its P past
         ones, ``attention_mask`` (if given) covers past and new tokens, (b, P + s), positions default to
         P ... P + s - 1, and the cache receives every layer's updated keys and values."""
-        b, s = input_ids.shape
+        b, s = input_ids.shape                                                     # s = S/c: this context rank's
         past_length = cache.past_length if cache is not None else 0
-        if s > self.config.n_positions or (position_ids is None and past_length + s > self.config.n_positions):
-            raise UserError(f"sequence length {past_length + s} exceeds n_positions={self.config.n_positions}; "
+        total = past_length + s * self.parallel.cp_size
+        if s > self.config.n_positions or (position_ids is None and total > self.config.n_positions):
+            raise UserError(f"sequence length {total} exceeds n_positions={self.config.n_positions}; "
                              f"truncate inputs to {self.config.n_positions} tokens.")
         sp = cache is None and self.uses_sequence_parallel(s)
-        if position_ids is None:
+        if position_ids is None and self.parallel.cp_size > 1:
+            position_ids = context_positions(s, self.parallel, input_ids.device)  # (1, s): global positions
+        elif position_ids is None:
             position_ids = torch.arange(past_length, past_length + s, device=input_ids.device).unsqueeze(0)  # (1, s)
         x = self.wte(input_ids) + self.wpe(position_ids)                           # (b, s, h)
         if sp:

@@ -26,8 +26,9 @@ from torch import nn
 from zoo.errors import UserError
 from zoo.models.llama.config import LlamaConfig
 from zoo.models.llama.rope import apply_rotary
-from zoo.models.transformer import LayerCache, recomputed
+from zoo.models.transformer import LayerCache, check_context_call, recomputed
 from zoo.parallel import ColumnParallelLinear, RowParallelLinear, scaled_init_std
+from zoo.parallel.context import UlyssesAttention, check_context_heads
 from zoo.parallel.layers import column_parallel_linears, mark_sequence_parallel, uses_sequence_parallel
 from zoo.parallel.mappings import all_reduce_grads_of_replicated
 from zoo.parallel.random import in_tp_stream
@@ -89,6 +90,11 @@ class LlamaAttention(nn.Module):
         self.o_proj = RowParallelLinear(config.num_attention_heads * d, hidden, bias=False, parallel=parallel,
                                         init_std=scaled_init_std(std, config.num_hidden_layers),
                                         sequence_parallel=sequence_parallel)
+        self.context_attention = None
+        if parallel.cp_size > 1:
+            check_context_heads(config.num_attention_heads, config.kv_heads, tp, parallel.cp_size)
+            self.context_attention = UlyssesAttention(self._context_core, parallel, self.local_heads,
+                                                      self.local_kv_heads)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn_bias: torch.Tensor | None, *,
                 cache: LayerCache | None = None, sequence_parallel: bool = False,
@@ -112,18 +118,29 @@ class LlamaAttention(nn.Module):
             k, v = cache.extend(k, v)                                              # (b, kv_heads_local, P + s, d)
         options = {"is_causal": attn_bias is None and not has_past,
                    "dropout_p": self.attention_dropout if self.training else 0.0}
-        if recompute_attention and torch.is_grad_enabled():
+        if self.context_attention is not None:   # every position of the sequence through DeepSpeed-Ulysses
+            check_context_call(cache, attn_bias)
+            y = self.context_attention(q, k, v, recompute=recompute_attention and torch.is_grad_enabled(),
+                                       **options)                                  # (b, heads_local, s, d), s = S/c
+        elif recompute_attention and torch.is_grad_enabled():
             y = recomputed(self._core, q, k, v, attn_bias, **options)
         else:
             y = self._core(q, k, v, attn_bias, **options)                          # (b, heads_local, s, d)
         y = y.transpose(1, 2).reshape(b, s, self.local_heads * self.head_dim)      # (b, s, n d / p)
         return self.o_proj(y, sequence_parallel=sequence_parallel)                 # (b, s or s/p, h)
 
+    def _context_core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, recompute: bool,
+                      **options) -> torch.Tensor:
+        """The attention core of one context head group over the whole sequence, (b, heads_local/c, S, d)."""
+        if recompute:
+            return recomputed(self._core, q, k, v, None, **options)
+        return self._core(q, k, v, None, **options)
+
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, attn_bias: torch.Tensor | None, *,
               is_causal: bool, dropout_p: float) -> torch.Tensor:
         """softmax(Q K^T / sqrt(d) + bias) V with each group of n/n_kv query heads reading its key/value head
-        (repeated, as transformers' ``repeat_kv``): (b, heads_local, s, d)."""
-        groups = self.local_heads // self.local_kv_heads
+        (repeated, as transformers' ``repeat_kv``): (b, heads, s, d), the heads this rank attends with."""
+        groups = q.shape[1] // k.shape[1]
         if groups > 1:
             k = k.repeat_interleave(groups, dim=1)                                 # (b, heads_local, P + s, d)
             v = v.repeat_interleave(groups, dim=1)

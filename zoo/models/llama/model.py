@@ -23,6 +23,7 @@ from zoo.models.llama.rope import rotary_cos_sin
 from zoo.models.outputs import with_cache
 from zoo.models.transformer import KVCache, attention_bias, causal_lm_head_outputs, recomputed
 from zoo.parallel import VocabParallelEmbedding
+from zoo.parallel.context import context_positions
 from zoo.parallel.layers import uses_sequence_parallel
 from zoo.parallel.mappings import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from zoo.parallel.state import ParallelState, as_state
@@ -71,13 +72,16 @@ class LlamaModel(LlamaCheckpointMixin, nn.Module):
         """(final hidden states, sequence_parallel): (b, s/p, h), this rank's tokens, when sequence parallelism
         is in use, else (b, s, h). With a ``cache`` ``input_ids`` holds the s new tokens after its P past ones,
         ``attention_mask`` (if given) covers past and new, (b, P + s), and positions default to P ... P + s - 1."""
-        b, s = input_ids.shape
+        b, s = input_ids.shape                                                     # s = S/c: this context rank's
         past_length = cache.past_length if cache is not None else 0
-        if position_ids is None and past_length + s > self.config.max_position_embeddings:
-            raise UserError(f"sequence length {past_length + s} exceeds max_position_embeddings="
+        total = past_length + s * self.parallel.cp_size
+        if position_ids is None and total > self.config.max_position_embeddings:
+            raise UserError(f"sequence length {total} exceeds max_position_embeddings="
                              f"{self.config.max_position_embeddings}; truncate inputs to that many tokens.")
         sp = cache is None and uses_sequence_parallel(self.parallel, self.config.sequence_parallel, s)
-        if position_ids is None:
+        if position_ids is None and self.parallel.cp_size > 1:
+            position_ids = context_positions(s, self.parallel, input_ids.device)   # (1, s): global positions
+        elif position_ids is None:
             position_ids = torch.arange(past_length, past_length + s, device=input_ids.device).unsqueeze(0)  # (1, s)
         x = self.embed_tokens(input_ids)                                           # (b, s, h)
         cos, sin = rotary_cos_sin(self.config, position_ids, x.dtype)              # (b or 1, s, d) each
