@@ -35,10 +35,13 @@ def weighted_means_over_dp(sums: dict[str, tuple[torch.Tensor, torch.Tensor]], p
     (weighted sum, total weight) pair, in fp64 (token counts pass 2^24 in fp32), in one all-reduce on
     ``device`` (the engine's: NCCL reduces only accelerator tensors). Each item counts once with its weight,
     so the mean is the same however the items were split over ranks and micro-batches. A key whose weight is
-    0 on every rank gives nan."""
+    0 on every rank gives nan. With context parallelism every context rank holds its micro-batch's whole mean
+    and weighs it by its own tokens: summed over the context ranks too, value and weight are the whole
+    micro-batch's."""
     stacked = torch.stack([torch.as_tensor(value, dtype=torch.float64) for pair in sums.values() for value in pair])
-    if parallel.dp_size > 1:
+    group = parallel.seq_dp_group if parallel.cp_size > 1 else parallel.dp_group
+    if parallel.dp_size * parallel.cp_size > 1:
         stacked = stacked.to(device) if device is not None else stacked
-        dist.all_reduce(stacked, group=parallel.dp_group)
+        dist.all_reduce(stacked, group=group)
     totals = stacked.view(-1, 2).tolist()
     return {key: (total / weight if weight else float("nan")) for key, (total, weight) in zip(sums, totals)}

@@ -165,7 +165,7 @@ class HFPretrainedMixin:
         is_writer = not distributed or torch.distributed.get_rank() == 0
         first_error_everywhere(_error_of(lambda: (check_pretrained_target(directory),
                                                   check_max_shard_size(max_shard_size))))
-        takes_part = is_writer or (parallel.dp_rank == 0 and parallel.tp_size > 1)
+        takes_part = is_writer or (parallel.dp_rank == 0 and parallel.cp_rank == 0 and parallel.tp_size > 1)
         error = None
         if takes_part:
             param_map = hf_params(self)

@@ -17,6 +17,7 @@ from zoo.data.blending import BlendedDataset, check_data_path
 from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader, shut_down_workers
 from zoo.data.indexed_dataset import IndexedDataset
 from zoo.distributed import raise_on_any_rank, run_on_first_rank
+from zoo.parallel.context import context_shard
 from zoo.training.families import build_dataset, default_corpus, objective_of
 
 __all__ = ["PretrainingData", "can_start_workers"]
@@ -105,9 +106,11 @@ class PretrainingData:
     def next_micro_batches(self, batches, count: int) -> list[dict[str, torch.Tensor]]:
         """The next ``count`` micro-batches of ``batches``, read on every rank before any of them is used:
         a bad sample (e.g. a token id outside the vocabulary) on one DP rank stops every rank with the
-        same sentence instead of hanging the others' all-reduce. The agreement runs on the host group."""
-        return raise_on_any_rank(lambda: [batch_or_raise(next(batches)) for _ in range(count)],
+        same sentence instead of hanging the others' all-reduce. The agreement runs on the host group. With
+        context parallelism each batch is this rank's part of every sample (:func:`zoo.parallel.context.context_shard`)."""
+        read = raise_on_any_rank(lambda: [batch_or_raise(next(batches)) for _ in range(count)],
                                  group=self.agreement_group)
+        return [context_shard(batch, self.parallel) for batch in read]
 
     def train_micro_batches(self, consumed: int, count: int) -> list[dict[str, torch.Tensor]]:
         """The iteration's micro-batches from ``consumed`` samples on (the loader is started there once)."""
