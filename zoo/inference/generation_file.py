@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import re
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,15 +143,17 @@ def check_applied(path: Path, key: str, value: Any) -> None:
 
 def library_config(path: Path):
     """``transformers.GenerationConfig.from_pretrained`` of the file's directory: transformers' own checks, one
-    sentence for what it refuses. Its warnings about flags that "may be ignored" are silenced: which settings
-    apply here is zoo's to say (the command prints them)."""
+    sentence for what it refuses. Its warnings about flags that "may be ignored" (e.g. a temperature without
+    do_sample) are silenced: which settings apply here is zoo's to say (the command prints them)."""
     import transformers  # local: transformers' import cost, only where a file is read
 
     library_logger = logging.getLogger("transformers.generation.configuration_utils")
     level = library_logger.level
     library_logger.setLevel(logging.ERROR)
     try:
-        return transformers.GenerationConfig.from_pretrained(path.parent)
+        with warnings.catch_warnings():   # transformers 4 says the same through warnings.warn
+            warnings.simplefilter("ignore", UserWarning)
+            return transformers.GenerationConfig.from_pretrained(path.parent)
     except (OSError, ValueError, TypeError, AttributeError) as err:
         detail = re.sub(r"\s+", " ", str(err)).strip().rstrip(".")
         raise UserError(f"{path} is refused by transformers' GenerationConfig ({detail}); correct it, "
