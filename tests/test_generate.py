@@ -1,6 +1,7 @@
 """Generation: greedy equals transformers' ``generate`` at tp = 1 and 2, the KV cache changes nothing,
 sampled tokens are identical on every TP rank and reproducible from the seed, the sampling filters,
-EOD and context stopping, and the launch/generate.py CLI.
+EOD (one id or several), max_length and context stopping, and the launch/generate.py CLI, which takes its
+defaults from the model directory's generation_config.json under the flags given.
 
 Tolerance: cached vs full-recompute logits max|a - b| / max|b| <= 1e-5 (fp32); token ids exactly equal.
 Exact greedy ids are rounding-proof because the reference's every step picks its token by a margin of
@@ -14,6 +15,7 @@ import dataclasses
 import importlib.util
 import json
 import math
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -284,6 +286,31 @@ def test_eod_stops_one_sequence_while_others_continue(gpt2_dir):
         generate(model, [[1], [2] * N_POSITIONS], free)
 
 
+def test_max_length_counts_the_prompt_and_any_of_several_eos_ids_stops(gpt2_dir):
+    """transformers' max_length: prompt plus new tokens; eos_token_id as a list: any of them ends a sequence;
+    the pad token never changes the tokens."""
+    from zoo.inference import GenerationConfig, generate
+    from zoo.models import GPT2LMHeadModel
+
+    model = GPT2LMHeadModel.from_pretrained(gpt2_dir).eval()
+    free = GenerationConfig(max_new_tokens=NEW, greedy=True, eod_token_id=None)
+    unstopped = [c.tokens for c in generate(model, PROMPTS, free)]
+    got = generate(model, PROMPTS, dataclasses.replace(free, max_length=10))        # prompts of 7 and 3 tokens
+    assert [c.tokens for c in got] == [unstopped[0][:3], unstopped[1][:7]]
+    assert [c.finish_reason for c in got] == ["length", "length"]
+    stops = (unstopped[0][2], unstopped[1][0])
+    got = generate(model, PROMPTS, dataclasses.replace(free, eod_token_id=stops))
+    for row, completion in enumerate(got):
+        cut = next(i for i, t in enumerate(unstopped[row]) if t in stops) + 1
+        assert completion.tokens == unstopped[row][:cut] and completion.finish_reason == "eod", row
+    assert [c.tokens for c in generate(model, PROMPTS, dataclasses.replace(free, pad_token_id=3))] == unstopped
+    with pytest.raises(ValueError, match="prompt 0 has 7 tokens, which leaves no room for a new token under "
+                                         "max_length=7"):
+        generate(model, PROMPTS, dataclasses.replace(free, max_length=7))
+    with pytest.raises(ValueError, match=f"pad token id {VOCAB + 5} is outside the model's vocabulary"):
+        generate(model, PROMPTS, dataclasses.replace(free, pad_token_id=VOCAB + 5))
+
+
 # ---------------------------------------------------------------------------- CLI
 def test_generate_cli_error_exits_2_with_one_sentence(tmp_path):
     proc = subprocess.run([sys.executable, str(REPO / "launch" / "generate.py"), "--load", str(tmp_path),
@@ -329,3 +356,122 @@ def test_generate_cli_writes_jsonl_and_refuses_bad_input(gpt2_bpe_dir, tmp_path,
         assert exit_info.value.code == 2
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and needle in err and err.count("\n") == 0, err
+
+
+# ---------------------------------------------------------------------------- CLI: generation_config.json
+def _launch_generate():
+    spec = importlib.util.spec_from_file_location("launch_generate", REPO / "launch" / "generate.py")
+    cli = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cli)
+    return cli
+
+
+def _model_with_generation_config(source, directory, content) -> str:
+    """A copy of the model directory ``source`` whose generation_config.json is ``content`` (a dict as JSON,
+    a str as it is; None: no file)."""
+    directory.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(Path(source) / name, directory / name)
+    if content is not None:
+        text = content if isinstance(content, str) else json.dumps(content)
+        (directory / "generation_config.json").write_text(text)
+    return str(directory)
+
+
+def _settings_line(capsys) -> str:
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.startswith("generation settings: ")]
+    assert len(lines) == 1, lines
+    return lines[0]
+
+
+CLI_PROMPTS = ["--prompt", "Hello world", "--prompt", "The"]   # 2 and 1 tokens
+
+
+def test_generate_cli_applies_generation_config_json(gpt2_bpe_dir, tmp_path, capsys):
+    """The file's do_sample, temperature, top_k, top_p, max_new_tokens, max_length and eos_token_id apply where no
+    flag is given: each run equals the same settings given as flags to the same model without the file."""
+    cli = _launch_generate()
+    plain = _model_with_generation_config(gpt2_bpe_dir, tmp_path / "plain", None)
+
+    def run(directory, *flags):
+        return [(r.tokens, r.finish_reason) for r in cli.main(["--load", directory, *CLI_PROMPTS, *flags])]
+
+    greedy = run(plain, "--greedy", "--max-new-tokens", "4")
+    capsys.readouterr()
+    from_file = _model_with_generation_config(gpt2_bpe_dir, tmp_path / "greedy", {"do_sample": False,
+                                                                                    "max_new_tokens": 3})
+    assert run(from_file) == [(tokens[:3], "length") for tokens, _ in greedy]
+    line = _settings_line(capsys)
+    assert "greedy (generation_config.json)" in line and "max_new_tokens 3 (generation_config.json)" in line, line
+
+    sampling = {"do_sample": True, "temperature": 0.7, "top_k": 5, "top_p": 0.9, "max_new_tokens": 4}
+    sampled = run(_model_with_generation_config(gpt2_bpe_dir, tmp_path / "sampling", sampling))
+    assert sampled == run(plain, "--temperature", "0.7", "--top-k", "5", "--top-p", "0.9", "--max-new-tokens", "4")
+    assert sampled != run(plain, "--max-new-tokens", "4"), "the file's sampling settings changed nothing"
+    capsys.readouterr()
+
+    # max_length counts the prompt: "Hello world" (2 tokens) gets 3 new tokens, "The" (1 token) 4.
+    limited = run(_model_with_generation_config(gpt2_bpe_dir, tmp_path / "length", {"do_sample": False,
+                                                                                      "max_length": 5}))
+    assert limited == [(greedy[0][0][:3], "length"), (greedy[1][0][:4], "length")]
+    assert "max_length 5 (generation_config.json)" in _settings_line(capsys)
+
+    stop = greedy[0][0][0]   # the first greedy token of "Hello world", one of two eos ids
+    eos = run(_model_with_generation_config(gpt2_bpe_dir, tmp_path / "eos", {"do_sample": False, "max_new_tokens": 4,
+                                                                               "eos_token_id": [50256, stop]}))
+    for (tokens, reason), (expected, _) in zip(eos, greedy):
+        cut = expected.index(stop) + 1 if stop in expected else len(expected)
+        assert (tokens, reason) == (expected[:cut], "eod" if stop in expected else "length")
+    assert eos[0] == ([stop], "eod")
+
+
+def test_generate_cli_flags_override_generation_config_json(gpt2_bpe_dir, tmp_path, capsys):
+    """A flag given wins over the file; --temperature, --top-k and --top-p sample even where the file says
+    do_sample false, --greedy decodes greedily where it says true, and --no-generation-config ignores the file."""
+    cli = _launch_generate()
+    plain = _model_with_generation_config(gpt2_bpe_dir, tmp_path / "plain", None)
+    greedy_file = _model_with_generation_config(gpt2_bpe_dir, tmp_path / "greedy", {
+        "do_sample": False, "max_new_tokens": 3, "temperature": 0.5})
+    sampling_file = _model_with_generation_config(gpt2_bpe_dir, tmp_path / "sampling", {
+        "do_sample": True, "temperature": 0.7, "max_new_tokens": 3})
+
+    def run(directory, *flags):
+        return [r.tokens for r in cli.main(["--load", directory, *CLI_PROMPTS, *flags])]
+
+    assert run(greedy_file, "--max-new-tokens", "5") == run(plain, "--greedy", "--max-new-tokens", "5")
+    capsys.readouterr()
+    overridden = run(greedy_file, "--temperature", "0.9", "--seed", "7")
+    line = _settings_line(capsys)
+    assert overridden == run(plain, "--temperature", "0.9", "--seed", "7", "--max-new-tokens", "3")
+    for part in ("sampling (--temperature)", "temperature 0.9 (--temperature)", "seed 7 (--seed)",
+                 "max_new_tokens 3 (generation_config.json)"):
+        assert part in line, line
+    assert run(greedy_file, "--top-k", "5") == run(plain, "--temperature", "0.5", "--top-k", "5",
+                                                  "--max-new-tokens", "3")
+    assert run(sampling_file, "--greedy") == run(plain, "--greedy", "--max-new-tokens", "3")
+    capsys.readouterr()
+    ignored = run(sampling_file, "--no-generation-config", "--max-new-tokens", "2")
+    assert "generation_config.json ignored (--no-generation-config)" in _settings_line(capsys)
+    assert ignored == run(plain, "--max-new-tokens", "2")
+
+
+@pytest.mark.parametrize("content,needle", [
+    ('{"do_sample": tru', "is not valid JSON"),
+    ("[1, 2]", "holds a JSON list"),
+    ({"temperature": -1.0}, "sets temperature to -1.0, but it must be a finite number"),
+    ({"max_new_tokens": "ten"}, 'sets max_new_tokens to "ten", but it must be a positive integer'),
+    ({"early_stopping": "x"}, "is refused by transformers' GenerationConfig (`early_stopping` must be"),
+    ({"num_beams": 4}, "sets num_beams to 4, but zoo's generator has no beam search"),
+    ({"do_sample": True, "repetition_penalty": 1.3}, "sets repetition_penalty to 1.3, but zoo's generator has no"),
+])
+def test_generate_cli_refuses_a_generation_config_json_it_cannot_apply(gpt2_bpe_dir, tmp_path, capsys, content,
+                                                                       needle):
+    directory = _model_with_generation_config(gpt2_bpe_dir, tmp_path / "model", content)
+    with pytest.raises(SystemExit) as exit_info:
+        _launch_generate().main(["--load", directory, "--prompt", "Hello", "--max-new-tokens", "2"])
+    assert exit_info.value.code == 2
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert err.startswith(f"error: {directory}/generation_config.json ") and err.count("\n") == 0, err
+    assert needle in err and err.endswith("or ignore the file with --no-generation-config."), err
+    assert "--- [0]" not in captured.out

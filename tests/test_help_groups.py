@@ -19,7 +19,8 @@ REPO = Path(__file__).resolve().parent.parent
 TASKS = sorted(DEFAULT_MAX_SEQ_LENGTH)
 SQUAD_ONLY = {"--doc-stride", "--max-query-length", "--squad-version"}
 GENERATION_FLAGS = {"--prompt", "--prompt-file", "--batch-size", "--max-new-tokens", "--greedy", "--temperature",
-                    "--top-k", "--top-p", "--seed", "--no-cache"}
+                    "--top-k", "--top-p", "--seed", "--no-cache",
+                    "--no-generation-config"}
 HUB_TASKS = ("mnli", "qqp", "squad", "race")
 HUB_NAME = re.compile(r"hub:([a-z0-9][\w.-]*(?:/[\w.-]+)*)")
 

@@ -94,6 +94,8 @@ def test_temperature_zero_says_greedy_and_a_stop_at_the_context_says_where(tiny_
     assert capsys.readouterr().err.splitlines() == [
         "note: --temperature 0 is greedy decoding (the most likely token at every step), so --seed, --top-k and "
         "--top-p do not change the completions.",
+        "generation settings: greedy (--temperature 0), max_new_tokens 40 (--max-new-tokens), eos_token_id [50256] "
+        "(generation_config.json)",
         f"note: 2 completions stopped where the prompt and completion filled the model's context of 16 tokens, "
         f"before --max-new-tokens 40: [0] after {counts[0]}, [1] after {counts[1]} new tokens."]
     assert counts == [14, 15]

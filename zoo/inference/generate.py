@@ -11,8 +11,10 @@ One decoding step on a batch of b left-padded sequences:
                         sequence's own generator, seeded identically on every rank from (seed, index)
     sync:               TP rank 0's tokens are broadcast over the TP group and used by every rank, so the
                         ranks can never diverge; a rank whose own choice differed counts a disagreement
-    stop:               a sequence finishes at the EOD token, at ``max_new_tokens``, or when it fills the
-                        model's ``n_positions``; finished sequences are fed (and padded with) the pad token
+    stop:               a sequence finishes at an EOD token (``eod_token_id``: one id or several), at
+                        ``max_new_tokens``, at ``max_length`` tokens with its prompt (transformers' max_length),
+                        or when it fills the model's ``n_positions``; finished sequences are fed (and padded
+                        with) the pad token
 
 Left padding: prompt i of length n_i sits in the last n_i of L columns; the attention mask hides the
 pads and positions count real tokens only (position = cumsum(mask) - 1), so each row computes what
@@ -39,14 +41,24 @@ from zoo.parallel.argmax import vocab_parallel_argmax
 from zoo.parallel.state import ParallelState, as_state
 
 FINISH_EOD = "eod"            # produced the end-of-document token
-FINISH_LENGTH = "length"      # reached max_new_tokens
+FINISH_LENGTH = "length"      # reached max_new_tokens (or max_length, prompt included)
 FINISH_CONTEXT = "context"    # filled the model's n_positions
+
+
+def is_token_id(value) -> bool:
+    """An integer >= 0 that is not a bool."""
+    return not isinstance(value, bool) and isinstance(value, Integral) and value >= 0
 
 
 @dataclass(frozen=True)
 class GenerationConfig:
     """How to decode. ``greedy`` (or ``temperature`` 0) takes the arg-max; otherwise tokens are sampled
-    after temperature, top-k (0 = off) and top-p (1 = off). ``eod_token_id`` None never stops early."""
+    after temperature, top-k (0 = off) and top-p (1 = off).
+
+    A sequence stops at ``max_new_tokens`` new tokens, at ``max_length`` tokens counting its prompt (None:
+    no such limit; transformers' ``max_length``), and at any of the ``eod_token_id`` (one id, a tuple of
+    ids, or None to never stop early). ``pad_token_id`` fills the left of short prompts and follows a
+    finished sequence (None: the first EOD id); it never reaches the completions."""
 
     max_new_tokens: int = 32
     greedy: bool = False
@@ -54,29 +66,51 @@ class GenerationConfig:
     top_k: int = 0
     top_p: float = 1.0
     seed: int = 0
-    eod_token_id: int | None = GPT2_EOD_TOKEN_ID
+    eod_token_id: int | tuple[int, ...] | None = GPT2_EOD_TOKEN_ID
     use_cache: bool = True
+    max_length: int | None = None
+    pad_token_id: int | None = None
 
     @property
     def is_greedy(self) -> bool:
         return self.greedy or self.temperature == 0
 
-    def pad_token_id(self, vocab_size: int) -> int:
-        """Fed to (and filling) finished sequences and left of short prompts: EOD if the model has it."""
-        return self.eod_token_id if self.eod_token_id is not None and self.eod_token_id < vocab_size else 0
+    @property
+    def eod_ids(self) -> tuple[int, ...]:
+        """Every token id that ends a sequence (none when ``eod_token_id`` is None)."""
+        if self.eod_token_id is None:
+            return ()
+        return tuple(self.eod_token_id) if isinstance(self.eod_token_id, tuple) else (self.eod_token_id,)
+
+    def start_id(self, vocab_size: int) -> int:
+        """The prompt of an empty text (unconditional generation): the first EOD id if the model has it, else 0."""
+        return next((t for t in self.eod_ids if t < vocab_size), 0)
+
+    def padding_id(self, vocab_size: int) -> int:
+        """Fed to (and filling) finished sequences and left of short prompts: ``pad_token_id``, else
+        :meth:`start_id`."""
+        return self.pad_token_id if self.pad_token_id is not None else self.start_id(vocab_size)
 
     def validate(self) -> GenerationConfig:
         """Refuse impossible settings with one sentence naming the value and the fix."""
         if isinstance(self.max_new_tokens, bool) or not isinstance(self.max_new_tokens, Integral) \
                 or self.max_new_tokens < 1:
             raise UserError(f"max new tokens {self.max_new_tokens!r} must be a positive integer.")
+        if self.max_length is not None and (isinstance(self.max_length, bool)
+                                            or not isinstance(self.max_length, Integral) or self.max_length < 2):
+            raise UserError(f"max length {self.max_length!r} must be an integer of at least 2 (the prompt's tokens "
+                             "and at least one new one), or None for no limit beyond max new tokens.")
         check_sampling_settings(self.temperature, self.top_k, self.top_p, allow_zero_temperature=True)
         if isinstance(self.seed, bool) or not isinstance(self.seed, Integral):
             raise UserError(f"seed {self.seed!r} must be an integer.")
-        if self.eod_token_id is not None and (isinstance(self.eod_token_id, bool)
-                                              or not isinstance(self.eod_token_id, Integral)):
-            raise UserError(f"eod token id {self.eod_token_id!r} must be an integer token id, or None to never "
-                             "stop early.")
+        eod = self.eod_token_id
+        if eod is not None and not (is_token_id(eod) or isinstance(eod, tuple) and eod
+                                    and all(is_token_id(t) for t in eod)):
+            raise UserError(f"eod token id {eod!r} must be a token id (an integer >= 0), a non-empty tuple of "
+                             "them, or None to never stop early.")
+        if self.pad_token_id is not None and not is_token_id(self.pad_token_id):
+            raise UserError(f"pad token id {self.pad_token_id!r} must be a token id (an integer >= 0), or None to "
+                             "pad with the EOD token.")
         return self
 
 
@@ -98,14 +132,20 @@ def sequence_seed(seed: int, index: int) -> int:
     return (seed * 1_000_003 + index) % (2 ** 63)
 
 
-def validate_prompts(prompts: Sequence[Sequence[int]], n_positions: int, vocab_size: int) -> None:
-    """One sentence naming the first prompt that is empty, too long or outside the vocabulary."""
+def validate_prompts(prompts: Sequence[Sequence[int]], n_positions: int, vocab_size: int,
+                     max_length: int | None = None) -> None:
+    """One sentence naming the first prompt that is empty, too long (for the model's ``n_positions`` or for
+    ``max_length``) or outside the vocabulary."""
     for index, prompt in enumerate(prompts):
         if len(prompt) == 0:
             raise UserError(f"prompt {index} has no tokens; give at least one (e.g. the EOD token).")
         if len(prompt) >= n_positions:
             raise UserError(f"prompt {index} has {len(prompt)} tokens, which leaves no room for a new token in "
                              f"the model's n_positions={n_positions}; shorten it to at most {n_positions - 1} tokens.")
+        if max_length is not None and len(prompt) >= max_length:
+            raise UserError(f"prompt {index} has {len(prompt)} tokens, which leaves no room for a new token under "
+                             f"max_length={max_length} (prompt included); shorten it to at most {max_length - 1} "
+                             "tokens, or limit the new tokens with max_new_tokens instead.")
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:
             raise UserError(f"prompt {index} holds token id {bad[0]}, outside the model's vocabulary of {vocab_size}; "
@@ -156,7 +196,14 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], config: GenerationCo
     indices = list(range(len(prompts))) if indices is None else list(indices)
     generators = [] if config.is_greedy else [
         torch.Generator(device=device).manual_seed(sequence_seed(config.seed, i)) for i in indices]
-    pad = config.pad_token_id(vocab_size)
+    pad = config.padding_id(vocab_size)
+    if pad >= vocab_size:
+        raise UserError(f"pad token id {pad} is outside the model's vocabulary of {vocab_size}; pad with a token "
+                         "id below it (or None: the EOD token).")
+    eod_ids = torch.as_tensor(config.eod_ids, dtype=torch.long, device=device)     # (n_eod,)
+    # A sequence holds at most `limit` tokens, prompt included: max_length ("length"), else n_positions ("context").
+    by_length = config.max_length is not None and config.max_length <= n_positions
+    limit = config.max_length if by_length else n_positions
     ids, mask = left_pad(prompts, pad, device)                                  # (b, L)
     lengths = torch.as_tensor([len(p) for p in prompts], device=device)         # (b,)
     b = len(prompts)
@@ -186,9 +233,9 @@ def generate_batch(model, prompts: Sequence[Sequence[int]], config: GenerationCo
         new[:, step] = chosen
         ids = torch.cat((ids, chosen[:, None]), dim=1)                          # (b, L + step + 1)
         mask = torch.cat((mask, torch.ones_like(mask[:, :1])), dim=1)           # (b, L + step + 1)
-        eod = ~done & (chosen == config.eod_token_id) if config.eod_token_id is not None else torch.zeros_like(done)
-        full = ~done & ~eod & (lengths + step + 1 >= n_positions)
-        reason = reason.masked_fill(eod, 1).masked_fill(full, 2)
+        eod = ~done & torch.isin(chosen, eod_ids)
+        full = ~done & ~eod & (lengths + step + 1 >= limit)
+        reason = reason.masked_fill(eod, 1).masked_fill(full, 0 if by_length else 2)
         count = count.masked_fill(eod | full, step + 1)
         done = done | eod | full
         if bool(done.all()):
@@ -206,7 +253,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: GenerationConfig,
     config.validate()
     if batch_size < 1:
         raise UserError(f"batch size {batch_size} must be a positive integer.")
-    validate_prompts(prompts, model.config.n_positions, model.config.vocab_size)
+    validate_prompts(prompts, model.config.n_positions, model.config.vocab_size, config.max_length)
     was_training = model.training
     model.eval()
     try:
@@ -245,8 +292,9 @@ def generate_text(model, tokenizer, texts: Sequence[str], config: GenerationConf
     prompts (its TP group decoding together) and the blocks are all-gathered over the DP group, so
     every rank returns all results, in prompt order. Collective over the whole world."""
     parallel = as_state(parallel)
-    prompts = encode_prompts(tokenizer, texts, config.pad_token_id(model.config.vocab_size))
-    validate_prompts(prompts, model.config.n_positions, model.config.vocab_size)  # on every rank, before any work
+    prompts = encode_prompts(tokenizer, texts, config.start_id(model.config.vocab_size))
+    validate_prompts(prompts, model.config.n_positions, model.config.vocab_size,  # on every rank, before any work
+                     config.max_length)
     block = dp_block(len(prompts), parallel)
     completions = generate(model, prompts[block.start:block.stop], config, parallel, batch_size,
                            first_index=block.start)
