@@ -17,7 +17,7 @@ from zoo.data.blending import BlendedDataset, check_data_path
 from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader, shut_down_workers
 from zoo.data.indexed_dataset import IndexedDataset
 from zoo.distributed import raise_on_any_rank, run_on_first_rank
-from zoo.training.families import build_dataset, default_corpus, objective_of
+from zoo.training.pretraining_objectives import build_dataset, default_corpus, objective_of
 
 __all__ = ["PretrainingData", "can_start_workers"]
 
