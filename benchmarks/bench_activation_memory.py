@@ -9,7 +9,7 @@ the layer being recomputed under full recomputation (the planner's ``activation_
 layer for it; the "predicted" column here does not). On an accelerator the table also gives the
 measured peak allocation minus the memory held before the step (weights, gradients, optimizer).
 
-The prediction is ``zoo.planning.planner`` (L x layer_activation_bytes + output_activation_bytes), with
+The prediction is ``zoo.planning.activations`` (L x layer_activation_bytes + output_activation_bytes), with
 the value and mask widths of the run (fp32 on CPU: 4-byte values, 4-byte dropout masks).
 
     .venv/bin/python benchmarks/bench_activation_memory.py            # h=256, s=256, b=2, L=2, ~1 min
@@ -92,7 +92,7 @@ class SavedActivations:
 
 def predicted_bytes(args, tp: int, sp: bool, recompute, value_bytes: int, mask_bytes: int) -> float | None:
     try:
-        from zoo.planning.planner import layer_activation_bytes, output_activation_bytes
+        from zoo.planning.activations import layer_activation_bytes, output_activation_bytes
     except ImportError:
         return None
     widths = {"value_bytes": value_bytes, "mask_bytes": mask_bytes}
@@ -229,7 +229,7 @@ def main(argv=None) -> None:
             line += f" {mib(r['peak']):>11}" if on_accelerator else ""
             print(line + f" {r['step_s'] * 1e3:8.1f}")
     if predicted_bytes(args, 1, False, None, value_bytes, mask_bytes) is None:
-        print("(zoo.planning.planner not found: no prediction)")
+        print("(zoo.planning.activations not found: no prediction)")
 
 
 if __name__ == "__main__":

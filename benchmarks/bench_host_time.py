@@ -6,7 +6,7 @@ first forward op (a forward pre-hook on the model), i.e. everything the host doe
 could start: read the samples (BERT: sentence pairs and whole-word masking), stack them, copy them.
 
 * this tree ("after" in the table): batches come from ``zoo.data.gpt_dataset.build_pretraining_dataloader`` and are
-  copied with ``zoo.training.loop.to_device``, as ``zoo.training.loop`` reads them. With ``--workers 0``
+  copied with ``zoo.training.device_batches.to_device``, as ``zoo.training.loop`` reads them. With ``--workers 0``
   the reading and masking happen on the critical path; with workers (``data_workers``, default 2) they
   run in other processes while the model computes, so the host time is taking a ready batch.
 * the baseline ("before" in the table; commit 18ce9da, checked out with ``git worktree add /tmp/before
@@ -59,17 +59,26 @@ def small_corpus(family: str, directory: Path) -> str:
 def after_reader(dataset, micro: int, workers: int):
     """This tree's training read: the pretraining DataLoader, then the device copy."""
     from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader  # local: absent from 18ce9da
-    from zoo.training.loop import to_device  # local: absent from 18ce9da
+    from zoo.training.device_batches import to_device  # local: absent from 18ce9da
 
     batches = iter(build_pretraining_dataloader(dataset, micro, 0, None, num_workers=workers, pin_memory=False))
     return lambda step: to_device(batch_or_raise(next(batches)), "cpu")
 
 
+def old_training_families():
+    """18ce9da's ``zoo.training.families``, which this tree names ``zoo.training.pretraining_objectives`` (and
+    whose build_model lives in ``zoo.models.families``): imported by name, since only the measured tree has it."""
+    import importlib  # local: only the child interpreters of the 18ce9da tree need it
+
+    return importlib.import_module("zoo.training.families")
+
+
 def before_reader(dataset, micro: int):
     """18ce9da's training read: ``micro_batch_at`` in the training process, then ``model_forward_kwargs``."""
     from zoo.parallel import ParallelState  # local: the measured tree's zoo, on the child's PYTHONPATH
-    from zoo.training.families import model_forward_kwargs  # local: 18ce9da's API
     from zoo.training.pretraining_data import PretrainingData  # local: 18ce9da's API
+
+    model_forward_kwargs = old_training_families().model_forward_kwargs
 
     data = object.__new__(PretrainingData)   # only the two fields micro_batch_at reads
     data.parallel, data.micro_batch = ParallelState.single(), micro
@@ -83,11 +92,14 @@ def measure(family: str, workers: int | None, steps: int, warmup: int, micro: in
     from zoo.data import IndexedDataset  # local: the measured tree's zoo, on the child's PYTHONPATH
     from zoo.models import model_config  # local: the measured tree's zoo, on the child's PYTHONPATH
     from zoo.parallel import ParallelState  # local: the measured tree's zoo, on the child's PYTHONPATH
-    from zoo.training.families import build_dataset  # local: the measured tree's zoo, on the child's PYTHONPATH
+    try:
+        from zoo.training.pretraining_objectives import build_dataset  # local: this tree's place for it
+    except ImportError:
+        build_dataset = old_training_families().build_dataset
     try:
         from zoo.models.families import build_model  # local: this tree's place for it
     except ImportError:
-        from zoo.training.families import build_model  # local: 18ce9da's place for it
+        build_model = old_training_families().build_model
 
     torch.manual_seed(0)
     config = model_config(PRESET[family])

@@ -107,7 +107,7 @@ def build_engine_step(directory: str, args, ids):
     from engine_path import EngineStep, compile_blocks, pretraining_ds_config
 
     from zoo.models import LlamaForCausalLM
-    from zoo.training.loop import join
+    from zoo.training.startup import join
 
     world = int(os.environ["WORLD_SIZE"])
     parallel = join(world, 1234)

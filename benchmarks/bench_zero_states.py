@@ -1,6 +1,6 @@
 """Bytes per parameter that DeepSpeed's ZeRO stage 1 and 2 optimizer really holds, against two formulas.
 
-zoo's planner (zoo.planning.planner.state_bytes) and DeepSpeed's own estimator
+zoo's planner (zoo.planning.model_states.state_bytes) and DeepSpeed's own estimator
 (``deepspeed.runtime.zero.stage_1_and_2.estimate_zero2_model_states_mem_needs``) disagree about ZeRO's
 model states. This script runs two real training steps of a small GPT-2 at dp=2 on CPU (gloo, bf16, the
 torch Adam) per ZeRO stage and takes, on every rank, an inventory of every live tensor (all tensors the
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument("--bucket", type=int, default=1_000_000, help="reduce/allgather bucket size (elements)")
     args = parser.parse_args()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    from zoo.planning.planner import state_bytes
+    from zoo.planning.model_states import state_bytes
 
     dp = args.dp
     print(f"GPT-2 ({args.layers} layers, hidden {args.hidden}, vocab {args.vocab}), {args.dtype}, torch Adam, dp={dp}, "

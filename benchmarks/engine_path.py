@@ -34,7 +34,9 @@ def pretraining_ds_config(ds_config_path: str | os.PathLike, micro: int, seq: in
     micro-batch per iteration per DP rank, ``seq`` tokens, tensor-parallel ``tp`` of ``world_size`` ranks;
     ``precision`` "fp16"/"bf16" passes that flag (None: the file's)."""
     from zoo.cli.pretrain import build_parser
-    from zoo.config.run_config import deepspeed_dict, load_run_config, validate_for_world
+    from zoo.config.deepspeed_dict import deepspeed_dict
+    from zoo.config.loading import load_run_config
+    from zoo.config.validation import validate_for_world
 
     argv = ["--deepspeed_config", str(ds_config_path), "--tensor-parallel-size", str(tp),
             "--micro-batch-size", str(micro), "--global-batch-size", str(micro * world_size // tp),
@@ -48,12 +50,12 @@ def pretraining_ds_config(ds_config_path: str | os.PathLike, micro: int, seq: in
 
 def join_world_of_one(seed: int = 1234):
     """This process as a world of one (the launcher variables of zoo.distributed.single_process_env, which
-    DeepSpeed's engine reads, stay set), joined as zoo's jobs join (zoo.training.loop.join), the benchmark's
+    DeepSpeed's engine reads, stay set), joined as zoo's jobs join (zoo.training.startup.join), the benchmark's
     torch thread count kept. Returns the ParallelState (tp = 1)."""
     import torch
 
     from zoo.distributed import single_process_env
-    from zoo.training.loop import join
+    from zoo.training.startup import join
 
     threads = torch.get_num_threads()
     single_process_env()
@@ -87,7 +89,8 @@ class EngineStep:
 
     def __init__(self, model, ds_config: dict, parallel, ids, weight_decay: float):
         from zoo.smoke import OneBatchTask
-        from zoo.training.loop import LoopState, TrainingLoop, setup_engine
+        from zoo.training.loop import LoopState, TrainingLoop
+        from zoo.training.startup import setup_engine
 
         self.engine = setup_engine(model, ds_config, parallel, weight_decay, refresh_masters=False)
         self.engine.train()
@@ -103,7 +106,7 @@ class EngineStep:
 
     def reset_phases(self) -> None:
         """Forget the phases timed so far (call after the warm-up steps)."""
-        from zoo.training.loop import LogWindow
+        from zoo.training.log_window import LogWindow
 
         self.loop.window = LogWindow(self.loop.timing_events)
         self.calls = 0

@@ -45,7 +45,8 @@ def free_port() -> int:
 
 
 def run_config(args: argparse.Namespace, run_dir: Path, pre_norm: bool):
-    from zoo.config.run_config import RunConfig, validate_static
+    from zoo.config.run_config import RunConfig
+    from zoo.config.validation import validate_static
 
     ds_config = {
         "train_batch_size": args.batch,

@@ -220,7 +220,7 @@ def check_command(step: Step) -> None:
     weights it names); raises the command's own error (a UserError, or SystemExit from argparse)."""
     if step.kind == "pretrain":
         from zoo.cli.pretrain import build_parser
-        from zoo.config.run_config import load_run_config
+        from zoo.config.loading import load_run_config
         from zoo.training.preflight import check_before_launch
 
         check_before_launch(load_run_config(build_parser().parse_args(step.argv)), max(step.ranks, 1), None)

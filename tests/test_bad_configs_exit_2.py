@@ -131,7 +131,8 @@ def test_model_config_refuses_non_positive_and_absurd_shapes():
 
 # ------------------------------------------------------------------ input paths, checked by validation
 def _run_config(tmp_path, *flags):
-    from zoo.config.run_config import build_parser, load_run_config
+    from zoo.config.loading import load_run_config
+    from zoo.config.run_config import build_parser
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(DEMO_DS_CONFIG))
@@ -292,7 +293,8 @@ def test_pretrain_refuses_impossible_pipeline_layouts(case, tmp_path, capsys):
 
 
 def test_pipeline_world_and_bubble_are_checked_at_launch():
-    from zoo.config.run_config import RunConfig, pipeline_bubble_warning, validate_for_world
+    from zoo.config.run_config import RunConfig
+    from zoo.config.validation import pipeline_bubble_warning, validate_for_world
 
     config = RunConfig(tensor_parallel_size=2, pipeline_model_parallel_size=2, ds_config=dict(DEMO_DS_CONFIG))
     with pytest.raises(ValueError, match=r"tensor-parallel size 2 x pipeline-parallel size 2 = 4 does not divide the "

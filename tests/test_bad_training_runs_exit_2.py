@@ -74,7 +74,7 @@ def test_zoo_block_of_the_wrong_type_names_the_key(key, value, needle, tmp_path,
 def test_zoo_block_that_is_not_an_object(tmp_path):
     import argparse
 
-    from zoo.config.run_config import load_run_config
+    from zoo.config.loading import load_run_config
 
     path = tmp_path / "ds.json"
     path.write_text(json.dumps(dict(_ds_config(2, 2), zoo=[1])))
@@ -171,7 +171,7 @@ def test_latest_naming_a_missing_tag_says_the_callers_fix(tmp_path):
 
 # ----------------------------------------------------------------------------- schedules (pure parts)
 def test_warmup_longer_than_the_run_is_cut_with_a_warning():
-    from zoo.config.run_config import clipped_warmup_warning, deepspeed_dict
+    from zoo.config.deepspeed_dict import clipped_warmup_warning, deepspeed_dict
 
     config = _run_config(None, "unused", 1, 2, 2, train_iters=3)
     config.ds_config["scheduler"]["params"]["warmup_num_steps"] = 2000
@@ -184,7 +184,7 @@ def test_warmup_longer_than_the_run_is_cut_with_a_warning():
 
 
 def test_schedule_change_names_old_and_new():
-    from zoo.config.run_config import schedule_change_warning
+    from zoo.config.deepspeed_dict import schedule_change_warning
 
     old = {"type": "WarmupCosineLR", "total_num_steps": 3, "warmup_num_steps": 3, "cos_min_ratio": 0.1}
     new = dict(old, total_num_steps=6, warmup_num_steps=6)

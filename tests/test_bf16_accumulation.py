@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from tests.spawn import spawn
-from zoo.planning.planner import state_bytes
+from zoo.planning.model_states import state_bytes
 
 CONFIGS = Path(__file__).resolve().parent.parent / "ds_configs"
 
@@ -46,7 +46,7 @@ def _run_config(*flags: str, data_types: dict | None = None, tmp_path: Path | No
     """The RunConfig of ds_configs/tp1.json (an fp16 config at ZeRO stage 0) under ``flags``, its file given
     ``data_types`` where set."""
     from zoo.cli.pretrain import build_parser
-    from zoo.config.run_config import load_run_config
+    from zoo.config.loading import load_run_config
 
     path = CONFIGS / "tp1.json"
     if data_types is not None:
@@ -176,8 +176,8 @@ def _sixty_four_micro_batches(rank, world_size):
 
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.parallel import ParallelState, model_parallel_seed
-    from zoo.training.loop import setup_engine
     from zoo.training.loss_scaling import backward
+    from zoo.training.startup import setup_engine
 
     deepspeed.init_distributed()
     gc.freeze()   # DeepSpeed's BF16_Optimizer runs gc.collect() nine times as it starts: over a frozen heap it is quick

@@ -176,7 +176,8 @@ def test_plan_refuses_bf16_on_the_v100(capsys):
     ("bert-tiny", ["--num-layers", "3", "--ffn-hidden-size", "96"], dict(num_hidden_layers=3, intermediate_size=96)),
 ])
 def test_megatron_shape_flags_set_each_family_s_own_fields(tmp_path, preset, flags, expected):
-    from zoo.config.run_config import build_parser, load_run_config
+    from zoo.config.loading import load_run_config
+    from zoo.config.run_config import build_parser
 
     ds_config = json.loads((REPO / "ds_configs" / "cpu_demo.json").read_text())
     ds_config["zoo"] = {"model": preset, "save": str(tmp_path / "run"), "seq_length": 32,

@@ -243,7 +243,7 @@ def test_compiling_keeps_checkpoint_keys(tp_results):
 # ------------------------------------------------------------------------------------------------- the setting
 def load(*flags: str, block: dict | None = None, tmp_path: Path | None = None):
     from zoo.cli.pretrain import build_parser
-    from zoo.config.run_config import load_run_config
+    from zoo.config.loading import load_run_config
 
     path = DEMO
     if block is not None:

@@ -34,7 +34,7 @@ REL = 1e-12
 def load(path=DEMO, *flags: str, block: dict | None = None, tmp_path: Path | None = None):
     """The RunConfig of ``path`` (its zoo block updated by ``block``) under the command line ``flags``."""
     from zoo.cli.pretrain import build_parser
-    from zoo.config.run_config import load_run_config
+    from zoo.config.loading import load_run_config
 
     if block is not None:
         content = json.loads(Path(path).read_text())
@@ -129,7 +129,7 @@ def test_deepspeed_runs_the_schedule_the_flags_ask_for():
     import torch
     from deepspeed.runtime.lr_schedules import WarmupCosineLR, WarmupDecayLR
 
-    from zoo.config.run_config import deepspeed_dict
+    from zoo.config.deepspeed_dict import deepspeed_dict
 
     for path, scheduler in ((DEMO, WarmupCosineLR), (BERT_DEMO, WarmupDecayLR)):
         config = load(path, "--lr", "4e-4", "--min-lr", "2e-5", "--lr-warmup-iters", "5", "--train-iters", "20")
@@ -146,7 +146,7 @@ def test_deepspeed_runs_the_schedule_the_flags_ask_for():
 
 
 def test_batch_flags_drop_the_files_accumulation_steps(tmp_path):
-    from zoo.config.run_config import validate_for_world
+    from zoo.config.validation import validate_for_world
 
     content = json.loads(DEMO.read_text())
     content["gradient_accumulation_steps"] = 2     # 8 = 4 x 2 x dp 1
@@ -158,7 +158,7 @@ def test_batch_flags_drop_the_files_accumulation_steps(tmp_path):
 
 
 def test_batch_arithmetic_is_one_sentence():
-    from zoo.config.run_config import validate_for_world
+    from zoo.config.validation import validate_for_world
 
     config = load(DEMO, "--global-batch-size", "12", "--tensor-parallel-size", "1")
     with pytest.raises(ValueError) as err:
@@ -207,7 +207,8 @@ def test_schedule_flags_without_a_schedule_to_take_them(tmp_path):
 
 # ----------------------------------------------------------------------------------------- settings shown and kept
 def test_effective_settings_block_and_config_json(tmp_path, capsys):
-    from zoo.config.run_config import deepspeed_dict, load_run_config
+    from zoo.config.deepspeed_dict import deepspeed_dict
+    from zoo.config.loading import load_run_config
     from zoo.training.effective_settings import record_effective_settings
 
     prefix = tiny_corpus(tmp_path / "corpus")
@@ -265,7 +266,8 @@ def _settings_worker(rank, world_size, data_path, save):
     import io
 
     from zoo.config.deepspeed_overrides import apply_overrides
-    from zoo.config.run_config import RunConfig, validate_static
+    from zoo.config.run_config import RunConfig
+    from zoo.config.validation import validate_static
     from zoo.training.metrics import read_metrics
     from zoo.training.pretrain import pretrain
 
@@ -319,7 +321,8 @@ def test_fit_check_refuses_what_the_planner_says_does_not_fit(tmp_path):
     """The memory figure is an argument (the CLI measures it): a stub of exactly the planner's smallest
     footprint fits, one byte less is refused with the plan's numbers and the changes that help."""
     from zoo.planning.fit_check import DeviceMemory
-    from zoo.planning.planner import gb, plan
+    from zoo.planning.plan_report import gb
+    from zoo.planning.planner import plan
     from zoo.training.preflight import check_before_launch
 
     prefix = tiny_corpus(tmp_path / "corpus")
@@ -372,7 +375,7 @@ def test_gpu_memory_is_the_free_memory_of_the_ranks_gpu(monkeypatch):
 
 
 def test_a_missing_config_names_the_closest_file(tmp_path, monkeypatch):
-    from zoo.config.run_config import read_ds_config
+    from zoo.config.ds_config_file import read_ds_config
 
     monkeypatch.chdir(REPO)
     with pytest.raises(FileNotFoundError, match=r"DeepSpeed config ds_configs/tp_2.json does not exist; pass "

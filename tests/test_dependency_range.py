@@ -169,8 +169,8 @@ def _engine_step_worker(rank, world_size):
     import deepspeed
 
     from zoo.parallel import ParallelState, model_parallel_seed
-    from zoo.training.loop import setup_engine
     from zoo.training.loss_scaling import backward
+    from zoo.training.startup import setup_engine
 
     deepspeed.init_distributed()
     ps = ParallelState.initialize(world_size)

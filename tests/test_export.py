@@ -84,7 +84,8 @@ def bert_inputs() -> dict[str, torch.Tensor]:
 
 
 def _pretrain_config(data_path: str, save: str):
-    from zoo.config.run_config import RunConfig, validate_static
+    from zoo.config.run_config import RunConfig
+    from zoo.config.validation import validate_static
 
     ds_config = {"train_batch_size": 2, "train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0,
                  "steps_per_print": 10 ** 9,

@@ -66,8 +66,7 @@ def _shape(preset: str, **overrides):
 def test_the_shape_formulas_are_the_papers_for_gpt2_and_bert(preset):
     """The part-by-part formulas on GPT-2's and BERT's shape give the closed forms of Korthikanti et al. and
     Megatron exactly (the FLOPs to 1e-15 relative: the closed form rounds s / (6 h))."""
-    from zoo.planning.flops import megatron_flops_per_iteration, model_flops_per_iteration
-    from zoo.planning.planner import (
+    from zoo.planning.activations import (
         activation_bytes,
         activation_bytes_of,
         attention_scores_bytes,
@@ -75,6 +74,7 @@ def test_the_shape_formulas_are_the_papers_for_gpt2_and_bert(preset):
         output_activation_bytes,
         output_activation_bytes_of,
     )
+    from zoo.planning.flops import megatron_flops_per_iteration, model_flops_per_iteration
 
     shape = _shape(preset)
     h, a, layers = shape.hidden, shape.heads, shape.layers
@@ -102,7 +102,7 @@ def test_llama_parameters_are_transformers_count(preset, tp):
     import transformers
 
     from zoo.models.families import model_config
-    from zoo.planning.planner import count_parameters
+    from zoo.planning.model_states import count_parameters
 
     config = model_config(preset)
     with torch.device("meta"):

@@ -253,7 +253,7 @@ def test_layout_mismatches_are_refused(tiny_bert_dir, tmp_path):
 def test_distributed_timeout_reaches_the_process_group(tiny_bert_dir, tmp_path, monkeypatch, capsys):
     """--distributed-timeout-minutes (or the zoo block's key) is what the run joins its process group with, as
     in pretraining; a non-positive value is one sentence and exit 2."""
-    import zoo.training.loop
+    import zoo.training.startup
     from zoo.cli.finetune import main
 
     class Joined(Exception):
@@ -265,7 +265,7 @@ def test_distributed_timeout_reaches_the_process_group(tiny_bert_dir, tmp_path, 
         joined.append(timeout_minutes)
         raise Joined
 
-    monkeypatch.setattr(zoo.training.loop, "join", fake_join)
+    monkeypatch.setattr(zoo.training.startup, "join", fake_join)
     for extra, expected in ((["--distributed-timeout-minutes", "0.5"], 0.5), ([], None)):
         with pytest.raises(Joined):
             main("qqp", finetune_args("qqp", tiny_bert_dir, tmp_path / "x", "--tensor-parallel-size", "1", *extra))

@@ -55,8 +55,8 @@ def test_log_line_carries_mfu_memory_and_skipped_and_nan_counts():
 
 
 def test_mfu_is_against_the_planner_peak_of_the_device():
-    from zoo.planning.planner import peak_tflops_of
-    from zoo.training.loop import mfu_percent
+    from zoo.planning.gpus import peak_tflops_of
+    from zoo.training.log_window import mfu_percent
 
     assert mfu_percent(98.94, peak_tflops_of("NVIDIA H100 80GB HBM3")) == pytest.approx(10.0)
     assert mfu_percent(98.94, None) is None
@@ -161,7 +161,7 @@ def test_redirected_demo_log_has_no_carriage_returns_and_library_warnings_at_mos
 # ----------------------------------------------------------------------------------------- BERT summary
 def test_bert_summary_reports_mlm_perplexity_and_sop_accuracy_beside_their_baselines():
     from zoo.models.families import CAUSAL_LM, MLM_SOP
-    from zoo.training.families import OBJECTIVES
+    from zoo.training.pretraining_objectives import OBJECTIVES
 
     means = {"loss": 7.5, "mlm_loss": 6.8, "sop_loss": 0.7, "sop_acc": 0.625}
     line = OBJECTIVES[MLM_SOP].validation_line(means, unigram=1234.5)

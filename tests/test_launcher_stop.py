@@ -340,7 +340,7 @@ def test_zoo_launcher_waits_for_a_rank_beyond_the_grace(tmp_path):
 # --------------------------------------------------------------------------------- the training loop
 
 def test_a_first_sigint_stops_the_loop_cleanly_and_a_second_interrupts():
-    from zoo.training.loop import StopConditions
+    from zoo.training.stop_conditions import StopConditions
 
     stop = StopConditions()
     stop.install()
@@ -357,7 +357,8 @@ def test_a_first_sigint_stops_the_loop_cleanly_and_a_second_interrupts():
 
 
 def test_a_stop_report_that_cannot_be_written_is_a_warning(tmp_path, monkeypatch, capsys):
-    from zoo.training.loop import LoopState, StopConditions, TrainingLoop
+    from zoo.training.loop import LoopState, TrainingLoop
+    from zoo.training.stop_conditions import StopConditions
 
     saved = []
 

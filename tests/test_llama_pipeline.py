@@ -123,7 +123,7 @@ def test_llama_tp1_pp2_pretrains_and_its_checkpoint_exports_to_transformers(tmp_
     from zoo.cli.export import main as export_main
     from zoo.data import IndexedDataset
     from zoo.models import model_config
-    from zoo.training.families import build_dataset
+    from zoo.training.pretraining_objectives import build_dataset
 
     prefix = wiki_sample_corpus(tmp_path)
     config = json.loads((REPO / "ds_configs" / "llama_cpu_demo.json").read_text())

@@ -61,7 +61,7 @@ def test_llama_tiny_pretrains_at_tp2_resumes_and_exports_to_transformers(tmp_pat
     from zoo.cli.export import main as export_main
     from zoo.data import IndexedDataset
     from zoo.models import model_config
-    from zoo.training.families import build_dataset
+    from zoo.training.pretraining_objectives import build_dataset
 
     prefix = small_corpus(tmp_path)
     run = tmp_path / "run"

@@ -78,7 +78,7 @@ class RecordingAccelerator:
 def _bind_under_each_launcher(rank, world_size):
     import deepspeed.accelerator
 
-    from zoo.training.loop import join
+    from zoo.training.startup import join
 
     original = deepspeed.accelerator.get_accelerator
     real = original()

@@ -32,8 +32,9 @@ from zoo.distributed import (
     run_on_first_rank,
 )
 from zoo.errors import UserError
-from zoo.training.loop import StopConditions, TrainingLoop
+from zoo.training.loop import TrainingLoop
 from zoo.training.pretrain import pretrain
+from zoo.training.stop_conditions import StopConditions
 
 ZOO = str(Path(__file__).resolve().parent.parent / "zoo")
 SYNC_METHODS = ("item", "cpu", "tolist", "numpy", "__float__", "__int__")

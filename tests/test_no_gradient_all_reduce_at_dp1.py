@@ -81,8 +81,8 @@ def _one_iteration(rank, world_size):
 
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.parallel import ParallelState, model_parallel_seed
-    from zoo.training.loop import setup_engine
     from zoo.training.loss_scaling import backward
+    from zoo.training.startup import setup_engine
 
     deepspeed.init_distributed()
     gc.freeze()   # DeepSpeed's BF16_Optimizer runs gc.collect() nine times as it starts: over a frozen heap it is quick

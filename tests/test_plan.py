@@ -10,17 +10,15 @@ import pytest
 
 from tests.spawn import spawn
 from zoo.cli.plan import main
-from zoo.planning.planner import (
+from zoo.planning.activations import (
     activation_bytes,
     attention_scores_bytes,
-    deepspeed_estimate,
     layer_activation_bytes,
     output_activation_bytes,
-    parse_memory,
-    peak_tflops_of,
-    plan,
-    state_bytes,
 )
+from zoo.planning.gpus import peak_tflops_of
+from zoo.planning.model_states import deepspeed_estimate, state_bytes
+from zoo.planning.planner import parse_memory, plan
 
 REPO = Path(__file__).resolve().parent.parent
 # Shoeybi et al. 2019, Table 1: tp degree -> parameters (billions), all trained on 32 GB V100s.

@@ -359,7 +359,7 @@ def test_pretraining_starts_from_a_transformers_directory_at_tp2(corpus_prefix, 
 
     from zoo.data import IndexedDataset
     from zoo.models import GPT2Config
-    from zoo.training.families import build_dataset
+    from zoo.training.pretraining_objectives import build_dataset
 
     torch.manual_seed(0)
     hf = transformers.GPT2LMHeadModel(transformers.GPT2Config(**HF_TINY)).eval()
@@ -379,7 +379,7 @@ def test_pretraining_starts_from_a_transformers_directory_at_tp2(corpus_prefix, 
 def test_pretrained_of_another_family_is_one_sentence(tmp_path):
     from zoo.models import BertConfig
     from zoo.models.gpt2.presets import gpt2_config
-    from zoo.training.families import pretrained_model
+    from zoo.training.pretraining_objectives import pretrained_model
 
     (tmp_path / "bert").mkdir()
     (tmp_path / "bert" / "config.json").write_text(json.dumps(BertConfig(hidden_size=64).to_hf_dict("ForPreTraining")))
@@ -396,7 +396,7 @@ def test_pretrained_bert_takes_its_layer_order_from_the_directory(tmp_path):
     import transformers
 
     from zoo.models.bert.presets import bert_config
-    from zoo.training.families import pretrained_model
+    from zoo.training.pretraining_objectives import pretrained_model
 
     torch.manual_seed(0)
     encoder = transformers.BertModel(transformers.BertConfig(

@@ -146,7 +146,8 @@ def count_tokens(prefix: str) -> int:
 
 
 def test_the_settings_line_of_a_llama_names_its_key_value_heads(tmp_path):
-    from zoo.config.run_config import RunConfig, validate_static
+    from zoo.config.run_config import RunConfig
+    from zoo.config.validation import validate_static
     from zoo.training.effective_settings import describe_model, model_settings
 
     demo = json.loads((REPO / "ds_configs" / "llama_cpu_demo.json").read_text())

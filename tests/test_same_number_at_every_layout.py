@@ -63,7 +63,7 @@ def validation_event(run_dir) -> dict:
 def valid_samples(model_config, prefix: str) -> list[dict[str, torch.Tensor]]:
     """The valid split's first ``SAMPLES`` samples, as the runs' datasets build them."""
     from zoo.data import IndexedDataset
-    from zoo.training.families import build_dataset
+    from zoo.training.pretraining_objectives import build_dataset
 
     dataset = build_dataset(model_config, IndexedDataset(prefix), SEQ, 1234, "80,20,0", "valid", SAMPLES)
     return [dataset[i] for i in range(SAMPLES)]

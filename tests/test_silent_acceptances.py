@@ -34,7 +34,7 @@ def corpora(tmp_path_factory) -> tuple[str, str]:
 
 def _warnings_of(flags: list[str], capsys, monkeypatch, rank: str | None = None) -> list[str]:
     from zoo.cli.pretrain import build_parser
-    from zoo.config.run_config import load_run_config
+    from zoo.config.loading import load_run_config
 
     for name in ("RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"):
         monkeypatch.delenv(name, raising=False)

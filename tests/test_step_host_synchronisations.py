@@ -107,7 +107,7 @@ def _conversions_per_iteration(rank, world_size, precision):
     from zoo.models import GPT2LMHeadModel, gpt2_config
     from zoo.parallel import ParallelState, model_parallel_seed
     from zoo.training.grad_norm import current_loss_scale
-    from zoo.training.loop import setup_engine
+    from zoo.training.startup import setup_engine
 
     gc.freeze()   # DeepSpeed's BF16_Optimizer runs gc.collect() nine times as it starts: over a frozen heap it is quick
     check_the_counter()

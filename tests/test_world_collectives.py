@@ -66,7 +66,7 @@ def test_world_collectives_per_iteration(corpus_prefix, tmp_path):
     """Iterations 1 .. ITERS-1 (the last one also saves): one data agreement each, one log agreement every
     LOG_INTERVAL, and the stop agreement at most once per STOP_AGREEMENT_PERIOD_S of training (and at
     the first iteration) instead of once per iteration."""
-    from zoo.training.loop import STOP_AGREEMENT_PERIOD_S
+    from zoo.training.stop_conditions import STOP_AGREEMENT_PERIOD_S
 
     results = spawn(_world_collectives_per_iteration, 2, corpus_prefix, str(tmp_path / "run"))
     (counts, seconds), (other, _) = results

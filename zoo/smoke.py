@@ -40,7 +40,8 @@ import torch.distributed as dist
 import transformers
 
 from zoo.assets import GPT2_TOKENIZER_DIR
-from zoo.config.run_config import RunConfig, validate_static
+from zoo.config.run_config import RunConfig
+from zoo.config.validation import validate_static
 from zoo.data import preprocess_bert
 from zoo.data.preprocess import BUNDLED_CORPUS
 from zoo.distributed import join_process_group
@@ -50,11 +51,12 @@ from zoo.models.bert.presets import BERT_PRESETS, bert_config
 from zoo.models.families import FAMILIES, family_of, family_of_preset, model_config, shape_of
 from zoo.parallel import ParallelState, model_parallel_seed
 from zoo.planning.flops import model_flops_per_iteration
-from zoo.planning.planner import peak_tflops_of  # the one table of GPU peaks (zoo.planning.planner.GPUS)
-from zoo.training.families import forward_with_metrics
+from zoo.planning.gpus import peak_tflops_of  # the one table of GPU peaks (zoo.planning.gpus.GPUS)
 from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm
-from zoo.training.loop import LoopState, TrainingLoop, setup_engine
+from zoo.training.loop import LoopState, TrainingLoop
 from zoo.training.pretrain import pretrain
+from zoo.training.pretraining_objectives import forward_with_metrics
+from zoo.training.startup import setup_engine
 
 REL_TOL = 1e-5
 PARITY_TEXT = "Megatron-LM splits every transformer layer across GPUs with two all-reduces forward."

@@ -12,7 +12,7 @@ from tests.helpers.pretraining import run_config
 def single_rank_checkpointer(tmp_path, is_writer=False, **changes):
     """The Checkpointer of a gpt2-tiny run at tp = dp = 1 saving under ``tmp_path/run``, around a stand-in
     engine whose module is one Linear; ``changes`` set RunConfig fields."""
-    from zoo.config.run_config import deepspeed_dict
+    from zoo.config.deepspeed_dict import deepspeed_dict
     from zoo.parallel import ParallelState
     from zoo.training.checkpointer import Checkpointer
 

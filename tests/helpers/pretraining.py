@@ -26,7 +26,8 @@ def ds_config(micro: int, global_batch: int, **extra) -> dict:
 def run_config(data_path, save, tp, micro, global_batch, train_iters, **changes):
     """A validated RunConfig of gpt2-tiny (``TINY_MODEL``) on sequences of 32 tokens, logging every
     iteration, no evaluation unless ``changes`` say so; ``changes`` set RunConfig fields."""
-    from zoo.config.run_config import RunConfig, validate_static
+    from zoo.config.run_config import RunConfig
+    from zoo.config.validation import validate_static
 
     config = RunConfig(tensor_parallel_size=tp, model="gpt2-tiny", seq_length=32, train_iters=train_iters,
                        data_path=data_path, split="80,20,0", save=save, log_interval=1, eval_interval=0, eval_iters=1,

@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None):
     def work():
         import torch.distributed as dist  # local: torch import cost, after parsing
 
-        from zoo.config.run_config import launched_as_writer  # local: torch import cost, after parsing
+        from zoo.config.loading import launched_as_writer  # local: torch import cost, after parsing
 
         texts = read_prompts(args)
         check_batch_size(args)

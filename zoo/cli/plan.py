@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 from zoo.cli.command import command_parser, run_command
 from zoo.options import CommandParser, add_options, option
-from zoo.planning.planner import CPU, GPUS, format_plan, plan
+from zoo.planning.gpus import CPU, GPUS
+from zoo.planning.plan_report import format_plan
+from zoo.planning.planner import plan
 
 
 @dataclass(kw_only=True)

@@ -21,8 +21,8 @@ from __future__ import annotations
 import argparse
 
 from zoo.cli.command import command_parser, run_command
+from zoo.config.loading import load_run_config
 from zoo.config.run_config import build_parser as run_config_parser
-from zoo.config.run_config import load_run_config
 from zoo.errors import alike_on_every_rank
 
 

@@ -14,7 +14,7 @@ rates (``warmup_max_lr``, ``warmup_min_lr``; WarmupDecayLR decays back to ``warm
 of all three. A schedule zoo cannot rewrite this way (OneCycle, LRRangeTest, none at all) refuses the
 flags it cannot honour in one sentence. The batch flags drop a file's ``gradient_accumulation_steps``:
 it follows from micro x accumulation x dp = global, checked once the world size is known
-(:func:`zoo.config.run_config.validate_for_world`).
+(:func:`zoo.config.validation.validate_for_world`).
 
 bf16 sums the micro-batches' gradients in fp32, within a rank and over the data-parallel ranks
 (:func:`accumulate_bf16_in_fp32`): DeepSpeed sums them in the model's dtype unless ``data_types.grad_accum_dtype``

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from zoo.config.deepspeed_overrides import accumulate_bf16_in_fp32
-from zoo.config.run_config import check_ds_config, read_ds_config
+from zoo.config.ds_config_file import check_ds_config, read_ds_config
 from zoo.errors import UserError
 from zoo.options import (
     CommandParser,

@@ -39,10 +39,11 @@ from zoo.finetune.task_evaluation import BestTracker, DevValidator, write_file
 from zoo.finetune.task_training import FinetuneTask
 from zoo.models.bert.config import BertConfig
 from zoo.models.families import read_checked_config_json
-from zoo.training import loop as training_loop
-from zoo.training.loop import LoopState, TrainingLoop, setup_engine
+from zoo.training import startup
+from zoo.training.loop import LoopState, TrainingLoop
 from zoo.training.metrics import MetricsLogger, plot_loss
 from zoo.training.run_directory import claim_finetuning_directory
+from zoo.training.startup import setup_engine
 
 __all__ = ["finetune", "check_inputs_fit", "print_baseline_comparison"]
 
@@ -65,7 +66,7 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     task = get_task(config.task)
     with alike_on_every_rank():   # every rank reads the same files: the writer says what is wrong, once
         model_config, data = read_inputs(config, task)
-    parallel = training_loop.join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
+    parallel = startup.join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
     is_writer = dist.get_rank() == 0
     # one run per directory, and never over an earlier run's results: checked before the model is read
     lock = raise_on_any_rank(lambda: claim_finetuning_directory(config.save, config.overwrite) if is_writer else None)

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from zoo.config.run_config import check_ds_config, read_ds_config
+from zoo.config.ds_config_file import check_ds_config, read_ds_config
 from zoo.errors import MissingInput, UserError
 
 BERT_DIRECTORY = "a BERT directory in transformers' layout (config.json, model.safetensors, vocab.txt)"

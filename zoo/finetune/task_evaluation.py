@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 from zoo.atomic import write_text_atomic
 from zoo.finetune.task_catalog import EvalSet, Task
-from zoo.training.loop import LoopState, to_device
+from zoo.training.device_batches import to_device
+from zoo.training.loop import LoopState
 from zoo.training.metrics import MetricsLogger
 
 __all__ = ["DevValidator", "BestTracker", "run_eval_set", "evaluate_all_sets"]

@@ -8,7 +8,8 @@ from typing import Any
 import torch
 
 from zoo.finetune.config import FinetuneConfig
-from zoo.training.loop import LogWindow, LoopState
+from zoo.training.log_window import LogWindow
+from zoo.training.loop import LoopState
 from zoo.training.metrics import format_breakdown
 
 __all__ = ["FinetuneTask", "EpochBatches", "global_batches", "rank_micro_batches"]

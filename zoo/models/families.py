@@ -10,7 +10,7 @@ entry of :data:`FAMILIES`.
 
 What pretraining does with a family beyond its model (datasets, corpus, extra metrics) lives on the
 training side, which is above this package: a family names its pretraining ``objective`` here and
-:mod:`zoo.training.families` holds the one table of objectives.
+:mod:`zoo.training.pretraining_objectives` holds the one table of objectives.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ MLM_SOP = "mlm_sop"         # masked LM plus sentence-order prediction on senten
 @dataclass(frozen=True)
 class ModelShape:
     """What the FLOPs formula (:func:`zoo.planning.flops.model_flops_per_iteration`) and the planner's
-    activation formulas (:mod:`zoo.planning.planner`) read of a model: its sizes and how its layer is built.
+    activation formulas (:mod:`zoo.planning.activations`) read of a model: its sizes and how its layer is built.
 
     Attention has ``heads`` query heads and ``kv_heads`` key/value heads (fewer: grouped-query attention) of
     width ``head_dim``; the MLP has ``ffn_matrices`` GEMMs of inner width ``ffn_hidden`` (2: up and down around
@@ -135,7 +135,7 @@ class ModelFamily:
     ``check_hf_config(values, path)`` refuses a transformers config.json of the family whose shape fields are
     missing or out of bounds (one sentence naming the file and the field); ``config_from_hf(values)`` builds
     the family's config from one (transformers' field names). ``objective`` names the pretraining objective
-    (:data:`CAUSAL_LM` or :data:`MLM_SOP`) whose data and metrics :mod:`zoo.training.families` provides.
+    (:data:`CAUSAL_LM` or :data:`MLM_SOP`) whose data and metrics :mod:`zoo.training.pretraining_objectives` provides.
     ``generates_text``: the pretraining model samples text (a run's ``sample_prompts``).
     ``pipeline``: None where the family has no pipeline stages. ``lm_head_transform``: the LM head runs a
     dense + GeLU + LayerNorm transform before the decoder (BERT's MLM head), which the planner counts.

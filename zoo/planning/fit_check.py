@@ -16,7 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from zoo.errors import UserError
-from zoo.planning.planner import CPU, GPUS, Plan, gb, plan
+from zoo.planning.gpus import CPU, GPUS
+from zoo.planning.plan_report import gb
+from zoo.planning.planner import Plan, plan
 
 __all__ = ["DeviceMemory", "check_fit", "device_memory", "host_available_bytes", "ranks_on_this_node"]
 

@@ -42,7 +42,8 @@ from zoo.checkpoint.safe_load import weights_only_loads
 from zoo.checkpoint.save import save_checkpoint
 from zoo.checkpoint.training_state import precision_of, zero_stage_of
 from zoo.checkpoint.zero_reshard import partition_files
-from zoo.config.run_config import RunConfig, lr_schedule, schedule_change_warning
+from zoo.config.deepspeed_dict import lr_schedule, schedule_change_warning
+from zoo.config.run_config import RunConfig
 from zoo.distributed import first_rank_result, raise_on_any_rank
 from zoo.errors import MissingInput
 from zoo.parallel.random import model_parallel_seed, seed_after_layout_change

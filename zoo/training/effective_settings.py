@@ -23,11 +23,13 @@ from pathlib import Path
 from typing import Any
 
 from zoo.atomic import check_writable_directory, unwritable_directory, write_text_atomic
+from zoo.config.deepspeed_dict import SCHEDULES_OVER_TRAIN_ITERS, ZOO_TOP_LEVEL_KEYS, deepspeed_dict
 from zoo.config.deepspeed_overrides import OVERRIDE_FIELDS, gradient_accumulation_dtype, gradient_reduction_dtype
-from zoo.config.run_config import SCHEDULES_OVER_TRAIN_ITERS, ZOO_TOP_LEVEL_KEYS, RunConfig, deepspeed_dict
+from zoo.config.run_config import RunConfig
 from zoo.errors import UserError
 from zoo.options import settings_of
-from zoo.planning.planner import count_parameters, model_config_of, zero_stage_of
+from zoo.planning.model_states import count_parameters, zero_stage_of
+from zoo.planning.planner import model_config_of
 
 __all__ = ["CONFIG_FILE", "effective_settings", "format_effective_settings", "record_effective_settings",
            "run_config_file"]

@@ -1,6 +1,6 @@
 """What a training job adds to the loop (:class:`zoo.training.loop.TrainingLoop`): the :class:`TrainTask`
 protocol, and :class:`PretrainTask`, the pretraining task of every family (the forward and the objective's
-metrics are :func:`zoo.training.families.forward_with_metrics`)."""
+metrics are :func:`zoo.training.pretraining_objectives.forward_with_metrics`)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,12 @@ import torch.distributed as dist
 
 from zoo.config.run_config import RunConfig
 from zoo.planning.flops import model_flops_per_iteration
-from zoo.training.families import forward_with_metrics
 from zoo.training.grad_norm import current_loss_scale, deepspeed_reports_true_norm, unscaled_grad_norm
-from zoo.training.loop import LogWindow, LoopState
+from zoo.training.log_window import LogWindow
+from zoo.training.loop import LoopState
 from zoo.training.metrics import format_log_line
 from zoo.training.pretraining_data import PretrainingData
+from zoo.training.pretraining_objectives import forward_with_metrics
 
 __all__ = ["TrainTask", "PretrainTask", "format_log_line"]
 

@@ -87,7 +87,8 @@ def source_run_config(load: str, run: Path, ds_config: str | None, tp: int, pp: 
                       output: Path) -> RunConfig:
     """The source run's settings (its ``config.json``, or ``ds_config``) at tp x pp, saving to and loading from
     ``output``, read through the pretraining parser as a resumed run would read them."""
-    from zoo.config.run_config import build_parser, load_run_config
+    from zoo.config.loading import load_run_config
+    from zoo.config.run_config import build_parser
 
     path = Path(ds_config) if ds_config else run / "config.json"
     if not path.is_file():
@@ -147,12 +148,13 @@ def convert_checkpoint(conversion: Conversion) -> dict[str, Any]:
     from zoo.checkpoint.layout_change import load_at_new_layout
     from zoo.checkpoint.resume import check_rank_states
     from zoo.checkpoint.save import save_checkpoint
-    from zoo.config.run_config import validate_for_world
+    from zoo.config.validation import validate_for_world
     from zoo.distributed import first_rank_result, raise_on_any_rank
     from zoo.training.checkpointer import Checkpointer
     from zoo.training.effective_settings import run_config_file
-    from zoo.training.loop import join, library_noise_silenced
+    from zoo.training.library_noise import library_noise_silenced
     from zoo.training.pretrain import build_engine
+    from zoo.training.startup import join
 
     config, (tp, pp, _) = conversion.config, conversion.layout
     with library_noise_silenced():

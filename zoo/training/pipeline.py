@@ -84,7 +84,7 @@ def pipeline_model_config(config: RunConfig):
     one-stage run checks it), with the run's dropout, recomputation and sequence-parallel fields."""
     from zoo.models import model_config as build_model_config
     from zoo.models.families import family_of, pretrained_config
-    from zoo.training.families import pretrained_overrides
+    from zoo.training.pretraining_objectives import pretrained_overrides
 
     preset = build_model_config(config.model, **{**config.model_run_fields(), **config.model_overrides})
     if not config.pretrained:
@@ -120,7 +120,7 @@ def setup_pipeline_engine(module, ds_config: dict[str, Any], parallel, weight_de
     from zoo.operations.cuda_arch import fit_cuda_arch_list_for_deepspeed
     from zoo.training.engine import announce_fused_adam_build, refresh_fp32_master_weights
     from zoo.training.lean_step import lighten_step
-    from zoo.training.loop import engine_ds_config
+    from zoo.training.startup import engine_ds_config
 
     ds, clip = pipeline_ds_dict(engine_ds_config(ds_config), sequence_parallel)
     fit_cuda_arch_list_for_deepspeed()

@@ -2,7 +2,7 @@
 DeepSpeed is imported, a process group exists or a model is built.
 
 - The rank grid and the batch arithmetic against the launcher's world size (micro-batch x accumulation
-  steps x dp = global batch: :func:`zoo.config.run_config.validate_for_world`).
+  steps x dp = global batch: :func:`zoo.config.validation.validate_for_world`).
 - The sequence length against the model's position table.
 - A model larger than the demo's without ``--data-path``: the bundled Wikipedia sample is the demo
   configs' corpus, and a paper-scale model would train on it silently (:func:`check_bundled_corpus`).
@@ -18,7 +18,8 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 
-from zoo.config.run_config import RunConfig, validate_for_world
+from zoo.config.run_config import RunConfig
+from zoo.config.validation import validate_for_world
 from zoo.distributed.local_rank import world_size_of
 from zoo.errors import UserError
 from zoo.planning.fit_check import DeviceMemory, check_fit

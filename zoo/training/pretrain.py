@@ -19,14 +19,9 @@ import torch.distributed as dist
 
 from zoo.atomic import check_writable_directory
 from zoo.checkpoint.files import CHECKPOINT_SUBDIR
-from zoo.config.run_config import (
-    RunConfig,
-    clipped_warmup_warning,
-    deepspeed_dict,
-    pipeline_bubble_warning,
-    pipeline_sampling_warning,
-    validate_for_world,
-)
+from zoo.config.deepspeed_dict import clipped_warmup_warning, deepspeed_dict
+from zoo.config.run_config import RunConfig
+from zoo.config.validation import pipeline_bubble_warning, pipeline_sampling_warning, validate_for_world
 from zoo.distributed import host_group, raise_on_any_rank
 from zoo.errors import UserError
 from zoo.models import model_config as build_model_config
@@ -35,17 +30,10 @@ from zoo.models.families import build_model, shape_of
 from zoo.operations.output_guard import keep_output_in
 from zoo.training.baselines import unigram_perplexity
 from zoo.training.checkpointer import Checkpointer
+from zoo.training.device_batches import pin_memory_here
 from zoo.training.effective_settings import record_effective_settings
-from zoo.training.families import pretrained_model
-from zoo.training.loop import (
-    LoopState,
-    StopConditions,
-    TrainingLoop,
-    join,
-    library_noise_silenced,
-    pin_memory_here,
-    setup_engine,
-)
+from zoo.training.library_noise import library_noise_silenced
+from zoo.training.loop import LoopState, TrainingLoop
 from zoo.training.loop_tasks import PretrainTask
 from zoo.training.metrics import MetricsLogger, plot_loss, truncate_metrics_after
 from zoo.training.pipeline import (
@@ -55,7 +43,10 @@ from zoo.training.pipeline import (
     setup_pipeline_engine,
 )
 from zoo.training.pretraining_data import PretrainingData
+from zoo.training.pretraining_objectives import pretrained_model
 from zoo.training.run_directory import claim_pretraining_directory
+from zoo.training.startup import join, setup_engine
+from zoo.training.stop_conditions import StopConditions
 from zoo.training.validator import Validator
 
 __all__ = ["pretrain"]
@@ -69,7 +60,7 @@ def build_pretraining_model(config: RunConfig, parallel, device: torch.device | 
     """(model, model config, shape) of the run: ``--pretrained`` weights or the family's random init.
 
     A random init is built on ``device`` (by default the engine's accelerator device, set by
-    :func:`zoo.training.loop.join` right after ``init_distributed``) under ``with torch.device(device)``:
+    :func:`zoo.training.startup.join` right after ``init_distributed``) under ``with torch.device(device)``:
     every parameter is allocated there and each master weight is drawn there, one tensor at a time
     (:func:`zoo.parallel.layers.init_sharded_` draws a master on the parameter's device, keeps this
     rank's slice and frees it), so no rank draws or holds the full model on the host.
@@ -114,7 +105,7 @@ def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[s
 
     A run that finishes with ``config.sample_prompts`` completes them with ``sample_text`` (every rank
     takes part) and the writer prints the lines after the validation perplexity. The libraries' notes that
-    say nothing about a zoo run are not printed (:func:`zoo.training.loop.library_noise_silenced`)."""
+    say nothing about a zoo run are not printed (:func:`zoo.training.library_noise.library_noise_silenced`)."""
     if config.sample_prompts and sample_text is None:
         raise UserError("sample_prompts are set but no text sampler was given; run launch/pretrain.py, or call "
                          "pretrain(config, sample_text=zoo.inference.sample_lines).")

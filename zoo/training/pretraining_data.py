@@ -18,7 +18,7 @@ from zoo.data.gpt_dataset import batch_or_raise, build_pretraining_dataloader, s
 from zoo.data.indexed_dataset import IndexedDataset
 from zoo.distributed import raise_on_any_rank, run_on_first_rank
 from zoo.parallel.context import context_shard
-from zoo.training.families import build_dataset, default_corpus, objective_of
+from zoo.training.pretraining_objectives import build_dataset, default_corpus, objective_of
 
 __all__ = ["PretrainingData", "can_start_workers"]
 

@@ -9,11 +9,12 @@ import torch
 
 from zoo.config.run_config import RunConfig
 from zoo.distributed import weighted_means_over_dp
-from zoo.training.families import forward_with_metrics
-from zoo.training.loop import LoopState, to_device
+from zoo.training.device_batches import to_device
+from zoo.training.loop import LoopState
 from zoo.training.metrics import MetricsLogger, perplexity
 from zoo.training.pipeline import is_pipeline_engine, pipeline_validation_means
 from zoo.training.pretraining_data import PretrainingData
+from zoo.training.pretraining_objectives import forward_with_metrics
 
 __all__ = ["Validator", "validation_means"]
 
