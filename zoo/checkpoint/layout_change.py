@@ -94,7 +94,8 @@ def needs_layout_change(source: tuple[int, int], parallel, partitions=None, engi
     have = None if partitions is None else f"{partitions.prefix}zero_pp_rank"
     if have != engine_files:
         return True
-    return partitions is not None and partitions.dp_size != parallel.dp_size
+    # ZeRO partitions over data x context parallelism (DeepSpeed's sequence-data-parallel group)
+    return partitions is not None and partitions.dp_size != parallel.dp_size * getattr(parallel, "cp_size", 1)
 
 
 def engine_precision(engine) -> str:

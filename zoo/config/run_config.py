@@ -52,6 +52,11 @@ class RunConfig:
         1, group="parallelism",
         help="pipeline stages (GPT-2 and Llama; DeepSpeed's pipeline engine, 1F1B): tp x pp x dp = world size (default 1: "
              "every rank holds all layers)")
+    context_parallel_size: int = option(
+        1, group="parallelism",
+        help="context-parallel degree (DeepSpeed-Ulysses, GPT-2 and Llama): ranks that split each sample's sequence, "
+             "attention running over the whole sequence through all-to-alls between them; tp x cp x dp = world size "
+             "(default 1)")
     pipeline_partition_method: str = option(
         "parameters", group="parallelism",
         help="how the layers are split over the stages: 'parameters' (balanced parameter counts, DeepSpeed's "

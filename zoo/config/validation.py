@@ -30,8 +30,8 @@ def validate_static(config: RunConfig) -> RunConfig:
         raise UserError(f"model_overrides key {bad[0]!r} is not a {type(family_config).__name__} field; "
                          f"use one of {sorted(allowed)}.")
     check_overrides(model_config(config.model, **config.model_overrides), config.model_overrides)
-    for name in ("train_iters", "seq_length", "tensor_parallel_size", "pipeline_model_parallel_size", "log_interval",
-                 "eval_iters"):
+    for name in ("train_iters", "seq_length", "tensor_parallel_size", "pipeline_model_parallel_size",
+                 "context_parallel_size", "log_interval", "eval_iters"):
         if getattr(config, name) < 1:
             raise UserError(f"{name} = {getattr(config, name)} must be at least 1; fix the zoo block or the flag.")
     for name in ("eval_interval", "save_interval", "exit_interval", "data_workers"):
@@ -44,6 +44,7 @@ def validate_static(config: RunConfig) -> RunConfig:
                              "block or the flag.")
     check_sample_prompts(config, model_config(config.model, **config.model_overrides))
     check_pipeline(config, model_config(config.model, **config.model_overrides))
+    check_context_parallel(config, model_config(config.model, **config.model_overrides))
     if config.recompute_granularity not in (None, "full", "selective"):
         raise UserError(f"recompute_granularity {config.recompute_granularity!r} is not 'full' or 'selective'; pass "
                          "--recompute-granularity full (every layer) or selective (the attention core).")
@@ -137,8 +138,43 @@ def check_pipeline(config: RunConfig, family_config) -> None:
                          f"--pipeline-model-parallel-size {pp}.")
 
 
+def check_context_parallel(config: RunConfig, family_config) -> None:
+    """A context-parallel layout zoo can run: a causal decoder (GPT-2, Llama), one pipeline stage, eager blocks, a
+    sequence the c (and, with sequence parallelism, t c) ranks split evenly, and heads the t c ranks split."""
+    from zoo.models.families import CAUSAL_LM, family_of  # local: torch import cost (the parser is built without torch)
+    from zoo.parallel.context import check_context_heads
+
+    cp, tp = config.context_parallel_size, config.tensor_parallel_size
+    if cp == 1:
+        return
+    family = family_of(family_config)
+    if family.objective != CAUSAL_LM:
+        raise UserError(f"context parallelism is built for causal decoders (GPT-2, Llama), and model {config.model!r} "
+                         f"is {family.display_name}, whose padded, bidirectional samples it does not split; train it "
+                         "with --context-parallel-size 1.")
+    if config.pipeline_model_parallel_size > 1:
+        raise UserError(f"--context-parallel-size {cp} with {config.pipeline_model_parallel_size} pipeline stages is "
+                         "not supported: DeepSpeed's pipeline engine sums gradients over the data-parallel group alone, "
+                         "not over the context-parallel ranks; pass --pipeline-model-parallel-size 1.")
+    if config.compile:
+        raise UserError(f"--compile with --context-parallel-size {cp} is not supported: DeepSpeed-Ulysses' all-to-all "
+                         "is not traced by torch.compile; pass --no-compile or --context-parallel-size 1.")
+    split = cp * tp if config.sequence_parallel else cp
+    if config.seq_length % split:
+        over = f"context-parallel size {cp} x tensor-parallel size {tp} (sequence parallelism)" \
+            if config.sequence_parallel else f"context-parallel size {cp}"
+        raise UserError(f"seq_length {config.seq_length} does not divide by the {over}; pass a --seq-length that is a "
+                         f"multiple of {split}.")
+    shape = family.shape(family_config)
+    check_context_heads(shape.heads, shape.kv_heads, tp, cp)
+
+
 def pipeline_sampling_warning(config: RunConfig) -> str | None:
     """The warning to print when ``sample_prompts`` are skipped: sampling needs every layer on one rank."""
+    if config.context_parallel_size > 1 and config.sample_prompts:
+        return (f"sample_prompts are skipped: --context-parallel-size {config.context_parallel_size} splits each "
+                "sequence over ranks and sampling decodes from a key/value cache on one; export the checkpoint "
+                "(launch/export.py) and sample with launch/generate.py.")
     if config.pipeline_model_parallel_size == 1 or not config.sample_prompts:
         return None
     return (f"sample_prompts are skipped: --pipeline-model-parallel-size {config.pipeline_model_parallel_size} splits "
@@ -167,9 +203,9 @@ def validate_for_world(config: RunConfig, world_size: int) -> int:
     """Batch sizes against the data-parallel size; returns the gradient-accumulation steps."""
     from zoo.parallel.state import check_grid  # local: torch import cost (the parser is built without torch)
 
-    tp, pp = config.tensor_parallel_size, config.pipeline_model_parallel_size
-    check_grid(tp, world_size, pp)
-    dp = world_size // (tp * pp)
+    tp, pp, cp = config.tensor_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
+    check_grid(tp, world_size, pp, cp)
+    dp = world_size // (tp * pp * cp)
     global_batch = config.ds_config["train_batch_size"]
     micro = config.ds_config["train_micro_batch_size_per_gpu"]
     if global_batch % (micro * dp) != 0:

@@ -52,19 +52,22 @@ from zoo.training.loop import LoopState
 __all__ = ["Checkpointer", "resumed_line", "rng_state", "set_rng_state"]
 
 
-def layout_name(tp: int, pp: int, dp: int | None) -> str:
-    return f"tp{tp}×pp{pp}×dp{'?' if dp is None else dp}"
+def layout_name(tp: int, pp: int, dp: int | None, cp: int = 1) -> str:
+    context = f"×cp{cp}" if cp > 1 else ""
+    return f"tp{tp}{context}×pp{pp}×dp{'?' if dp is None else dp}"
 
 
-def resumed_line(tag: str, state: LoopState, source: tuple[int, int, int | None], layout: tuple[int, int, int],
+def resumed_line(tag: str, state: LoopState, source: tuple[int, ...], layout: tuple[int, ...],
                  moved: dict[str, Any] | None = None) -> str:
     """``resumed from iter_0000020 (iteration 20, 160 samples consumed) at tp2×pp1×dp1``, with the layout the
     checkpoint was written at first (``tp1×pp2×dp1 → tp2×pp1×dp1``) when it differs, and, after a move
     (``moved``: the record of :func:`zoo.checkpoint.layout_change.load_at_new_layout`), its precision, seconds, peak
     bytes held per rank (the largest, and which rank) and reads (:func:`zoo.checkpoint.layout_change.move_line`).
-    A checkpoint that does not record its dp shows ``dp?``."""
+    A checkpoint that does not record its dp shows ``dp?``. The layouts are (tp, pp, dp) or (tp, pp, dp, cp); a
+    context-parallel size above 1 on either side shows as ``×cp2``."""
     now = layout_name(*layout)
-    changed = source[:2] != layout[:2] or source[2] not in (None, layout[2]) or moved is not None
+    changed = (source[:2] != layout[:2] or source[2] not in (None, layout[2]) or source[3:] != layout[3:]
+               or moved is not None)
     where = f"{layout_name(*source)} → {now}" if changed else now
     line = f"resumed from {tag} (iteration {state.iteration}, {state.consumed_samples} samples consumed) at {where}"
     return line if moved is None else f"{line}: {move_line(moved)}"
@@ -121,6 +124,7 @@ class Checkpointer:
         return {**state.state_dict(), "rng": rng_state(), "zoo_model": config.model,
                 "model_config": self.model_config, "tensor_parallel_size": self.parallel.tp_size,
                 "pipeline_model_parallel_size": self.parallel.pp_size, "data_parallel_size": self.parallel.dp_size,
+                "context_parallel_size": self.parallel.cp_size,
                 # DeepSpeed's stage bounds over the layer sequence: a run at another layout reads only the stages
                 # that held its parameters (zoo.checkpoint.layout_change.SourceCheckpoint)
                 "pipeline_parts": [int(bound) for bound in getattr(self.engine.module, "parts", None) or []] or None,
@@ -149,8 +153,10 @@ class Checkpointer:
             moved = client.get("resharded_from")
             source_dp = (moved or {}).get("data_parallel_size") or client.get("data_parallel_size") or client.get(
                 "dp_world_size") or getattr(self.engine, "loaded_checkpoint_dp_world_size", None)
-            print(resumed_line(tag_dir.name, state, (source_tp, source_pp, source_dp),
-                               (self.parallel.tp_size, self.parallel.pp_size, self.parallel.dp_size), moved), flush=True)
+            source_cp = client.get("context_parallel_size", 1)
+            print(resumed_line(tag_dir.name, state, (source_tp, source_pp, source_dp, source_cp),
+                               (self.parallel.tp_size, self.parallel.pp_size, self.parallel.dp_size,
+                                self.parallel.cp_size), moved), flush=True)
         return state
 
     def restore(self, client: dict[str, Any]) -> LoopState:

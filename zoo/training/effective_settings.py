@@ -83,12 +83,12 @@ def zoo_block(config: RunConfig) -> dict[str, Any]:
 def effective_settings(config: RunConfig, world_size: int, gas: int) -> dict[str, Any]:
     """The resolved settings as plain data: model, layout, batch, precision, optimizer, schedule, data, run."""
     ds = deepspeed_dict(config, gas)
-    tp, pp = config.tensor_parallel_size, config.pipeline_model_parallel_size
-    dp = world_size // (tp * pp)
+    tp, pp, cp = config.tensor_parallel_size, config.pipeline_model_parallel_size, config.context_parallel_size
+    dp = world_size // (tp * pp * cp)
     micro, global_batch = ds["train_micro_batch_size_per_gpu"], ds["train_batch_size"]
     return {
         "model": model_settings(config),
-        "layout": {"tp": tp, "pp": pp, "dp": dp, "world_size": world_size},
+        "layout": {"tp": tp, "cp": cp, "pp": pp, "dp": dp, "world_size": world_size},
         "batch": {"micro": micro, "accumulation": gas, "dp": dp, "global": global_batch,
                   "tokens_per_iteration": global_batch * config.seq_length},
         "precision": {"dtype": config.dtype_name, "grad_accum_dtype": gradient_accumulation_dtype(ds),
@@ -174,7 +174,8 @@ def format_effective_settings(s: dict[str, Any], path: str | Path | None = None)
     model, layout, batch, precision = s["model"], s["layout"], s["batch"], s["precision"]
     lines = [f"effective settings{f' (kept in {path})' if path else ''}:",
              f"  model      {describe_model(model)}",
-             f"  layout     tp {layout['tp']} x pp {layout['pp']} x dp {layout['dp']} = {layout['world_size']} ranks",
+             f"  layout     tp {layout['tp']}{context_factor(layout)} x pp {layout['pp']} x dp {layout['dp']} = "
+             f"{layout['world_size']} ranks",
              f"  batch      micro {batch['micro']} x accumulation {batch['accumulation']} x dp {batch['dp']} = global "
              f"{batch['global']} samples ({batch['tokens_per_iteration']:,} tokens) per iteration",
              f"  precision  {describe_precision(precision)}",
@@ -200,6 +201,12 @@ def describe_model(m: dict[str, Any]) -> str:
     return (f"{source}: {m['layers']} layers, hidden {m['hidden']}, {heads}, vocab {m['vocab']} (padded to "
             f"{m['padded_vocab']}), {m['seq_length']} of {m['max_positions']} positions, "
             f"{m['parameters'] / 1e6:,.1f}M parameters")
+
+
+def context_factor(layout: dict[str, Any]) -> str:
+    """`` x cp C (each sequence split over C ranks)`` in the layout line where context parallelism is on."""
+    cp = layout.get("cp", 1)
+    return f" x cp {cp} (each sequence split over {cp} ranks)" if cp > 1 else ""
 
 
 def describe_precision(p: dict[str, Any]) -> str:

@@ -117,7 +117,7 @@ def pretrain_in_process_group(config: RunConfig, sample_text: SampleText | None)
     """:func:`pretrain` once its arguments are checked: join, claim ``--save``, run."""
     started = time.monotonic()   # --exit-duration-in-mins counts from here: the set-up is part of the job's time
     parallel = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes,
-              config.pipeline_model_parallel_size)
+              config.pipeline_model_parallel_size, config.context_parallel_size)
     gas = validate_for_world(config, dist.get_world_size())
     is_writer = dist.get_rank() == 0
     lock = raise_on_any_rank(lambda: claim_pretraining_directory(
@@ -165,7 +165,7 @@ def pretrain_in_claimed_directory(config: RunConfig, parallel, gas: int, is_writ
         print(f"stopped by {state.stopped_by} after iteration {state.iteration}: checkpoint "
               f"{checkpointer.tag_directory(state.iteration)}; resume with --load {Path(config.save)}", flush=True)
     samples = []
-    if config.sample_prompts and state.stopped_by is None and parallel.pp_size == 1:   # every rank decodes; the writer prints
+    if config.sample_prompts and state.stopped_by is None and parallel.pp_size == 1 and parallel.cp_size == 1:   # every rank decodes; the writer prints
         samples = sample_text(engine.module, config.sample_prompts, config.seed, parallel, config.tokenizer)
     if logger.is_writer and state.stopped_by is None:
         print_summary(Path(config.save), state.iteration, state.last_event, validator.means, data, config, shape,

@@ -21,9 +21,9 @@ from zoo.training.lean_step import lighten_step
 
 
 def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | None = None,
-         pipeline_parallel_size: int = 1) -> ParallelState:
+         pipeline_parallel_size: int = 1, context_parallel_size: int = 1) -> ParallelState:
     """Join the launcher's process group, set this rank's accelerator device right away (before the
-    TP RNG tracker is seeded on it), share the CPU cores, build the tp x dp (x pp) grid and seed it.
+    TP RNG tracker is seeded on it), share the CPU cores, build the tp x cp x dp (x pp) grid and seed it.
 
     ``tensor_parallel_size`` None means the whole world. ``timeout_minutes``
     (``--distributed-timeout-minutes``) bounds every collective of the world, TP and DP groups; None is
@@ -34,7 +34,7 @@ def join(tensor_parallel_size: int | None, seed: int, timeout_minutes: float | N
     timeout = None if timeout_minutes is None else timedelta(minutes=timeout_minutes)
     join_process_group(timeout=timeout)   # the device of the launcher's local rank (zoo.distributed.local_rank)
     parallel = ParallelState.initialize(tensor_parallel_size or dist.get_world_size(), timeout=timeout or default_pg_timeout,
-                                  pp_size=pipeline_parallel_size)
+                                  pp_size=pipeline_parallel_size, cp_size=context_parallel_size)
     model_parallel_seed(seed, parallel)
     return parallel
 
