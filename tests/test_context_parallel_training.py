@@ -96,3 +96,44 @@ def test_tp2_cp2_with_sequence_parallelism_and_zero1_trains_as_the_unsplit_run(c
     train(4, corpus_prefix, run, 2, 2, sequence_parallel=True, ds_config=ds)
     assert_same_run(run, unsplit)
     assert rel_err(validation_loss(run), validation_loss(unsplit)) <= RTOL
+
+
+REFUSALS = {
+    "sequence": (["--model", "llama-tiny", "--seq-length", "63"],
+                 "seq_length 63 does not divide by the context-parallel size 2; pass a --seq-length that is a multiple "
+                 "of 2."),
+    "sequence-parallel": (["--model", "llama-tiny", "--seq-length", "66", "--tensor-parallel-size", "2",
+                           "--sequence-parallel"],
+                          "seq_length 66 does not divide by the context-parallel size 2 x tensor-parallel size 2 "
+                          "(sequence parallelism); pass a --seq-length that is a multiple of 4."),
+    "heads": (["--model", "llama-tiny", "--seq-length", "64", "--context-parallel-size", "8"],
+              "4 attention heads over tensor-parallel size 1 leave 4 per rank, which the context-parallel size 8 "
+              "does not divide"),
+    "kv-heads": (["--model", "llama-tiny", "--seq-length", "64"],
+                 "3 key/value heads over tensor-parallel size 1 leave 3 per rank, which neither divides nor is divided "
+                 "by the context-parallel size 2"),
+    "bert": (["--model", "bert-tiny", "--seq-length", "64"],
+             "context parallelism is built for causal decoders (GPT-2, Llama)"),
+    "pipeline": (["--model", "llama-tiny", "--seq-length", "64", "--pipeline-model-parallel-size", "2"],
+                 "--context-parallel-size 2 with 2 pipeline stages is not supported"),
+    "zero": (["--model", "llama-tiny", "--seq-length", "64", "--context-parallel-size", "0"],
+             "context_parallel_size = 0 must be at least 1"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSALS))
+def test_a_layout_context_parallelism_cannot_run_is_one_sentence_and_exit_2(case, tmp_path, capsys):
+    from tests.checks import one_error_line
+    from zoo.cli.pretrain import main
+
+    flags, sentence = REFUSALS[case]
+    if "--context-parallel-size" not in flags:
+        flags = [*flags, "--context-parallel-size", "2"]
+    path = tmp_path / "ds.json"
+    overrides = {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 3} if case == "kv-heads" else {}
+    path.write_text(json.dumps(ds_config(MICRO, GLOBAL, zoo={"model_overrides": overrides})))
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--deepspeed_config", str(path), "--save", str(tmp_path / "run"), *flags])
+    assert exit_info.value.code == 2
+    assert sentence in one_error_line(capsys, from_zoo=True)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
