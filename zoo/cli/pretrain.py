@@ -24,6 +24,7 @@ from zoo.cli.command import command_parser, run_command
 from zoo.config.loading import load_run_config
 from zoo.config.run_config import build_parser as run_config_parser
 from zoo.errors import alike_on_every_rank
+from zoo.operations.stop_requests import StopRequests
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -35,13 +36,19 @@ def main(argv: list[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
 
     def work() -> None:
+        # for the whole process, never removed: a stop signal at any moment, from here to the exit, is recorded
+        # and ends the run at an iteration boundary with a checkpoint, or lets a finishing run finish
+        requests = StopRequests()
+        requests.install()
         with alike_on_every_rank():   # every rank reads the same flags and files: the writer says it once
             config = load_run_config(args)
             check_launch(config)
+        if not config.exit_signal_handler:   # --no-exit-signal-handler: a signal ends the process at once
+            requests.stop_handling_signals()
         from zoo.inference import sample_lines  # local: torch import cost, after parsing
         from zoo.training.pretrain import pretrain  # local: DeepSpeed's import cost, after the checks
 
-        pretrain(config, sample_lines)
+        pretrain(config, sample_lines, requests)
 
     run_command(work, log_level=args.log_level)
 

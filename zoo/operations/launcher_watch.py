@@ -18,9 +18,10 @@ from a daemon thread (:class:`LauncherWatch`, one check a second, a few ``/proc`
   its stop request, and its exit (the store's connection fails);
 * a launcher is gone when a link recorded at start-up breaks: this process's parent changed, or a
   launcher's parent did (the kernel reparents the children of a process that exits);
-* then a listener, when one is set (the training loop's stop conditions, while the loop runs), turns it
-  into the same clean stop as SIGTERM: a checkpoint at the next iteration boundary, then the exit; with
-  no listener (set-up, evaluation, generation) the process sends itself SIGTERM and ends at once.
+* then a listener, when one is set (:class:`zoo.operations.stop_requests.StopRequests`, which a pretraining
+  installs for its whole process), turns it into the same clean stop as SIGTERM: a
+  checkpoint at the next iteration boundary, then the exit; with no listener the process sends itself
+  SIGTERM, which ends it at once unless its handler records it.
 
 A rank under a launcher also survives losing its stdout and stderr (:mod:`zoo.operations.output_guard`).
 What runs on a node where no rank of the job runs (a runner on a login node) is seen only through zoo's

@@ -28,6 +28,7 @@ from zoo.models import model_config as build_model_config
 from zoo.models.compiled import compile_transformer_blocks
 from zoo.models.families import build_model, shape_of
 from zoo.operations.output_guard import keep_output_in
+from zoo.operations.stop_requests import StopRequests
 from zoo.training.baselines import unigram_perplexity
 from zoo.training.checkpointer import Checkpointer
 from zoo.training.device_batches import pin_memory_here
@@ -97,7 +98,8 @@ def accelerator_device() -> torch.device:
     return torch.device(get_accelerator().current_device_name())
 
 
-def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[str, Any]:
+def pretrain(config: RunConfig, sample_text: SampleText | None = None,
+             stop_requests: StopRequests | None = None) -> dict[str, Any]:
     """Train as ``config`` says. The writer rank first claims ``--save`` (:mod:`zoo.training.run_directory`):
     a directory another run holds, or an earlier run's checkpoints under a run that does not continue
     that directory (``--load`` names it), end every rank with one sentence before the model or the engine is built and before
@@ -105,25 +107,40 @@ def pretrain(config: RunConfig, sample_text: SampleText | None = None) -> dict[s
 
     A run that finishes with ``config.sample_prompts`` completes them with ``sample_text`` (every rank
     takes part) and the writer prints the lines after the validation perplexity. The libraries' notes that
-    say nothing about a zoo run are not printed (:func:`zoo.training.library_noise.library_noise_silenced`)."""
+    say nothing about a zoo run are not printed (:func:`zoo.training.library_noise.library_noise_silenced`).
+
+    ``stop_requests`` (:class:`zoo.operations.stop_requests.StopRequests`) records the signals and the launcher's
+    stop from the run's start to its end, so none ends a rank in the middle of a collective: one that comes
+    before or during the loop stops every rank at an iteration boundary with a checkpoint, one that comes after
+    the last iteration's stop check lets the run finish. Either way the claim on ``--save`` is released and the
+    writer prints how the run ended. None: the run installs its own until it returns (``zoo.cli.pretrain``
+    installs one for the whole process)."""
     if config.sample_prompts and sample_text is None:
         raise UserError("sample_prompts are set but no text sampler was given; run launch/pretrain.py, or call "
                          "pretrain(config, sample_text=zoo.inference.sample_lines).")
-    with library_noise_silenced():
-        return pretrain_in_process_group(config, sample_text)
+    requests = StopRequests(config.exit_signal_handler) if stop_requests is None else stop_requests
+    installed_here = requests.install()
+    try:
+        with library_noise_silenced():
+            return pretrain_in_process_group(config, sample_text, requests)
+    finally:
+        if installed_here:
+            requests.uninstall()
 
 
-def pretrain_in_process_group(config: RunConfig, sample_text: SampleText | None) -> dict[str, Any]:
+def pretrain_in_process_group(config: RunConfig, sample_text: SampleText | None,
+                              requests: StopRequests) -> dict[str, Any]:
     """:func:`pretrain` once its arguments are checked: join, claim ``--save``, run."""
     started = time.monotonic()   # --exit-duration-in-mins counts from here: the set-up is part of the job's time
     parallel = join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes,
               config.pipeline_model_parallel_size, config.context_parallel_size)
+    requests.listen_to_watch()   # the launcher watch starts as the process joins
     gas = validate_for_world(config, dist.get_world_size())
     is_writer = dist.get_rank() == 0
     lock = raise_on_any_rank(lambda: claim_pretraining_directory(
         config.save, resuming=continues_save_directory(config), overwrite=config.overwrite) if is_writer else None)
     try:
-        return pretrain_in_claimed_directory(config, parallel, gas, is_writer, started, sample_text)
+        return pretrain_in_claimed_directory(config, parallel, gas, is_writer, started, sample_text, requests)
     finally:
         if lock is not None:
             lock.release()
@@ -139,7 +156,8 @@ def continues_save_directory(config: RunConfig) -> bool:
 
 
 def pretrain_in_claimed_directory(config: RunConfig, parallel, gas: int, is_writer: bool, started: float,
-                                  sample_text: SampleText | None = None) -> dict[str, Any]:
+                                  sample_text: SampleText | None = None,
+                                  requests: StopRequests | None = None) -> dict[str, Any]:
     """The run proper, in a claimed ``--save``: the engine, the resumed state, the data, the metrics
     file, then the loop over a :class:`PretrainTask` with its :class:`Validator` and :class:`Checkpointer`."""
     engine, model, model_config, shape, ds_config, clipping = build_engine(config, parallel, gas, is_writer)
@@ -154,7 +172,7 @@ def pretrain_in_claimed_directory(config: RunConfig, parallel, gas: int, is_writ
     # once the checkpoint and the data were accepted: a refused run leaves no config.json behind
     raise_on_any_rank(lambda: record_effective_settings(config, parallel.world_size, gas) if is_writer else None)
     stop = StopConditions(exit_interval=config.exit_interval, exit_duration_minutes=config.exit_duration_in_mins,
-                          handle_signals=config.exit_signal_handler, group=host, started=started)
+                          handle_signals=config.exit_signal_handler, group=host, started=started, requests=requests)
     validator = Validator(engine, data, config, parallel, logger)
     task = (PipelinePretrainTask(config, data, engine, parallel, gas, shape, clipping) if parallel.pp_size > 1
             else PretrainTask(config, data, engine, parallel, gas, shape))
@@ -168,6 +186,9 @@ def pretrain_in_claimed_directory(config: RunConfig, parallel, gas: int, is_writ
     if config.sample_prompts and state.stopped_by is None and parallel.pp_size == 1 and parallel.cp_size == 1:   # every rank decodes; the writer prints
         samples = sample_text(engine.module, config.sample_prompts, config.seed, parallel, config.tokenizer)
     if logger.is_writer and state.stopped_by is None:
+        if stop.received:   # too late to stop: the run is complete
+            print(f"{stop.received[0]} came after the last stop check, as the run was finishing: it finished, and "
+                  f"its last checkpoint is its end", flush=True)
         print_summary(Path(config.save), state.iteration, state.last_event, validator.means, data, config, shape,
                       samples)
     logger.close()

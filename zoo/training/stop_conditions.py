@@ -5,7 +5,6 @@ once per :data:`STOP_AGREEMENT_PERIOD_S` of training."""
 
 from __future__ import annotations
 
-import signal
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -13,7 +12,8 @@ from typing import Any
 import torch.distributed as dist
 
 from zoo.distributed import agree_max
-from zoo.operations.launcher_watch import CHECK_INTERVAL_S, current_watch
+from zoo.operations.launcher_watch import CHECK_INTERVAL_S
+from zoo.operations.stop_requests import StopRequests
 
 OWN_REASON_GRACE_S = 2 * CHECK_INTERVAL_S   # how long a rank waits to see for itself a stop another rank saw
 # How often, at most, the ranks agree on a stop: a world-wide collective costs every rank a chain of messages
@@ -38,7 +38,10 @@ class StopConditions:
     * the launcher's exit (:mod:`zoo.operations.launcher_watch`: the ``deepspeed`` runner or the per-node launcher
       killed, even with SIGKILL) is the same stop, for the reason "the exit of the launcher (pid N, ...)".
 
-    ``received`` holds the reasons this rank saw, first first ("signal SIGTERM", ...).
+    Both are recorded by ``requests`` (:class:`zoo.operations.stop_requests.StopRequests`; by default this
+    object's own, installed while the loop runs); ``received`` holds the reasons this rank saw, first first
+    ("signal SIGTERM", ...). A request recorded before the loop (a run installs its requests at its start)
+    stops the run at its first iteration boundary.
 
     Ranks agree with one all-reduce (MAX) of host integers on a gloo group, so a signal or a clock that
     reaches one rank stops every rank at the same iteration, and the agreement never synchronises the
@@ -53,39 +56,34 @@ class StopConditions:
     exit_duration_minutes: float | None = None
     handle_signals: bool = True
     started: float = field(default_factory=time.monotonic)
-    received: list[str] = field(default_factory=list)
     slowest_iteration_s: float = 0.0
     last_save_s: float = 0.0
     group: Any = None
     agreement_period_s: float = STOP_AGREEMENT_PERIOD_S
-    _previous_handlers: dict[int, Any] = field(default_factory=dict)
+    requests: StopRequests | None = None                # None: this object's own, handling signals as told
+    _installed_here: bool = False
     _next_agreement: int = 0                            # the first iteration at which the ranks agree next
     _last_agreement: tuple[int, float] | None = None    # (iteration, time.monotonic()) of the last agreement
 
-    SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+    def __post_init__(self) -> None:
+        if self.requests is None:
+            self.requests = StopRequests(self.handle_signals)
+
+    @property
+    def received(self) -> list[str]:
+        """The reasons this rank saw, first first ("signal SIGTERM", ...)."""
+        return self.requests.received
 
     def install(self) -> None:
-        watch = current_watch()
-        if watch is not None:
-            watch.listen(self.received.append)
-        if not self.handle_signals:
-            return
-        for signum in self.SIGNALS:
-            self._previous_handlers[signum] = signal.signal(signum, self._on_signal)
+        """Record the signals and the launcher watch's reason (:class:`zoo.operations.stop_requests.StopRequests`),
+        unless they are recorded already (a run installs its requests from its start to its end)."""
+        self._installed_here = self.requests.install()
 
     def uninstall(self) -> None:
-        watch = current_watch()
-        if watch is not None:
-            watch.listen(None)
-        for signum, handler in self._previous_handlers.items():
-            signal.signal(signum, handler)
-        self._previous_handlers.clear()
-
-    def _on_signal(self, signum, frame) -> None:
-        reason = f"signal {signal.Signals(signum).name}"
-        if signum == signal.SIGINT and reason in self.received:
-            raise KeyboardInterrupt
-        self.received.append(reason)
+        """Undo what :meth:`install` did (nothing, where the requests were installed before it)."""
+        if self._installed_here:
+            self.requests.uninstall()
+            self._installed_here = False
 
     def out_of_time(self, iterations: int = 1) -> bool:
         """Whether ``iterations`` more (the slowest so far) and a save would pass ``--exit-duration-in-mins``."""
