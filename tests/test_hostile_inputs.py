@@ -323,3 +323,25 @@ def test_a_first_gpu_run_says_it_compiles_fused_adam(tmp_path, capsys, monkeypat
     (built / "fused_adam.so").unlink()
     announce_fused_adam_build({"optimizer": {"type": "SGD"}}, is_writer=True)
     assert capsys.readouterr().out == ""
+
+
+def test_finetuning_in_fp16_without_native_fp16_is_one_sentence_naming_bf16(tmp_path, capsys, monkeypatch):
+    from deepspeed.accelerator import get_accelerator
+
+    from zoo.cli.finetune import main
+    from zoo.models import BertForPreTraining
+    from zoo.models.families import model_config
+
+    monkeypatch.setattr(type(get_accelerator()), "is_fp16_supported", lambda self: False)   # as an AMD EPYC answers
+    bert = tmp_path / "bert"
+    BertForPreTraining(model_config("bert-tiny", num_hidden_layers=1)).save_pretrained(bert)
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({**json.loads((REPO / "ds_configs" / "finetune_cpu.json").read_text()),
+                                  "fp16": {"enabled": True}}))
+    with pytest.raises(SystemExit) as exit_info:
+        main("mnli", ["--deepspeed_config", str(config), "--pretrained", str(bert), "--data-dir",
+                      str(REPO / "tests" / "fixtures" / "finetune" / "mnli"), "--save", str(tmp_path / "run")])
+    assert exit_info.value.code == 2
+    line = one_error_line(capsys, from_zoo=True)
+    assert "has no native fp16" in line and f'enable "bf16" in place of "fp16" in {config}' in line, line
+    assert not (tmp_path / "run").exists()

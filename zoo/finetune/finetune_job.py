@@ -42,6 +42,7 @@ from zoo.models.families import read_checked_config_json
 from zoo.training import startup
 from zoo.training.loop import LoopState, TrainingLoop
 from zoo.training.metrics import MetricsLogger, plot_loss
+from zoo.training.preflight import check_fp16_supported
 from zoo.training.run_directory import claim_finetuning_directory
 from zoo.training.startup import setup_engine
 
@@ -66,6 +67,9 @@ def finetune(config: FinetuneConfig) -> dict[str, Any]:
     task = get_task(config.task)
     with alike_on_every_rank():   # every rank reads the same files: the writer says what is wrong, once
         model_config, data = read_inputs(config, task)
+        fp16 = (config.ds_config.get("fp16") or {}).get("enabled")
+        check_fp16_supported("fp16" if fp16 else "", config.ds_config_path,
+                             use_bf16=f'enable "bf16" in place of "fp16" in {config.ds_config_path}')
     parallel = startup.join(config.tensor_parallel_size, config.seed, config.distributed_timeout_minutes)
     is_writer = dist.get_rank() == 0
     # one run per directory, and never over an earlier run's results: checked before the model is read

@@ -63,16 +63,21 @@ def check_bundled_corpus(config: RunConfig, shape) -> None:
 def check_precision_supported(config: RunConfig) -> None:
     """An fp16 run on a device whose DeepSpeed accelerator has no native fp16 is one sentence naming ``--bf16``
     (DeepSpeed's own refusal is a ValueError traceback at ``deepspeed.initialize``)."""
-    if config.dtype_name != "fp16":
+    check_fp16_supported(config.dtype_name, config.ds_config_path or "the config", "--fp16 or ")
+
+
+def check_fp16_supported(dtype_name: str, source: str, flag: str = "", use_bf16: str = "pass --bf16 instead") -> None:
+    """:func:`check_precision_supported` for any job: ``dtype_name`` of the ds_config ``source`` (``flag``: how else
+    fp16 may have been asked for, e.g. "--fp16 or "; ``use_bf16``: how the job is told to train in bf16)."""
+    if dtype_name != "fp16":
         return
     from deepspeed.accelerator import get_accelerator  # local: DeepSpeed's import cost, for fp16 runs only
 
     accelerator = get_accelerator()
     if accelerator.is_fp16_supported():
         return
-    source = config.ds_config_path or "the config"
-    raise UserError(f"fp16 is enabled (by --fp16 or {source}) but this {accelerator.device_name()} device has no "
-                     "native fp16, so DeepSpeed cannot train in it; pass --bf16 instead (bf16 runs natively here), "
+    raise UserError(f"fp16 is enabled (by {flag}{source}) but this {accelerator.device_name()} device has no "
+                     f"native fp16, so DeepSpeed cannot train in it; {use_bf16} (bf16 runs natively here), "
                      "or run the fp16 config on a GPU.")
 
 
