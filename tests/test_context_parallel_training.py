@@ -7,6 +7,7 @@ batches on the small Wikipedia corpus, validating at the end:
   losses, grad norms (clipping active), learning rates and validation loss, <= 1e-5 relative: DeepSpeed sums the
   gradients over the context ranks, each sample's shards are the unsplit sample and the validation counts
   every token once.
+* tp1 x cp2 with selective recomputation and ZeRO-2, and with full recomputation, log the same.
 * The cp2 run's checkpoint of iteration 2 resumes at cp1 (1 rank) with the uninterrupted run's iteration 3.
 * The run's effective settings and its checkpoint name the context-parallel size.
 """
@@ -137,3 +138,12 @@ def test_a_layout_context_parallelism_cannot_run_is_one_sentence_and_exit_2(case
     assert exit_info.value.code == 2
     assert sentence in one_error_line(capsys, from_zoo=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ds.json"]
+
+
+@pytest.mark.parametrize("recompute,stage", [("selective", 2), ("full", 0)])
+def test_tp1_cp2_with_recomputation_and_zero2_trains_as_the_unsplit_run(corpus_prefix, unsplit, tmp_path,
+                                                                         recompute, stage):
+    run = tmp_path / f"cp2-{recompute}"
+    ds = ds_config(MICRO, GLOBAL, gradient_clipping=0.5, zero_optimization={"stage": stage})
+    train(2, corpus_prefix, run, 1, 2, recompute_granularity=recompute, ds_config=ds)
+    assert_same_run(run, unsplit)
