@@ -153,7 +153,16 @@ def _worker(rank, world_size, checkpoints):
         results[(family, tp, cp, sequence_parallel)] = compare(family, checkpoints[family], grids[(tp, cp)],
                                                                grids[(tp, 1)], sequence_parallel)
     results["refusals"] = refusals(checkpoints["llama"], grids[(1, 2)])
+    results["grid"] = {layout: grid_place(ps) for layout, ps in grids.items() if layout[1] > 1}
     return results
+
+
+def grid_place(ps) -> tuple:
+    """This rank's (tp, cp, dp) ranks and the global ranks of its context and sequence-data-parallel groups."""
+    import torch.distributed as dist
+
+    return (ps.tp_rank, ps.cp_rank, ps.dp_rank, dist.get_process_group_ranks(ps.cp_group),
+            dist.get_process_group_ranks(ps.seq_dp_group), ps.get_sequence_data_parallel_rank())
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +182,18 @@ def test_context_parallel_equals_the_unsplit_model(runs, layout):
         errors = results[layout]
         assert len(errors) > 10, errors
         assert not failures(errors), (rank, failures(errors))
+
+
+def test_the_grid_puts_context_ranks_between_tensor_and_data_ranks(runs):
+    """tp_rank = r mod t, cp_rank = (r div t) mod c, dp_rank = r div (t c); the context group is the c ranks t apart,
+    the sequence-data-parallel group (DeepSpeed's gradient sum) the d c ranks of one TP rank."""
+    for (tp, cp), _ in [((1, 2), 0), ((2, 2), 0), ((1, 4), 0)]:
+        dp = 4 // (tp * cp)
+        for r, results in enumerate(runs):
+            tp_rank, cp_rank, dp_rank = r % tp, (r // tp) % cp, r // (tp * cp)
+            context = [dp_rank * tp * cp + j * tp + tp_rank for j in range(cp)]
+            seq_dp = sorted(d * tp * cp + j * tp + tp_rank for d in range(dp) for j in range(cp))
+            assert results["grid"][(tp, cp)] == (tp_rank, cp_rank, dp_rank, context, seq_dp, seq_dp.index(r)), (tp, cp, r)
 
 
 def test_what_context_parallelism_cannot_do_is_one_sentence(runs):
