@@ -152,10 +152,12 @@ def test_llama_flops_per_iteration_are_what_torch_counts(tmp_path, recompute):
     assert planned.flops_per_iteration == planned.global_batch * counter.get_total_flops()
 
 
-def _saved_bytes(model, ids, extra_storages=()) -> tuple[int, int, object]:
-    """(bytes of the floating-point tensors autograd saves in a forward with labels, and of the returned logits
-    (once, whether or not the loss saves them too), parameters and token ids and label masks left out; bytes of
-    the saved per-row statistics: (b, s, 1) ones and the cross-entropy's flat (b s,) ones; the output)."""
+def _saved_bytes(model, ids, extra_storages=(), labels=None) -> tuple[int, int, int, object]:
+    """(bytes of the floating-point tensors autograd saves in a forward with labels (``ids`` unless given), and
+    of the returned logits (once, whether or not the loss saves them too), parameters and token ids and label
+    masks left out; bytes of the saved per-row statistics: (b, s, 1) ones and the cross-entropy's flat (b s,)
+    ones; bytes of the saved 0-dimensional tensors (the loss's sum and token count over context ranks); the
+    output)."""
     import torch
 
     saved = {}
@@ -165,13 +167,14 @@ def _saved_bytes(model, ids, extra_storages=()) -> tuple[int, int, object]:
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(keep, lambda tensor: tensor):
-        output = model(ids, labels=ids)
+        output = model(ids, labels=ids if labels is None else labels)
     logits = output.logits.untyped_storage()
     saved.setdefault(logits.data_ptr(), (logits.nbytes(), output.logits))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()} | set(extra_storages)
     kept = [(n, t) for ptr, (n, t) in saved.items() if ptr not in params and t.is_floating_point()]
     row_statistics = [n for n, t in kept if (t.dim() == 3 and t.shape[-1] == 1) or (t.dim() == 1 and t.numel() == ids.numel())]
-    return sum(n for n, _ in kept), sum(row_statistics), output
+    scalars = [n for n, t in kept if t.dim() == 0]
+    return sum(n for n, _ in kept), sum(row_statistics), sum(scalars), output
 
 
 @pytest.mark.parametrize("dtype, recompute", [("fp32", None), ("bf16", None), ("bf16", "selective")])
@@ -196,7 +199,7 @@ def test_llama_activation_bytes_are_what_the_model_saves_for_backward(tmp_path, 
     torch.manual_seed(0)
     model = build_model(config, None).to(torch.float32 if dtype == "fp32" else torch.bfloat16).train()
     ids = torch.randint(0, config.vocab_size, (planned.micro_batch, planned.seq_length))
-    measured, row_statistics, output = _saved_bytes(model, ids)
+    measured, row_statistics, _, output = _saved_bytes(model, ids)
     tokens = planned.micro_batch * planned.seq_length
     loss_statistics = (1 if dtype == "fp32" else 2) * 4 * tokens
     assert row_statistics == (2 * layers + 1) * 4 * tokens + loss_statistics
@@ -222,7 +225,7 @@ def _llama_saved_bytes_at_tp(rank: int, world_size: int, seq: int, micro_batch: 
         torch.manual_seed(0)
         model = LlamaForCausalLM(llama_config("llama-tiny", sequence_parallel=sequence_parallel), parallel).train()
         ids = torch.randint(0, 50257, (micro_batch, seq))
-        measured, row_statistics, _ = _saved_bytes(model, ids)
+        measured, row_statistics, _, _ = _saved_bytes(model, ids)
         results.append((measured, row_statistics))
     return results
 
@@ -246,6 +249,70 @@ def test_llama_activation_bytes_at_tp2_with_and_without_sequence_parallelism(tmp
         rotary_tables = 2 * 4 * seq * head_dim
         assert saved - row_statistics - rotary_tables == p.activations_layers + p.activations_output, sp
     assert measured[0] == measured[1]
+
+
+def _llama_saved_bytes_at_cp(rank: int, world_size: int, seq: int, micro_batch: int, cases) -> dict:
+    """(measured bytes, row statistics, 0-dimensional tensors) of llama-tiny's forward on this rank at
+    context-parallel size 1 and 2 (tp = 1), the same sequences, the c = 2 ranks their shards (see
+    :func:`_saved_bytes`), for each (key/value heads, recompute) of ``cases``."""
+    import torch
+
+    from zoo.models.llama import LlamaForCausalLM, llama_config
+    from zoo.parallel.context import context_shard
+    from zoo.parallel.state import ParallelState
+
+    grids = {cp: ParallelState.initialize(1, cp_size=cp) for cp in (1, 2)}
+    ids = torch.randint(0, 50257, (micro_batch, seq), generator=torch.Generator().manual_seed(3))
+    results = {}
+    for kv_heads, recompute in cases:
+        for cp, parallel in grids.items():
+            torch.manual_seed(0)
+            config = llama_config("llama-tiny", num_key_value_heads=kv_heads, recompute_granularity=recompute)
+            model = LlamaForCausalLM(config, parallel).train()
+            batch = context_shard({"input_ids": ids, "labels": ids.clone()}, parallel)
+            measured, row_statistics, scalars, _ = _saved_bytes(model, batch["input_ids"], labels=batch["labels"])
+            results[(kv_heads, recompute, cp)] = (measured, row_statistics, scalars)
+    return results
+
+
+# llama-tiny's 2 key/value heads, one per context rank; 1 key/value head, repeated for the 2 context ranks
+CONTEXT_CASES = [(2, None), (1, None), (2, "selective"), (1, "selective")]
+
+
+def test_llama_activation_bytes_at_context_parallel_2_are_half_and_what_the_planner_says(tmp_path):
+    """At context-parallel size 2 (DeepSpeed-Ulysses, tp = 1, 2 ranks) each rank saves for backward at most
+    55 % of what one rank saves for the whole sequence (c = 1), and exactly what the planner says: every
+    per-token tensor of its s/2 tokens, the logits (b, s/2, V) included, and in attention the fused kernel's Q, K,
+    V, output and log-sum-exp for n/2 heads over all s positions plus the projection's input, the returning
+    all-to-all's output (5 v n d + 4 n per token, over 2), with grouped-query attention (2 key/value heads) and
+    with one key/value head repeated for the two context ranks. Left out as at c = 1: the norms' 1/rms, the
+    cross-entropy's per-token scale, the rotary tables (of this rank's s/2 positions); and the loss's sum and
+    token count over the context ranks (0-dimensional). Under selective recomputation DeepSpeed's checkpoint
+    holds Q, K and V after the exchange outside autograd's saved tensors, v (n + 2 n_kv') d s/2 per layer (n_kv'
+    = 2: the key/value heads as exchanged), added by hand."""
+    from tests.spawn import spawn
+
+    seq, micro_batch, head_dim, layers, heads, v = 64, 4, 32, 2, 4, 4
+    measured = spawn(_llama_saved_bytes_at_cp, 2, seq, micro_batch, CONTEXT_CASES)
+    assert measured[0] == measured[1]
+    for kv_heads, recompute in CONTEXT_CASES:
+        whole, split = (measured[0][(kv_heads, recompute, cp)] for cp in (1, 2))
+        assert split[0] <= 0.55 * whole[0], (kv_heads, recompute, split[0] / whole[0])
+        for cp, (saved, row_statistics, scalars) in ((1, whole), (2, split)):
+            overrides = {"num_key_value_heads": kv_heads, **({"recompute_granularity": recompute} if recompute else {})}
+            p = plan(_llama_ds_config(tmp_path, f"cp{cp}_{kv_heads}_{recompute}", seq_length=seq,
+                                      context_parallel_size=cp, model_overrides=overrides),
+                     2, gpu="cpu", with_deepspeed_estimate=False)
+            assert (p.cp, p.dp, p.tp, p.micro_batch, p.recompute) == (cp, 2 // cp, 1, micro_batch, recompute or "none")
+            tokens = micro_batch * seq // cp
+            assert row_statistics == (2 * layers + 1) * 4 * tokens + 4 * tokens   # fp32 logits: one scale a token
+            assert scalars == (0 if cp == 1 else 12)
+            rotary_tables = 2 * v * (seq // cp) * head_dim
+            exchanged_kv = 2 if cp == 2 else kv_heads
+            checkpoint_inputs = layers * v * micro_batch * seq * (heads + 2 * exchanged_kv) * head_dim // cp \
+                if recompute else 0
+            kept = saved + checkpoint_inputs - row_statistics - scalars - rotary_tables
+            assert kept == p.activations_layers + p.activations_output, (kv_heads, recompute, cp)
 
 
 # ---------------------------------------------------------------------------------------------- sample prompts

@@ -350,3 +350,115 @@ def test_a_pipeline_plan_counts_each_stage_and_the_bubble(tmp_path):
     assert first["activations"] == round(2 * 2 * layer + 2 * 128 * 2 * 128)
     assert last["activations"] == round(1 * 2 * layer + head)
     assert p.total == max(first["total"], last["total"])
+
+
+# ---------------------------------------------------------------------------------------------- context parallelism
+def _context_config(tmp_path, name: str = "llama_cp.json", demo: str = "llama_cpu_demo.json", ds: dict | None = None,
+                    **zoo_block) -> str:
+    values = json.loads((REPO / "ds_configs" / demo).read_text())
+    values["zoo"].update(zoo_block)
+    values.update(ds or {})
+    path = tmp_path / name
+    path.write_text(json.dumps(values))
+    return str(path)
+
+
+def test_a_context_parallel_plan_splits_the_activations_and_partitions_zero_over_dp_x_cp(tmp_path, capsys):
+    """llama-tiny (4 heads, 2 key/value heads, fp32, micro-batch 4 x 128 tokens) at tp 2 x cp 2 on 8 devices:
+    dp = 8 / (tp cp) = 2, ZeRO-1 partitions over the dp x cp = 4 ranks of DeepSpeed's sequence-data-parallel
+    group, so the model states equal tp 2 x dp 4's; the embeddings/head/logits share is half of c = 1's, the
+    layers' is the formulas' at c = 2, and the all-to-all of a layer sends (c - 1)/c of Q, K, V and the output
+    (the one key/value head per TP rank repeated for the two context ranks: n_kv' = 4) forward and again
+    backward, twice backward under full recomputation; the report says so."""
+    from zoo.cli.plan import main as plan_main
+    from zoo.models.families import model_config, shape_of
+    from zoo.planning.activations import activation_bytes_of
+
+    zero = {"zero_optimization": {"stage": 1}, "train_batch_size": 16}
+    p = plan(_context_config(tmp_path, ds=zero, context_parallel_size=2), 8, gpu="cpu")
+    p1 = plan(_context_config(tmp_path, "cp1.json", ds=zero), 8, gpu="cpu")
+    assert (p.tp, p.cp, p.dp, p.gradient_accumulation_steps) == (2, 2, 2, 2)
+    assert (p1.cp, p1.dp, p1.gradient_accumulation_steps) == (1, 4, 1)
+    assert (p.weights, p.gradients, p.optimizer) == (p1.weights, p1.gradients, p1.optimizer)
+    assert (p.weights, p.gradients, p.optimizer) == state_bytes(p.params_per_rank, "fp32", 1, 4)
+    assert p.deepspeed_model_states == p1.deepspeed_model_states == deepspeed_estimate(p.params_per_rank, 0, 1, 4)
+    assert p.activations_output * 2 == p1.activations_output
+    shape = shape_of(model_config("llama-tiny"))
+    assert p.activations_layers == activation_bytes_of(shape, 128, 4, 2, value_bytes=4, mask_bytes=4, cp=2)
+    forward = (2 - 1) / 2 * 4 * 4 * (128 // 2) * 32 * (2 * 4 + 2 * 4) / 2
+    assert (p.all_to_all_forward, p.all_to_all_backward) == (forward, forward) == (131072, 131072)
+    assert (p1.all_to_all_forward, p1.all_to_all_backward) == (0, 0)
+    full = plan(_context_config(tmp_path, "full.json", context_parallel_size=2, checkpoint_activations=True), 8,
+                gpu="cpu", with_deepspeed_estimate=False)
+    assert (full.all_to_all_forward, full.all_to_all_backward) == (forward, 2 * forward)
+    plan_main(["--deepspeed_config", _context_config(tmp_path, ds=zero, context_parallel_size=2), "--num-gpus", "8",
+               "--gpu", "cpu"])
+    out = capsys.readouterr().out
+    assert "tp=2 cp=2 dp=2, fp32, ZeRO stage 1 over dp x cp = 4 ranks" in out, out
+    assert ("context all-to-all: 0.1 MB forward, 0.1 MB backward sent per rank per layer per micro-batch (64 tokens "
+            "per rank; 4 all-to-alls each way)") in out, out
+
+
+def test_the_shape_formulas_divide_by_the_context_parallel_size():
+    """Korthikanti's count (GPT-2's shape) at context-parallel size c is its c = 1 count over c, the attention
+    scores included (n/(t c) heads over s x s positions); Llama's fused attention keeps, beyond that, the
+    projection's input apart from the kernel's output: v n d per token of each layer, over t c."""
+    from zoo.models.families import model_config, shape_of
+    from zoo.planning.activations import activation_bytes_of, attention_scores_bytes_of, output_activation_bytes_of
+
+    gpt2, llama = shape_of(model_config("gpt2-tiny")), shape_of(model_config("llama-tiny"))
+    for s, b, t, sp, recompute in [(128, 4, 1, False, "none"), (256, 2, 2, True, "none"), (256, 2, 2, True, "full"),
+                                   (128, 4, 2, False, "selective")]:
+        for c in (c for c in (2, 4) if gpt2.heads // t % c == 0):    # layouts that split the heads
+            assert activation_bytes_of(gpt2, s, b, t, sp, recompute, cp=c) == activation_bytes_of(
+                gpt2, s, b, t, sp, recompute) / c
+            assert output_activation_bytes_of(gpt2, s, b, 51200, t, sp, cp=c) == output_activation_bytes_of(
+                gpt2, s, b, 51200, t, sp) / c
+            assert attention_scores_bytes_of(gpt2, s, b, t, cp=c) == attention_scores_bytes_of(gpt2, s, b, t) / c
+        if recompute == "none":
+            projection_input = llama.layers * 2 * llama.heads * llama.head_dim * s * b / (t * 2)
+            assert activation_bytes_of(llama, s, b, t, sp, cp=2) == activation_bytes_of(llama, s, b, t, sp) / 2 \
+                + projection_input
+
+
+@pytest.mark.parametrize("case, block, gpus, message", [
+    ("heads", {"context_parallel_size": 8, "tensor_parallel_size": 1}, 8,
+     "4 attention heads over tensor-parallel size 1 leave 4 per rank, which the context-parallel size 8 does not "
+     "divide; pass a --context-parallel-size that divides 4."),
+    ("world", {"context_parallel_size": 2}, 6,
+     "tensor_parallel_size 2 x context_parallel_size 2 of"),
+    ("sequence", {"context_parallel_size": 2, "sequence_parallel": True, "seq_length": 126}, 4,
+     "seq_length 126 does not divide by the context-parallel size 2 x tensor-parallel size 2 (sequence parallelism)"),
+    ("stages", {"context_parallel_size": 2, "pipeline_model_parallel_size": 2}, 8,
+     "--context-parallel-size 2 with 2 pipeline stages is not supported"),
+    ("bert", {"context_parallel_size": 2}, 4, "context parallelism is built for causal decoders"),
+])
+def test_impossible_context_parallel_layouts_are_one_sentence_and_exit_2(tmp_path, capsys, case, block, gpus,
+                                                                        message):
+    demo = "bert_cpu_demo.json" if case == "bert" else "llama_cpu_demo.json"
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--deepspeed_config", _context_config(tmp_path, demo=demo, **block), "--num-gpus", str(gpus),
+              "--gpu", "cpu"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and message in err and err.count("\n") == 1, err
+
+
+# ds_config, GPUs per node, nodes -> (tp, cp, dp, recompute, total GB, activations GB, all-to-all MB forward); the
+# README's Llama paragraph gives the totals
+LONG_CONTEXT_PLANS = {
+    ("llama3.1_8b_32k_cp.json", 8, 1): (4, 2, 1, "selective", 55.61, 27.49, 41.9),
+    ("llama3.1_8b_128k_cp.json", 8, 4): (8, 4, 1, "selective", 40.16, 29.11, 100.7),
+}
+
+
+@pytest.mark.parametrize("case", sorted(LONG_CONTEXT_PLANS))
+def test_the_long_context_configs_fit_an_80gb_h100(case):
+    """llama3.1-8b at 32,768 and 131,072 tokens: the ds_configs' layouts plan on H100s, fit with a margin of at
+    least a fifth of the memory, and keep the README's figures."""
+    name, gpus, nodes = case
+    p = plan(REPO / "ds_configs" / name, gpus, num_nodes=nodes, gpu="H100", with_deepspeed_estimate=False)
+    assert p.model == "llama3.1-8b" and p.dtype == "bf16" and p.zero_stage == 1 and p.sequence_parallel
+    assert p.fits and p.margin >= 0.2 * p.memory, p.total
+    assert (p.tp, p.cp, p.dp, p.recompute, round(p.total / 1e9, 2), round(p.activations / 1e9, 2),
+            round(p.all_to_all_forward / 1e6, 1)) == LONG_CONTEXT_PLANS[case]

@@ -6,6 +6,7 @@
     gpus.py           the table of GPU peaks and memories
     plan_report.py    the readable table of launch/plan.py
     pipeline_plan.py  layers per pipeline stage and the 1F1B bubble
+    context_exchange.py  context parallelism's exchanged key/value heads and all-to-all bytes per layer
     fit_check.py      the planner's verdict for this machine's devices, before a run builds anything
     flops.py          model FLOPs of an iteration (Megatron's closed form and any family's shape)
 """

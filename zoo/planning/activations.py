@@ -5,11 +5,16 @@ Models" (section 4): :func:`layer_activation_bytes` and its relatives for GPT-2'
 counts it, and the ``*_of`` functions for any family's shape, read from the registry
 (:class:`zoo.models.families.ModelShape`: heads and key/value heads, MLP width and GEMMs, norm, dropouts,
 attention kernel), so GPT-2 and BERT get the paper's numbers and Llama its own.
+
+Every ``*_of`` function takes the context-parallel size ``cp`` = c (DeepSpeed-Ulysses,
+:mod:`zoo.parallel.context`): a rank holds s/c tokens of each sequence from the embedding to the loss, so
+every per-token term is divided by c, and its attention core runs n/(t c) heads over all s positions.
 """
 
 from __future__ import annotations
 
 from zoo.errors import UserError
+from zoo.planning.context_exchange import exchanged_kv_heads
 
 RECOMPUTE_MODES = ("none", "selective", "full")
 
@@ -116,7 +121,8 @@ def norm_bytes_per_token(shape, value_bytes: int) -> int:
 
 
 def layer_activation_bytes_of(shape, s: int, b: int, t: int = 1, sequence_parallel: bool = False,
-                              recompute: str = "none", *, value_bytes: int = 2, mask_bytes: int = 1) -> float:
+                              recompute: str = "none", *, value_bytes: int = 2, mask_bytes: int = 1,
+                              cp: int = 1) -> float:
     """Bytes one transformer layer of a family's :class:`~zoo.models.families.ModelShape` keeps for its
     backward, part by part (Korthikanti et al. 2022, section 4, for any layer); for GPT-2's and BERT's shape
     it is :func:`layer_activation_bytes`. With value width v, mask width m, n query and n_kv key/value heads
@@ -135,40 +141,51 @@ def layer_activation_bytes_of(shape, s: int, b: int, t: int = 1, sequence_parall
     - split by tp: the MLP, 2 v f (the GeLU input and the second GEMM's input) with 2 GEMMs, 4 v f with
       SwiGLU's 3 (the gate and up outputs, SiLU(gate) and the product, the down GEMM's input).
 
-    ``recompute="full"`` keeps only the layer's input, v s b h (divided by t with sequence parallelism).
+    At context-parallel size c > 1 every term is divided by c: the rank's s/c tokens, and in the attention
+    core n/(t c) heads over all s positions. The core's K and V are those the exchange hands over, n_kv'
+    heads (:func:`~zoo.planning.context_exchange.exchanged_kv_heads`: n_kv, or n_kv repeated so that the c
+    ranks get whole heads). Through the fused kernel the projection input is the returning all-to-all's
+    output, a tensor apart from the kernel's output, so the core keeps 5 v n d + 4 n per token where c = 1
+    keeps 4 v n d + 4 n; Korthikanti's count and selective recomputation keep what they keep at c = 1 with
+    n_kv', divided by c.
+
+    ``recompute="full"`` keeps only the layer's input, v s b h (divided by t with sequence parallelism, and by c).
     """
     _check_recompute(recompute)
     v, m, h = value_bytes, mask_bytes, shape.hidden
     if recompute == "full":
-        return v * s * b * h / (t if sequence_parallel else 1)
+        return v * s * b * h / (t if sequence_parallel else 1) / cp
     replicated = (2 * norm_bytes_per_token(shape, v) + 2 * v * h + shape.layer_dropouts * m * h) * s * b
-    attention, key_value = shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim
+    attention = shape.heads * shape.head_dim
+    key_value = exchanged_kv_heads(shape.kv_heads, t, cp) * shape.head_dim
     if shape.fused_attention and recompute == "none":
-        core = 4 * v * attention + 4 * shape.heads
+        core = 4 * v * attention + 4 * shape.heads + (v * attention if cp > 1 else 0)
     else:
         core = v * (2 * attention + 2 * key_value)
     mlp = v * shape.ffn_hidden * (2 if shape.ffn_matrices == 2 else 4)
     split = (core + mlp) * s * b
-    per_layer = (replicated / t if sequence_parallel else replicated) + split / t
+    per_layer = ((replicated / t if sequence_parallel else replicated) + split / t) / cp
     if recompute == "none" and not shape.fused_attention:
-        per_layer += attention_scores_bytes(s, b, shape.heads, t, value_bytes=v, mask_bytes=m)
+        per_layer += attention_scores_bytes(s, b, shape.heads, t * cp, value_bytes=v, mask_bytes=m)
     return per_layer
 
 
 def attention_scores_bytes_of(shape, s: int, b: int, t: int = 1, *, value_bytes: int = 2,
-                              mask_bytes: int = 1) -> float:
+                              mask_bytes: int = 1, cp: int = 1) -> float:
     """The part of a layer's bytes without recomputation that a fused attention kernel does not keep: the
-    scores of :func:`attention_scores_bytes` where ``shape`` is counted that way, else 0."""
+    scores of :func:`attention_scores_bytes` where ``shape`` is counted that way (per rank n/(t c) heads over
+    s x s positions), else 0."""
     if shape.fused_attention:
         return 0
-    return attention_scores_bytes(s, b, shape.heads, t, value_bytes=value_bytes, mask_bytes=mask_bytes)
+    return attention_scores_bytes(s, b, shape.heads, t * cp, value_bytes=value_bytes, mask_bytes=mask_bytes)
 
 
 def activation_bytes_of(shape, s: int, b: int, t: int = 1, sequence_parallel: bool = False,
-                        recompute: str = "none", *, value_bytes: int = 2, mask_bytes: int = 1) -> float:
+                        recompute: str = "none", *, value_bytes: int = 2, mask_bytes: int = 1,
+                        cp: int = 1) -> float:
     """:func:`activation_bytes` for a family's shape: its L layers at the peak of a micro-batch's backward
     (with full recomputation the layers' inputs plus one layer's whole working set)."""
-    widths = {"value_bytes": value_bytes, "mask_bytes": mask_bytes}
+    widths = {"value_bytes": value_bytes, "mask_bytes": mask_bytes, "cp": cp}
     kept = shape.layers * layer_activation_bytes_of(shape, s, b, t, sequence_parallel, recompute, **widths)
     if recompute != "full":
         return kept
@@ -176,27 +193,31 @@ def activation_bytes_of(shape, s: int, b: int, t: int = 1, sequence_parallel: bo
 
 
 def embedding_activation_bytes(shape, s: int, b: int, t: int = 1, sequence_parallel: bool = False, *,
-                               mask_bytes: int = 1) -> float:
-    """The embeddings' share of a micro-batch: their dropout mask, m s b h (split by sequence parallelism),
-    where the family has one; the lookups keep only the token ids."""
+                               mask_bytes: int = 1, cp: int = 1) -> float:
+    """The embeddings' share of a micro-batch: their dropout mask, m s b h (split by sequence parallelism, and
+    by the context-parallel size), where the family has one; the lookups keep only the token ids."""
     per_token = mask_bytes * shape.hidden if shape.embedding_dropout else 0
-    return per_token * s * b / (t if sequence_parallel else 1)
+    return per_token * s * b / (t if sequence_parallel else 1) / cp
 
 
 def head_activation_bytes(shape, s: int, b: int, vocab: int, t: int = 1, sequence_parallel: bool = False, *,
-                          value_bytes: int = 2, mlm_transform: bool = False) -> float:
+                          value_bytes: int = 2, mlm_transform: bool = False, cp: int = 1) -> float:
     """The final norm's and the LM head's share: the norm's kept tensors and the head GEMM's input, split by
-    sequence parallelism, and the logits (see :func:`output_activation_bytes`)."""
+    sequence parallelism, and the logits (see :func:`output_activation_bytes`), all divided by the
+    context-parallel size."""
     v, h = value_bytes, shape.hidden
     per_token = norm_bytes_per_token(shape, v) + v * h + (3 * v * h if mlm_transform else 0)
-    return per_token * s * b / (t if sequence_parallel else 1) + logits_bytes_per_element(v) * s * b * vocab / t
+    hidden_terms = per_token * s * b / (t if sequence_parallel else 1)
+    return (hidden_terms + logits_bytes_per_element(v) * s * b * vocab / t) / cp
 
 
 def output_activation_bytes_of(shape, s: int, b: int, vocab: int, t: int = 1, sequence_parallel: bool = False, *,
-                               value_bytes: int = 2, mask_bytes: int = 1, mlm_transform: bool = False) -> float:
+                               value_bytes: int = 2, mask_bytes: int = 1, mlm_transform: bool = False,
+                               cp: int = 1) -> float:
     """:func:`output_activation_bytes` for a family's shape: the embedding dropout mask where it has one, the
-    final norm's kept tensors (:func:`norm_bytes_per_token`) and the head GEMM's input, and the logits.
-    Llama's rotary cos/sin tables (2 v s d, shared by the layers) are left out, as the token ids are."""
+    final norm's kept tensors (:func:`norm_bytes_per_token`) and the head GEMM's input, and the logits, all of
+    this rank's s/c tokens at context-parallel size c (logits (b, s/c, V/t)).
+    Llama's rotary cos/sin tables (2 v s d / c, shared by the layers) are left out, as the token ids are."""
     v, h = value_bytes, shape.hidden
     per_token = (mask_bytes * h if shape.embedding_dropout else 0) + norm_bytes_per_token(shape, v) + v * h
     if mlm_transform:
@@ -204,7 +225,7 @@ def output_activation_bytes_of(shape, s: int, b: int, vocab: int, t: int = 1, se
     hidden_terms = per_token * s * b
     if sequence_parallel:
         hidden_terms /= t
-    return hidden_terms + logits_bytes_per_element(value_bytes) * s * b * vocab / t
+    return (hidden_terms + logits_bytes_per_element(value_bytes) * s * b * vocab / t) / cp
 
 
 

@@ -103,7 +103,7 @@ def does_not_fit(p: Plan, needed: int, memory: DeviceMemory) -> str:
     """The sentence of a run that cannot fit: the plan's bytes per rank, the memory, and the changes that
     shrink the larger part first."""
     activations = p.activations - p.activations_attention_scores
-    layout = f"tp={p.tp} x pp={p.pp} x dp={p.dp}"
+    layout = f"tp={p.tp} x pp={p.pp} x dp={p.dp}" + (f" x cp={p.cp}" if p.cp > 1 else "")
     return (f"{p.model} at {layout} needs at least {gb(needed)} per rank (model states {gb(p.model_states)}: "
             f"weights {gb(p.weights)}, gradients {gb(p.gradients)}, optimizer {gb(p.optimizer)} in {p.dtype} with "
             f"ZeRO stage {p.zero_stage}; activations {gb(activations)} at micro-batch {p.micro_batch} x "
@@ -114,9 +114,10 @@ def does_not_fit(p: Plan, needed: int, memory: DeviceMemory) -> str:
 def changes_that_help(p: Plan, activations: int) -> list[str]:
     """What shrinks the footprint, the changes for the larger part (model states or activations) first."""
     states = ["raise --tensor-parallel-size or --pipeline-model-parallel-size (the model states divide by tp x pp)"]
-    if p.dp > 1 and p.zero_stage == 0:
+    if p.dp * p.cp > 1 and p.zero_stage == 0:
+        over = f"dp={p.dp}" if p.cp == 1 else f"dp x cp = {p.dp * p.cp}"
         states.append('enable ZeRO ("zero_optimization": {"stage": 1} in the ds_config divides the optimizer states '
-                      f"by dp={p.dp})")
+                      f"by {over})")
     acts = []
     if p.recompute != "full":
         acts.append("pass --recompute-granularity full (each layer keeps only its input)")

@@ -1,4 +1,5 @@
-"""The readable table of ``launch/plan.py`` (:func:`format_plan`), sizes in GB = 10^9 bytes (:func:`gb`)."""
+"""The readable table of ``launch/plan.py`` (:func:`format_plan`), sizes in GB = 10^9 bytes (:func:`gb`) and
+MB = 10^6 bytes (:func:`mb`)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,17 @@ def gb(n: float) -> str:
     return f"{n / 1e9:.2f} GB"
 
 
+def mb(n: float) -> str:
+    return f"{n / 1e6:.1f} MB"
+
+
 def format_plan(p: Plan) -> str:
     """The readable table of ``launch/plan.py``."""
     lines = [
         f"plan: {p.model} from {p.config}: {p.world_size} x {p.device} on {p.num_nodes} node"
-        f"{'s' if p.num_nodes > 1 else ''}, tp={p.tp} " + (f"pp={p.pp} " if p.pp > 1 else "") +
-        f"dp={p.dp}, {p.dtype}, ZeRO stage {p.zero_stage}, recompute {p.recompute}"
+        f"{'s' if p.num_nodes > 1 else ''}, tp={p.tp} " + (f"pp={p.pp} " if p.pp > 1 else "")
+        + (f"cp={p.cp} " if p.cp > 1 else "") + f"dp={p.dp}, {p.dtype}, ZeRO stage {p.zero_stage}"
+        + (f" over dp x cp = {p.dp * p.cp} ranks" if p.cp > 1 and p.zero_stage else "") + f", recompute {p.recompute}"
         f"{', sequence parallel' if p.sequence_parallel else ''}",
         f"  batch: micro {p.micro_batch} x seq {p.seq_length}, global {p.global_batch} "
         f"({p.gradient_accumulation_steps} accumulation steps)",
@@ -45,6 +51,10 @@ def format_plan(p: Plan) -> str:
             lines.append(f"    stage {stage['stage']}: {stage['layers']:>3} layers, {stage['params_per_rank']:,} "
                          f"parameters, model states {gb(stage['weights'] + stage['gradients'] + stage['optimizer'])}, "
                          f"activations {gb(stage['activations'])}, total {gb(stage['total'])}")
+    if p.cp > 1:
+        lines.append(f"  context all-to-all: {mb(p.all_to_all_forward)} forward, {mb(p.all_to_all_backward)} backward"
+                     f" sent per rank per layer per micro-batch ({p.seq_length // p.cp} tokens per rank; 4 all-to-alls"
+                     " each way" + (", and the recomputed forward's 4" if p.recompute == "full" else "") + ")")
     if p.memory is not None:
         verdict = "fits" if p.fits else "does NOT fit"
         lines.append(f"  memory: {verdict} in {gb(p.memory)}, margin {gb(p.margin)} "
@@ -59,4 +69,4 @@ def format_plan(p: Plan) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["format_plan", "gb"]
+__all__ = ["format_plan", "gb", "mb"]

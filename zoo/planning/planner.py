@@ -3,7 +3,8 @@
 :func:`plan` puts together, per rank: the exact parameter count and the model states
 (:mod:`zoo.planning.model_states`: weights, gradients and Adam's state under ZeRO, DeepSpeed's own estimate
 beside them), the activations (:mod:`zoo.planning.activations`, Korthikanti et al. 2022, for the family's
-shape), the pipeline stages and bubble (:mod:`zoo.planning.pipeline_plan`), and the time of an iteration:
+shape), the pipeline stages and bubble (:mod:`zoo.planning.pipeline_plan`), the context-parallel all-to-all
+bytes (:mod:`zoo.planning.context_exchange`), and the time of an iteration:
 Megatron's FLOPs formula generalised to the shape (:func:`zoo.planning.flops.model_flops_per_iteration`) over
 an assumed model-FLOPs utilisation of the named GPU's dense peak (:mod:`zoo.planning.gpus`).
 :mod:`zoo.planning.plan_report` prints it.
@@ -37,6 +38,7 @@ from zoo.planning.activations import (
     layer_activation_bytes_of,
     output_activation_bytes_of,
 )
+from zoo.planning.context_exchange import all_to_all_bytes
 from zoo.planning.flops import model_flops_per_iteration
 from zoo.planning.gpus import CPU, check_precision_on, gpu_spec
 from zoo.planning.model_states import (
@@ -101,6 +103,9 @@ class Plan:
     kv_heads: int = 0                     # key/value heads (fewer than ``heads``: grouped-query attention)
     ffn_hidden: int = 0                   # the MLP's inner width
     ffn_matrices: int = 2                 # the MLP's GEMMs: 2 (GeLU), 3 (SwiGLU)
+    cp: int = 1                           # context-parallel size: each sequence split over cp ranks (Ulysses)
+    all_to_all_forward: int = 0           # bytes a rank sends in one layer's context all-to-alls per micro-batch
+    all_to_all_backward: int = 0          # the same in backward (full recomputation: the forward's again)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2)
@@ -163,12 +168,14 @@ def check_plan_arguments(num_gpus: int, num_nodes: int, mfu: float) -> None:
 
 
 def check_layout_divides(config: RunConfig, num_gpus: int, num_nodes: int) -> None:
-    """tp x pp divides the world, else one sentence naming the layout, the devices and the fix."""
+    """tp x pp x cp divides the world, else one sentence naming the layout, the devices and the fix."""
     tp, pp, world = config.tensor_parallel_size, config.pipeline_model_parallel_size, num_gpus * num_nodes
-    if world % (tp * pp) != 0:
-        layout = f"tensor_parallel_size {tp}" + (f" x pipeline_model_parallel_size {pp}" if pp > 1 else "")
+    cp = config.context_parallel_size
+    if world % (tp * pp * cp) != 0:
+        layout = (f"tensor_parallel_size {tp}" + (f" x pipeline_model_parallel_size {pp}" if pp > 1 else "")
+                  + (f" x context_parallel_size {cp}" if cp > 1 else ""))
         raise UserError(f"{layout} of {config.ds_config_path} does not divide the {world} devices ({num_gpus} per "
-                         f"node x {num_nodes} nodes); plan a multiple of {tp * pp} devices.")
+                         f"node x {num_nodes} nodes); plan a multiple of {tp * pp * cp} devices.")
 
 
 def check_sequence_fits(config: RunConfig, shape) -> None:
@@ -184,8 +191,10 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     """The per-rank memory and the iteration time of a run on ``num_gpus`` x ``num_nodes`` devices.
 
     ``source``: a RunConfig, a ds_config dict or the path of a ds_config JSON (its zoo block names the
-    model, tp, seq_length, checkpoint_activations and, in model_overrides, sequence_parallel and
-    recompute_granularity; the DeepSpeed part the batch sizes, fp16/bf16/fp32 and the ZeRO stage).
+    model, tp, pp, context_parallel_size, seq_length, checkpoint_activations and, in model_overrides,
+    sequence_parallel and recompute_granularity; the DeepSpeed part the batch sizes, fp16/bf16/fp32 and the
+    ZeRO stage). The data-parallel size is world / (tp x pp x cp), and ZeRO partitions over the dp x cp ranks
+    of DeepSpeed's sequence-data-parallel group.
     ``num_gpus`` is per node, as for the deepspeed launcher: world size = num_gpus x num_nodes. ``gpu``: a name of :data:`GPUS` or ``"cpu"`` (no peak, so no timing, and no
     memory unless ``gpu_memory`` is given). ``gpu_memory``: bytes or a size like "32GB"; by default the
     GPU's memory. ``with_deepspeed_estimate`` False leaves ``deepspeed_model_states`` None, so that DeepSpeed
@@ -209,24 +218,27 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     shape = family.shape(model_config)
     check_sequence_fits(config, shape)
 
-    dp = world // (tp * pp)
+    cp = config.context_parallel_size
+    dp = world // (tp * pp * cp)
+    zero_ranks = dp * cp                 # DeepSpeed's sequence-data-parallel group: ZeRO partitions over it
     dtype, zero_stage = config.dtype_name, zero_stage_of(config.ds_config)
     check_precision_on(spec, dtype, config.ds_config_path)
     fp32_accumulation = accumulates_in_fp32(config.ds_config)
     recompute = recompute_mode(model_config) or "none"
     sequence_parallel = bool(model_config.sequence_parallel) and tp > 1
     params = count_parameters(model_config, tp)
-    weights, gradients, optimizer = state_bytes(params.per_rank, dtype, zero_stage, dp, fp32_accumulation)
+    weights, gradients, optimizer = state_bytes(params.per_rank, dtype, zero_stage, zero_ranks, fp32_accumulation)
 
     s, b, h, heads = config.seq_length, config.ds_config["train_micro_batch_size_per_gpu"], shape.hidden, shape.heads
     padded_vocab = model_config.padded_vocab_size(tp)
     # torch keeps dropout masks as bool on GPUs and in the input's dtype on CPU (its unfused dropout)
     widths = {"value_bytes": DTYPE_BYTES[dtype], "mask_bytes": DTYPE_BYTES[dtype] if spec is None else 1}
-    layers_bytes = activation_bytes_of(shape, s, b, tp, sequence_parallel, recompute, **widths)
+    layers_bytes = activation_bytes_of(shape, s, b, tp, sequence_parallel, recompute, **widths, cp=cp)
     output_bytes = output_activation_bytes_of(shape, s, b, padded_vocab, tp, sequence_parallel, **widths,
-                                              mlm_transform=family.lm_head_transform)
+                                              mlm_transform=family.lm_head_transform, cp=cp)
     scores_held = {"none": shape.layers, "selective": 0, "full": 1}[recompute]   # full: the recomputed layer's
-    scores_bytes = scores_held * attention_scores_bytes_of(shape, s, b, tp, **widths)
+    scores_bytes = scores_held * attention_scores_bytes_of(shape, s, b, tp, **widths, cp=cp)
+    exchange = all_to_all_bytes(shape, s, b, tp, cp, recompute, value_bytes=widths["value_bytes"])
     activations = round(layers_bytes + output_bytes)
     total = weights + gradients + optimizer + activations
     stages: tuple = ()
@@ -234,18 +246,19 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
     if pp > 1:
         stages = plan_stages(
             model_config, config.pipeline_partition_method, tp, pp, gas, recompute,
-            layer_bytes=lambda mode: layer_activation_bytes_of(shape, s, b, tp, sequence_parallel, mode, **widths),
+            layer_bytes=lambda mode: layer_activation_bytes_of(shape, s, b, tp, sequence_parallel, mode, **widths,
+                                                               cp=cp),
             embedding_bytes=embedding_activation_bytes(shape, s, b, tp, sequence_parallel,
-                                                       mask_bytes=widths["mask_bytes"]),
-            head_bytes=head_activation_bytes(shape, s, b, padded_vocab, tp, sequence_parallel,
+                                                       mask_bytes=widths["mask_bytes"], cp=cp),
+            head_bytes=head_activation_bytes(shape, s, b, padded_vocab, tp, sequence_parallel, cp=cp,
                                              value_bytes=widths["value_bytes"], mlm_transform=family.lm_head_transform),
-            model_state_bytes=lambda params: state_bytes(params, dtype, zero_stage, dp, fp32_accumulation))
+            model_state_bytes=lambda params: state_bytes(params, dtype, zero_stage, zero_ranks, fp32_accumulation))
         heaviest = max(stages, key=lambda stage: stage.total)
         weights, gradients, optimizer = heaviest.weights, heaviest.gradients, heaviest.optimizer
         activations, total, params_per_rank = heaviest.activations, heaviest.total, heaviest.params_per_rank
         layers_bytes = heaviest.activations   # per stage, the layers' and the ends' share are not told apart
         output_bytes = 0.0
-    deepspeed_states = (deepspeed_estimate(params_per_rank, params.largest_layer_per_rank, zero_stage, dp)
+    deepspeed_states = (deepspeed_estimate(params_per_rank, params.largest_layer_per_rank, zero_stage, zero_ranks)
                         if with_deepspeed_estimate else None)
 
     global_batch = config.ds_config["train_batch_size"]
@@ -267,7 +280,8 @@ def plan(source: RunConfig | Mapping[str, Any] | str | os.PathLike, num_gpus: in
                 margin=None if memory is None else memory - total, flops_per_iteration=flops,
                 peak_tflops=peak, mfu=mfu, seconds_per_iteration=seconds, pp=pp, bubble_fraction=bubble,
                 stages=tuple(stage.as_dict() for stage in stages), kv_heads=shape.kv_heads,
-                ffn_hidden=shape.ffn_hidden, ffn_matrices=shape.ffn_matrices)
+                ffn_hidden=shape.ffn_hidden, ffn_matrices=shape.ffn_matrices, cp=cp,
+                all_to_all_forward=round(exchange[0]), all_to_all_backward=round(exchange[1]))
 
 
 __all__ = ["Plan", "check_layout_divides", "check_plan_arguments", "check_sequence_fits", "model_config_of",
