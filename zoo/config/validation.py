@@ -209,7 +209,7 @@ def validate_for_world(config: RunConfig, world_size: int) -> int:
     global_batch = config.ds_config["train_batch_size"]
     micro = config.ds_config["train_micro_batch_size_per_gpu"]
     if global_batch % (micro * dp) != 0:
-        raise UserError(batch_arithmetic_error(global_batch, micro, dp, world_size, tp, pp))
+        raise UserError(batch_arithmetic_error(global_batch, micro, dp, world_size, tp, pp, cp))
     gas = global_batch // (micro * dp)
     declared = config.ds_config.get("gradient_accumulation_steps")
     if declared not in (None, "auto", gas):
@@ -218,7 +218,8 @@ def validate_for_world(config: RunConfig, world_size: int) -> int:
     return gas
 
 
-def batch_arithmetic_error(global_batch: int, micro: int, dp: int, world_size: int, tp: int, pp: int) -> str:
+def batch_arithmetic_error(global_batch: int, micro: int, dp: int, world_size: int, tp: int, pp: int,
+                           cp: int = 1) -> str:
     """The one sentence for a global batch that micro-batch x accumulation steps x dp cannot make, with the
     nearest global batches that work and the micro-batches that would."""
     step = micro * dp
@@ -227,7 +228,8 @@ def batch_arithmetic_error(global_batch: int, micro: int, dp: int, world_size: i
     micros = [m for m in range(1, global_batch // dp + 1) if global_batch % (m * dp) == 0] if global_batch % dp == 0 else []
     other = f", or --micro-batch-size one of {micros[-6:]}" if micros else ""
     return (f"the global batch {global_batch} (train_batch_size, --global-batch-size) must equal micro-batch {micro} x "
-            f"accumulation steps x data-parallel size {dp} (= {world_size} ranks / (tp {tp} x pp {pp})), which no "
+            f"accumulation steps x data-parallel size {dp} (= {world_size} ranks / (tp {tp} x pp {pp}"
+            f"{f' x cp {cp}' if cp > 1 else ''})), which no "
             f"whole number of accumulation steps gives; pass --global-batch-size {nearest}{other}.")
 
 
