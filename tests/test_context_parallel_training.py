@@ -7,7 +7,8 @@ batches on the small Wikipedia corpus, validating at the end:
   losses, grad norms (clipping active), learning rates and validation loss, <= 1e-5 relative: DeepSpeed sums the
   gradients over the context ranks, each sample's shards are the unsplit sample and the validation counts
   every token once.
-* tp1 x cp2 with selective recomputation and ZeRO-2, and with full recomputation, log the same.
+* tp1 x cp2 with selective recomputation and ZeRO-2, and with full recomputation, log the same; in bf16 it logs
+  the cp 1 bf16 run's losses and grad norms within 1e-3.
 * The cp2 run's checkpoint of iteration 2 resumes at cp1 (1 rank) with the uninterrupted run's iteration 3.
 * The run's effective settings and its checkpoint name the context-parallel size.
 """
