@@ -16,6 +16,15 @@ Prints the tables below to stdout (progress goes to stderr); nothing is asserted
 2b. where each step's time went: forward, backward, optimizer (the AdamW step; under the engine, engine.step
    with clipping) and data (the batch's device copy, engine only), from zoo's phase clock, model-only and
    engine side by side;
+2c. with ``--stock-step``: the "before" arm on this commit beside zoo's step. Four arms, one call of each in turn
+   per step (the order reversed every other step, so load elsewhere hits them alike): the model-only step and
+   the engine path as above (zoo's step: ``lighten_step``, the chunked cross-entropy), and the same two with the
+   cross-entropy unchunked (every token in one chunk), the engine built with DeepSpeed's stock step (no
+   ``lighten_step``: its per-tensor overflow check on fp16 optimizers, its gradient all-reduce at dp = 1); both
+   patched in benchmarks/engine_path.py, zoo unchanged. Each arm's engine / model-only ratio is against the
+   model-only step with its own cross-entropy. ``--precision bf16`` (or fp16, which DeepSpeed refuses on a CPU)
+   runs the engine arms in that precision (the pretraining ``--bf16`` flag; bf16 accumulates its gradients in
+   fp32 in both arms); the model-only arms stay fp32;
 3. zoo at tp=2: two processes with one thread each, gloo on loopback, the same global batch and
    model, with sequence parallelism off and on (Korthikanti et al. 2022: the f/g all-reduces become
    all-gather / reduce-scatter pairs and LayerNorm, dropout and residuals run on s/2 tokens per rank),
@@ -35,6 +44,8 @@ takes no page faults; ``--host-allocator default`` measures glibc as it comes.
     .venv/bin/python benchmarks/bench_gpt2_step.py --quick    # tiny shape, a few seconds
     .venv/bin/python benchmarks/bench_gpt2_step.py --repeats 5 --skip-hf   # scaling, 5 rounds
     .venv/bin/python benchmarks/bench_gpt2_step.py --quick --skip-tp --compile   # model-only vs engine, eager and compiled
+    .venv/bin/python benchmarks/bench_gpt2_step.py --skip-hf --skip-tp --stock-step --layers 2 --hidden 256 \
+        --heads 4 --seq 128 --batch 4    # stock DeepSpeed step vs zoo's step, fp32 (--precision bf16: bf16)
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ from engine_path import (  # noqa: E402
     compile_blocks,
     compile_missing,
     join_world_of_one,
+    one_chunk_cross_entropy,
     pretraining_ds_config,
 )
 
@@ -240,7 +252,7 @@ def time_zoo_tp(args, tp: int) -> tuple[dict[bool, list[float]], list[float]]:
 
 def time_engine(args, parallel, compiled: bool) -> tuple[list[float], dict[str, float]]:
     """Step times of the engine path (module doc, table 2) and its phases' milliseconds per step."""
-    ds_config, weight_decay = pretraining_ds_config(args.ds_config, args.batch, args.seq)
+    ds_config, weight_decay = pretraining_ds_config(args.ds_config, args.batch, args.seq, precision=args.precision)
     model = zoo_model(args, parallel)
     if compiled:
         compile_blocks(model)
@@ -250,6 +262,41 @@ def time_engine(args, parallel, compiled: bool) -> tuple[list[float], dict[str, 
     step.reset_phases()
     times = time_steps(step, args.steps, 0)
     return times, step.phase_ms()
+
+
+def time_stock_and_zoo(args, parallel) -> dict[tuple[str, bool], tuple[list[float], dict[str, float]]]:
+    """Table 2c (``--stock-step``, module doc): {arm key: (step times, phases' ms per step)} of the model-only step
+    and the engine path, each with zoo's step and with the stock one, timed in turn step by step."""
+    from zoo.training.phase_clock import PhaseClock
+
+    ds_config, weight_decay = pretraining_ds_config(args.ds_config, args.batch, args.seq, precision=args.precision)
+    clocks = {"model": [PhaseClock()], "model-stock": [PhaseClock()]}
+    plain = make_step(zoo_model(args, None), batch_of(args), clocks["model"])
+    unchunked = make_step(zoo_model(args, None), batch_of(args), clocks["model-stock"])
+
+    def model_stock():
+        with one_chunk_cross_entropy():
+            unchunked()
+
+    engines = {"engine": EngineStep(zoo_model(args, parallel), ds_config, parallel, batch_of(args), weight_decay),
+               "engine-stock": EngineStep(zoo_model(args, parallel), ds_config, parallel, batch_of(args), weight_decay,
+                                          stock=True)}
+    steps = {"model": plain, "model-stock": model_stock, **engines}
+    for _ in range(args.warmup):
+        for step in steps.values():
+            step()
+    for name in clocks:
+        clocks[name][0] = PhaseClock()
+    for engine in engines.values():
+        engine.reset_phases()
+    times: dict[str, list[float]] = {name: [] for name in steps}
+    for i in range(args.steps):
+        for name in (list(steps) if i % 2 == 0 else list(reversed(steps))):
+            times[name].append(time_steps(steps[name], 1, 0)[0])
+    phases = {name: {phase: total / args.steps for phase, total in clocks[name][0].totals_ms().items()}
+              for name in clocks}
+    phases.update({name: engine.phase_ms() for name, engine in engines.items()})
+    return {(name, False): (times[name], phases[name]) for name in steps}
 
 
 def phase_rows(arms: list[tuple[str, list[float], dict[str, float]]], model_only_s: float) -> list[list[str]]:
@@ -304,9 +351,16 @@ def main() -> None:
     parser.add_argument("--skip-tp", action="store_true", help="do not time tp=2 (tables 3 and 4)")
     parser.add_argument("--compile", action="store_true",
                         help="also time zoo's steps with the transformer blocks compiled (zoo.models.compiled)")
+    parser.add_argument("--stock-step", action="store_true",
+                        help="also time the model-only and engine steps with the unchunked cross-entropy and DeepSpeed's "
+                             "stock step (no lighten_step), in turn with zoo's (table 2c)")
+    parser.add_argument("--precision", choices=("bf16", "fp16"), default=None,
+                        help="the engine path's precision, as pretraining's --bf16/--fp16 (default: the ds_config's)")
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats} must be at least 1")
+    if args.stock_step and args.skip_engine:
+        parser.error("--stock-step compares engine steps; drop --skip-engine")
     if args.quick:
         args.layers, args.hidden, args.heads, args.seq, args.batch = 2, 128, 4, 64, 2
         args.steps, args.warmup = 5, 1
@@ -319,7 +373,7 @@ def main() -> None:
     print(f"GPT-2 step benchmark: layers={args.layers} hidden={args.hidden} heads={args.heads} "
           f"seq={args.seq} batch={args.batch} vocab={args.vocab}; fp32, dropout 0, AdamW; "
           f"median of {args.steps} steps after {args.warmup} warm-up; host allocator: {args.host_allocator}; "
-          f"tp sums: {args.tp_all_reduce}")
+          f"tp sums: {args.tp_all_reduce}; engine path: {args.precision or 'the ds_config precision'}")
     print(f"torch {torch.__version__}, {os.cpu_count()} logical CPUs")
     print(FLOPS_FORMULA)
     print(f"  = {flops / 1e9:.1f} GFLOP per step (B={args.batch}, s={args.seq}, l={args.layers}, "
@@ -346,18 +400,27 @@ def main() -> None:
     parallel = None if args.skip_engine else join_world_of_one()
     rounds = []     # (tp=1 times, {sp: tp=2 times}, all-reduce times), tp=1 and tp=2 alternating
     arms = {}       # (name, compiled) -> model-only or engine step times of the middle round
+    paired = args.stock_step and parallel is not None
     for r in range(args.repeats):
-        log(f"round {r + 1}/{args.repeats}: timing zoo, tp=1 ...")
-        zoo_times, zoo_phases = time_model_only(zoo_model(args, None), args)
-        if r == args.repeats // 2:
-            arms[("model", False)] = (zoo_times, zoo_phases)
+        middle = r == args.repeats // 2
+        if middle and paired:
+            log(f"round {r + 1}/{args.repeats}: timing zoo, tp=1, and the engine path, zoo's step and the stock "
+                "step in turn ...")
+            arms.update(time_stock_and_zoo(args, parallel))
+            zoo_times = arms[("model", False)][0]
+        else:
+            log(f"round {r + 1}/{args.repeats}: timing zoo, tp=1 ...")
+            zoo_times, zoo_phases = time_model_only(zoo_model(args, None), args)
+        if middle:
+            if not paired:
+                arms[("model", False)] = (zoo_times, zoo_phases)
             for compiled in compiled_arms:
                 if compiled:
                     log("timing zoo, tp=1, compiled blocks ...")
                     model = zoo_model(args, None)
                     compile_blocks(model)
                     arms[("model", True)] = time_model_only(model, args)
-                if parallel is not None:
+                if parallel is not None and (compiled or not paired):
                     log(f"timing zoo through deepspeed.initialize ({Path(args.ds_config).name}"
                         f"{', compiled blocks' if compiled else ''}) ...")
                     arms[("engine", compiled)] = time_engine(args, parallel, compiled)
@@ -368,16 +431,28 @@ def main() -> None:
             rounds.append((zoo_times, None, None))
     zoo_times, tp_times, comm_times = rounds[len(rounds) // 2]     # tables 2 and 3 show the middle round
     zoo_row, t_zoo = row("zoo GPT2LMHeadModel (parallel=None)", zoo_times, 1)
+    engine_name = f"zoo, deepspeed.initialize ({Path(args.ds_config).name}{', ' + args.precision if args.precision else ''})"
     names = {("model", False): "zoo GPT2LMHeadModel (parallel=None)",
              ("model", True): "zoo GPT2LMHeadModel (parallel=None), compiled",
-             ("engine", False): f"zoo, deepspeed.initialize ({Path(args.ds_config).name})",
-             ("engine", True): f"zoo, deepspeed.initialize ({Path(args.ds_config).name}), compiled"}
+             ("model-stock", False): "zoo GPT2LMHeadModel (parallel=None), unchunked cross-entropy",
+             ("engine", False): engine_name,
+             ("engine", True): f"{engine_name}, compiled",
+             ("engine-stock", False): f"{engine_name}, stock DeepSpeed step, unchunked cross-entropy"}
     zoo_rows = [zoo_row] + [row(names[key], arms[key][0], 1)[0] for key in names if key in arms and key != ("model", False)]
     engine_notes = []
     if ("engine", False) in arms:
         t_engine = statistics.median(arms[("engine", False)][0])
         engine_notes.append(f"engine path / model-only step time: {t_engine / t_zoo:.2f}x "
                             "(the same model and batch; the engine adds clipping, its step bookkeeping and zoo's loop)")
+    if ("engine-stock", False) in arms:
+        t_stock = statistics.median(arms[("engine-stock", False)][0])
+        t_unchunked = statistics.median(arms[("model-stock", False)][0])
+        engine_notes.append(f"stock step: engine / model-only (both unchunked) {t_stock / t_unchunked:.2f}x; "
+                            f"stock engine / zoo's engine {t_stock / t_engine:.2f}x; unchunked / chunked model-only "
+                            f"{t_unchunked / t_zoo:.2f}x (medians of steps timed in turn)")
+        pairs = [stock / zoo for stock, zoo in zip(arms[("engine-stock", False)][0], arms[("engine", False)][0])]
+        engine_notes.append(f"stock engine / zoo's engine, step by step (the two calls of one step): median "
+                            f"{statistics.median(pairs):.3f}x [{min(pairs):.3f} - {max(pairs):.3f}] over {len(pairs)} steps")
     if args.skip_hf:
         print_table("2. one training step, single process, 1 thread", headers, zoo_rows,
                     ["transformers not timed (--skip-hf)", *engine_notes, peak_note])

@@ -14,6 +14,10 @@ temporary directory) in fp32 with dropout off, on one batch of ``batch x seq`` t
                  losses follow that config's learning-rate warm-up), tp = 1, 2
     *-compiled   with ``--compile``: zoo and zoo-engine again with the transformer blocks compiled
                  (zoo.models.compiled.compile_transformer_blocks); one line says so where this checkout lacks it
+    zoo-unchunked, zoo-engine-stock
+                 with ``--stock-step``: the "before" arm on this commit (benchmarks/engine_path.py): zoo with its
+                 cross-entropy unchunked (every token in one chunk), and zoo-engine with that and DeepSpeed's stock
+                 step (setup_engine without zoo's lighten_step); their "x zoo" is against zoo-unchunked
     hf           transformers' LlamaForCausalLM, tp = 1
     hf-tp        transformers' tensor-parallel model, from_pretrained(dir, distributed_config=
                  DistributedConfig(tp_plan="auto")) (DTensor), tp = 2
@@ -37,6 +41,7 @@ error line. transformers' tensor-parallel loading needs ``accelerate``, which zo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -52,8 +57,11 @@ DS_CONFIG = REPO / "ds_configs" / "llama_autotp_cpu.json"
 ENGINE_DS_CONFIG = REPO / "ds_configs" / "llama_cpu_demo.json"
 PEERS = (("zoo", 1), ("zoo", 2), ("zoo-engine", 1), ("zoo-engine", 2), ("hf", 1), ("hf-tp", 2), ("ds-autotp", 2))
 COMPILED_PEERS = (("zoo-compiled", 1), ("zoo-compiled", 2), ("zoo-engine-compiled", 1), ("zoo-engine-compiled", 2))
+STOCK_PEERS = (("zoo-unchunked", 1), ("zoo-unchunked", 2), ("zoo-engine-stock", 1), ("zoo-engine-stock", 2))
 BASELINE = {"zoo": "zoo", "zoo-engine": "zoo-engine", "zoo-compiled": "zoo-compiled",
-            "zoo-engine-compiled": "zoo-engine-compiled", "hf": "hf", "hf-tp": "hf", "ds-autotp": "hf"}
+            "zoo-engine-compiled": "zoo-engine-compiled", "zoo-unchunked": "zoo-unchunked",
+            "zoo-engine-stock": "zoo-engine-stock", "hf": "hf", "hf-tp": "hf", "ds-autotp": "hf"}
+MODEL_ONLY = {"zoo-engine-stock": "zoo-unchunked"}   # the "x zoo" column's model-only peer (default: zoo)
 RESULT_TAG = "BENCH_RESULT "
 PHASES = ("forward", "backward", "optimizer", "data")
 
@@ -115,7 +123,7 @@ def build_engine_step(directory: str, args, ids):
     if args.worker.endswith("-compiled"):
         compile_blocks(model)
     ds_config, weight_decay = pretraining_ds_config(args.ds_config, args.batch, args.seq, world_size=world, tp=world)
-    return EngineStep(model, ds_config, parallel, ids, weight_decay)
+    return EngineStep(model, ds_config, parallel, ids, weight_decay, stock=args.worker == "zoo-engine-stock")
 
 
 def build(peer: str, directory: str, batch_size: int):
@@ -123,7 +131,7 @@ def build(peer: str, directory: str, batch_size: int):
     import torch
     import transformers
 
-    if peer in ("zoo", "zoo-compiled"):
+    if peer in ("zoo", "zoo-compiled", "zoo-unchunked"):
         from zoo.models import LlamaForCausalLM
         from zoo.parallel import ParallelState
 
@@ -195,6 +203,8 @@ def run_worker(peer: str, directory: str, args) -> None:
         dist.init_process_group("gloo")
     model, optimizer, step = build(peer, directory, args.batch)
     ids = torch.randint(0, 32000, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
+    from engine_path import one_chunk_cross_entropy
+
     from zoo.training.phase_clock import PhaseClock
 
     times, losses, clock = [], [], PhaseClock()
@@ -204,7 +214,8 @@ def run_worker(peer: str, directory: str, args) -> None:
         dist.barrier()
         start = time.perf_counter()
         clock.start()
-        loss = model(ids, labels=ids).loss
+        with one_chunk_cross_entropy() if peer == "zoo-unchunked" else contextlib.nullcontext():
+            loss = model(ids, labels=ids).loss
         clock.lap("forward")
         if peer == "ds-autotp":
             model.backward(loss)
@@ -261,7 +272,7 @@ def table(results: dict, args, peak: float) -> str:
         step = result["step_s"]
         base = results.get((BASELINE[peer], 1), {})
         scaling = f"{base['step_s'] / (tp * step):.0%}" if tp > 1 and "step_s" in base else ""
-        zoo = results.get(("zoo", tp), {})
+        zoo = results.get((MODEL_ONLY.get(peer, "zoo"), tp), {})
         versus = f"{step / zoo['step_s']:.2f}" if "step_s" in zoo else ""
         rows.append(f"| {peer} | {tp} | {step:.3f} | {tokens / step:,.0f} | {flops / step / (peak * tp):.0%} | "
                     f"{scaling} | {versus} | {result['losses'][0]:.6f} | {result['losses'][-1]:.6f} |")
@@ -294,10 +305,14 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=2, help="launches per peer; the fastest is reported")
     parser.add_argument("--timeout", type=int, default=900)
     parser.add_argument("--peers", default=None,
-                        help="comma-separated peer:tp pairs (default: every peer; with --compile also the compiled ones)")
+                        help="comma-separated peer:tp pairs (default: every peer; with --compile also the compiled ones, with "
+                             "--stock-step the stock ones)")
     parser.add_argument("--ds-config", default=str(ENGINE_DS_CONFIG), help="the pretraining ds_config of zoo-engine")
     parser.add_argument("--compile", action="store_true",
                         help="also time zoo and zoo-engine with the transformer blocks compiled (zoo.models.compiled)")
+    parser.add_argument("--stock-step", action="store_true",
+                        help="also time zoo-unchunked and zoo-engine-stock (the unchunked cross-entropy, DeepSpeed's "
+                             "stock step)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -309,7 +324,7 @@ def main(argv=None) -> None:
     missing = compile_missing() if args.compile else None
     if missing:
         print(missing, flush=True)
-    default = PEERS + (COMPILED_PEERS if args.compile and not missing else ())
+    default = PEERS + (COMPILED_PEERS if args.compile and not missing else ()) + (STOCK_PEERS if args.stock_step else ())
     peers = ([(name, int(tp)) for name, tp in (item.split(":") for item in args.peers.split(","))] if args.peers
              else list(default))
     if missing:

@@ -9,17 +9,26 @@ pretraining steps it, to set beside the same model's bare step.
   one-batch task): forward, zoo's backward (the fp16 scale applied once), the grad norm where zoo takes its
   own, ``engine.step()``. Its phases come from the loop's clock (:mod:`zoo.training.phase_clock`);
 * :func:`compile_blocks`: ``--compile``, zoo's regional compilation of the transformer blocks, or one line
-  saying it is not in this checkout.
+  saying it is not in this checkout;
+* ``--stock-step``: the "before" arm on today's code. ``EngineStep(..., stock=True)`` builds the same engine with
+  DeepSpeed's stock step (``setup_engine`` without :func:`zoo.training.lean_step.lighten_step`: DeepSpeed's
+  per-tensor overflow check on its fp16 optimizers, its gradient all-reduce at dp = 1) and runs each iteration
+  under :func:`one_chunk_cross_entropy` (zoo's cross-entropy with every token in one chunk, i.e. unchunked). Both
+  are patched here, in the benchmark, for the arm's own calls; zoo itself is unchanged. The ds_config is the same
+  in both arms (bf16 keeps its gradient accumulation in fp32).
 
 Timing only: nothing here is asserted.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import importlib.util
 import os
+import sys
 from pathlib import Path
+from unittest import mock
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_DS_CONFIG = REPO / "ds_configs" / "cpu_demo.json"
@@ -84,15 +93,39 @@ def compile_blocks(model) -> None:
     compiled_module().compile_transformer_blocks(model)
 
 
-class EngineStep:
-    """One pretraining iteration of ``model`` on the fixed batch ``ids`` per call (see the module doc)."""
+@contextlib.contextmanager
+def one_chunk_cross_entropy():
+    """While inside, zoo's vocab-parallel cross-entropy takes every token in one chunk where its caller names no
+    ``chunk_tokens`` (the models' losses): its default chunk (``zoo.parallel.cross_entropy.default_chunk_tokens``)
+    is unbounded, so forward and backward each make one pass over the whole logits, as before chunking."""
+    from zoo.parallel import cross_entropy
 
-    def __init__(self, model, ds_config: dict, parallel, ids, weight_decay: float):
+    with mock.patch.object(cross_entropy, "default_chunk_tokens", lambda *args, **kwargs: sys.maxsize):
+        yield
+
+
+@contextlib.contextmanager
+def stock_deepspeed_step():
+    """While inside, zoo's ``setup_engine`` leaves DeepSpeed's step as DeepSpeed builds it (no
+    :func:`zoo.training.lean_step.lighten_step`)."""
+    from zoo.training import startup
+
+    with mock.patch.object(startup, "lighten_step", lambda engine: None):
+        yield
+
+
+class EngineStep:
+    """One pretraining iteration of ``model`` on the fixed batch ``ids`` per call (see the module doc); ``stock``:
+    DeepSpeed's stock step and the unchunked cross-entropy (``--stock-step``)."""
+
+    def __init__(self, model, ds_config: dict, parallel, ids, weight_decay: float, stock: bool = False):
         from zoo.smoke import OneBatchTask
         from zoo.training.loop import LoopState, TrainingLoop
         from zoo.training.startup import setup_engine
 
-        self.engine = setup_engine(model, ds_config, parallel, weight_decay, refresh_masters=False)
+        self.stock = stock
+        with stock_deepspeed_step() if stock else contextlib.nullcontext():
+            self.engine = setup_engine(model, ds_config, parallel, weight_decay, refresh_masters=False)
         self.engine.train()
         self.loop = TrainingLoop(self.engine, parallel, OneBatchTask(ids.to(self.engine.device), parallel))
         self.state = LoopState()
@@ -100,7 +133,8 @@ class EngineStep:
 
     def __call__(self):
         """One iteration; its loss (fp32, on the device)."""
-        sums, _ = self.loop.train_step(self.state)
+        with one_chunk_cross_entropy() if self.stock else contextlib.nullcontext():
+            sums, _ = self.loop.train_step(self.state)
         self.calls += 1
         return sums["loss"]
 
