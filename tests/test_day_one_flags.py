@@ -294,7 +294,7 @@ def test_the_writer_alone_shows_and_keeps_the_settings_and_deepspeed_trains_with
     assert (rank0, rank1) == (1, 0)
     kept = json.loads((save / "config.json").read_text())
     assert kept["optimizer"]["params"]["lr"] == 4e-3 and kept["scheduler"]["params"]["warmup_num_steps"] == 1
-    assert kept["effective"]["layout"] == {"tp": 2, "pp": 1, "dp": 1, "world_size": 2}
+    assert kept["effective"]["layout"] == {"tp": 2, "cp": 1, "pp": 1, "dp": 1, "world_size": 2}
     assert [round(lr, 12) for lr in lrs] == [0.0, 2e-3, 1e-4], lrs
 
 

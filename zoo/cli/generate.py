@@ -137,7 +137,8 @@ class Settings:
         return f"--max-new-tokens {self.config.max_new_tokens}"
 
     def line(self) -> str:
-        """One line naming each setting that applies, with its source in parentheses."""
+        """One line naming each setting that applies, with its source in parentheses (the key/value cache only when
+        it is off: it changes the time, not the tokens)."""
         config, sources = self.config, self.sources
 
         def item(name: str, value: Any) -> str:
@@ -152,7 +153,7 @@ class Settings:
                       else item("max_new_tokens", config.max_new_tokens))
         items.append(f"eos_token_id {json.dumps(list(config.eod_ids))} ({sources['eod_token_id']})")
         items += [item(name, getattr(config, name)) for name in ("pad_token_id", "use_cache")
-                  if sources[name] != DEFAULT_SOURCE]
+                  if sources[name] != DEFAULT_SOURCE and not (name == "use_cache" and config.use_cache)]
         ignored = (f"; {FILE_SOURCE} ignored (--no-generation-config)" if self.ignored_file else "")
         return "generation settings: " + ", ".join(items) + ignored
 
