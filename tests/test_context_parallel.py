@@ -32,6 +32,15 @@ LAYOUTS = [("llama", 1, 2, False), ("llama", 2, 2, False), ("llama", 2, 2, True)
            ("gpt2", 1, 2, False)]
 
 
+def save_randomised(model, path) -> str:
+    """``model`` with every weight moved off its init (norms and biases too), saved with save_pretrained."""
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * (0.1 if param.dim() == 1 else 0.05))
+    model.save_pretrained(path)
+    return str(path)
+
+
 def save_llama(path) -> str:
     import transformers
 
@@ -39,12 +48,7 @@ def save_llama(path) -> str:
     config = hf_llama_config({"rope_type": "default", "rope_theta": 10000.0}, vocab_size=VOCAB, hidden_size=64,
                              intermediate_size=96, num_attention_heads=4, num_key_value_heads=2,
                              num_hidden_layers=2, max_position_embeddings=64, attention_dropout=0.0)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * (0.1 if param.dim() == 1 else 0.05))
-    model.save_pretrained(path)
-    return str(path)
+    return save_randomised(transformers.LlamaForCausalLM(config), path)
 
 
 def save_gpt2(path) -> str:
@@ -53,12 +57,7 @@ def save_gpt2(path) -> str:
     torch.manual_seed(12)
     config = transformers.GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=64, n_layer=2, n_head=4,
                                      resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
-    model = transformers.GPT2LMHeadModel(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            param.add_(torch.randn_like(param) * (0.1 if param.dim() == 1 else 0.05))
-    model.save_pretrained(path)
-    return str(path)
+    return save_randomised(transformers.GPT2LMHeadModel(config), path)
 
 
 @pytest.fixture(scope="module")

@@ -114,23 +114,19 @@ class ParallelState:
                                                                                           tp_size])
         timeout_kwargs = {} if timeout is None else {"timeout": timeout}
 
-        def own_group(axis: str):
-            """This rank's group along ``axis``; new_group is collective over the whole world, so every rank
-            creates every group of the axis, in the topology's order."""
-            mine = None
-            for ranks in topology.get_axis_comm_lists(axis) or [[r] for r in range(world_size)]:
-                group = dist.new_group(ranks, **timeout_kwargs)
-                if rank in ranks:
-                    mine = group
-            return mine
-
         def own_group_of(rank_lists):
+            """This rank's group among ``rank_lists``; new_group is collective over the whole world, so every rank
+            creates every group, in the same order."""
             mine = None
             for ranks in rank_lists:
                 group = dist.new_group(ranks, **timeout_kwargs)
                 if rank in ranks:
                     mine = group
             return mine
+
+        def own_group(axis: str):
+            """This rank's group along ``axis`` of the topology."""
+            return own_group_of(topology.get_axis_comm_lists(axis) or [[r] for r in range(world_size)])
 
         tp_group = own_group("model")
         dp_group = own_group("data")
